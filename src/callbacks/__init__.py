@@ -1,0 +1,1 @@
+"""Callbacks Lightning lacks: the one-line run summary, and the batch-size hook for its ThroughputMonitor."""

@@ -1,0 +1,174 @@
+"""How processes find each other: the strategy factory behind ``conf/strategy/*.yaml``.
+
+Lightning owns the process group, the samplers and rank-zero IO. This module only adds what it
+lacks for a Hydra application: a ``backend`` key (auto | nccl | gloo), a rendezvous timeout that
+fails with a readable message, and a launcher that starts local ranks from *this job's* overrides.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+from datetime import timedelta
+from typing import Any
+
+import torch
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+
+from src.errors import UserError
+
+log = logging.getLogger(__name__)
+
+BACKENDS = ("auto", "nccl", "gloo")
+STRATEGIES = ("auto", "ddp", "ddp_spawn")
+_START_METHODS = {"ddp": "popen", "ddp_spawn": "spawn"}
+
+
+def build_strategy(
+    name: str,
+    backend: str = "auto",
+    timeout_s: float = 300.0,
+    accelerator: str = "auto",
+    devices: Any = "auto",
+    num_nodes: int = 1,
+    **ddp_kwargs: Any,
+) -> DDPStrategy | str:
+    """Return the Trainer's strategy: Lightning's single-device choice for a world of one, else DDP."""
+    if name not in STRATEGIES:
+        raise UserError(f"strategy={name} is not known: choose one of {', '.join(STRATEGIES)}")
+    if backend not in BACKENDS:
+        raise UserError(f"backend={backend} is not known: choose one of {', '.join(BACKENDS)}")
+    on_cuda = uses_cuda(accelerator)
+    if backend == "nccl" and not on_cuda:
+        raise UserError(
+            "backend=nccl needs CUDA GPUs, but this run is on the CPU "
+            f"(trainer.accelerator={accelerator}, CUDA available: {torch.cuda.is_available()}); "
+            "use backend=gloo (or backend=auto) on CPUs"
+        )
+    if name == "auto":
+        if world_size(accelerator, devices, num_nodes) == 1:
+            return "auto"  # Lightning picks SingleDeviceStrategy: no process group, no DDP wrapper
+        name = "ddp"
+    return HydraDDPStrategy(
+        start_method=_START_METHODS[name],
+        process_group_backend=None if backend == "auto" else backend,  # Lightning: nccl on CUDA, else gloo
+        timeout=timedelta(seconds=timeout_s),
+        **ddp_kwargs,
+    )
+
+
+def uses_cuda(accelerator: str) -> bool:
+    """Whether ``trainer.accelerator`` resolves to CUDA GPUs on this machine."""
+    if accelerator in ("gpu", "cuda"):
+        return True
+    return accelerator == "auto" and torch.cuda.is_available()
+
+
+def world_size(accelerator: str, devices: Any, num_nodes: int) -> int:
+    """Number of processes a run asks for, from the same keys Lightning's Trainer reads."""
+    return num_nodes * local_device_count(accelerator, devices)
+
+
+def local_device_count(accelerator: str, devices: Any) -> int:
+    """Devices per node as Lightning will resolve them ("auto" and -1 mean all; lists count their entries)."""
+    if isinstance(devices, (list, tuple)):
+        return len(devices)
+    if isinstance(devices, str) and "," in devices:
+        return len([d for d in devices.split(",") if d.strip()])
+    if devices in ("auto", -1, "-1"):
+        return torch.cuda.device_count() if uses_cuda(accelerator) else 1
+    return int(devices)
+
+
+class HydraDDPStrategy(DDPStrategy):
+    """DDP whose local ranks join this Hydra job, and whose rendezvous failure says what is missing."""
+
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()
+        if self._start_method == "popen":
+            self._launcher = HydraJobLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    def setup_distributed(self) -> None:
+        try:
+            super().setup_distributed()
+        except torch.distributed.DistError as err:
+            env = self.cluster_environment
+            raise UserError(
+                f"rank {self.global_rank} (NODE_RANK={self.node_rank}) could not form a process group of "
+                f"world size {self.world_size} at MASTER_ADDR:MASTER_PORT={env.main_address}:{env.main_port} "
+                f"within {self._timeout.total_seconds():.0f} s: start every node with the same MASTER_ADDR, "
+                "MASTER_PORT and trainer.num_nodes, check the address is reachable, "
+                f"or raise strategy.timeout_s ({type(err).__name__})"
+            ) from err
+
+
+class HydraJobLauncher(_SubprocessScriptLauncher):
+    """Starts local ranks 1..N-1 as ``python -m <entry> <this job's overrides>`` in this job's run dir.
+
+    Lightning's own launcher replays ``sys.argv``; under ``-m`` that starts a whole sweep in every
+    child (Lightning issue #11300). Rebuilding the command from the job's own task overrides fixes that.
+    """
+
+    def _call_children_scripts(self) -> None:
+        self._check_can_spawn_children()
+        env = self.cluster_environment
+        os.environ["MASTER_ADDR"] = env.main_address
+        os.environ["MASTER_PORT"] = str(env.main_port)
+        os.environ["NODE_RANK"] = str(env.node_rank())
+        os.environ["LOCAL_RANK"] = str(env.local_rank())
+        os.environ["WORLD_SIZE"] = str(self.num_processes * self.num_nodes)
+        command, cwd = child_command()
+        self.procs = []
+        for local_rank in range(1, self.num_processes):
+            child_env = {**os.environ, "LOCAL_RANK": str(local_rank)}
+            self.procs.append(subprocess.Popen(command, env=child_env, cwd=cwd))
+
+
+def child_command() -> tuple[list[str], str]:
+    """The command line (and cwd) that re-enters this Hydra job as another local rank."""
+    from hydra.core.hydra_config import HydraConfig
+
+    import __main__
+
+    hydra_cfg = HydraConfig.get()
+    if __main__.__spec__ is not None:
+        entry = [sys.executable, "-m", __main__.__spec__.name]
+    else:
+        entry = [sys.executable, os.path.abspath(sys.argv[0])]
+    overrides = list(hydra_cfg.overrides.task)
+    overrides += [
+        f'hydra.run.dir="{hydra_cfg.runtime.output_dir}"',
+        "hydra.output_subdir=null",  # rank zero already saved the config
+        f"hydra.job.name={hydra_cfg.job.name}",
+    ]
+    return entry + overrides, hydra_cfg.runtime.cwd
+
+
+def _rank_from_env() -> str | None:
+    """Global rank set by a launcher (torchrun's RANK, srun's SLURM_PROCID), if any."""
+    if "RANK" in os.environ:
+        return os.environ["RANK"]
+    if "SLURM_STEP_ID" in os.environ:  # inside srun, not the batch script
+        return os.environ.get("SLURM_PROCID")
+    return None
+
+
+def is_launch_rank_zero() -> bool:
+    """True in the process that owns the run dir, judged before any process group exists."""
+    rank = _rank_from_env()
+    if rank is not None:
+        return rank == "0"
+    return os.environ.get("NODE_RANK", "0") == "0" and os.environ.get("LOCAL_RANK", "0") == "0"
+
+
+def rank_log_suffix() -> str:
+    """'' on rank zero, else a suffix that keeps each process's log file its own."""
+    if is_launch_rank_zero():
+        return ""
+    rank = _rank_from_env()
+    if rank is not None:
+        return f"_rank{rank}"
+    return f"_node{os.environ.get('NODE_RANK', 0)}_local{os.environ.get('LOCAL_RANK', 0)}"

@@ -1,0 +1,43 @@
+"""``python -m src.eval ckpt_path=PATH [overrides]``: test loss and accuracy of a checkpoint."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import hydra
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from src.errors import UserError, exit_on_user_error
+from src.models.classifier import ImageClassifier
+from src.trainer import build_trainer, record_config
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="eval")
+@exit_on_user_error
+def main(cfg: DictConfig) -> dict[str, float]:
+    """Evaluate ``ckpt_path`` on the test set; print and save ``test_metrics.json``."""
+    if OmegaConf.is_missing(cfg, "ckpt_path") or not cfg.ckpt_path:
+        raise UserError("ckpt_path=PATH is required: the checkpoint to evaluate (e.g. outputs/.../checkpoints/last.ckpt)")
+    path = Path(cfg.ckpt_path)
+    if not path.is_file():
+        raise UserError(f"ckpt_path={path} does not exist: pass the path of a .ckpt file written by src.train")
+    datamodule = instantiate(cfg.data)
+    try:
+        model = ImageClassifier.load_from_checkpoint(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # noqa: BLE001 - a bad file surfaces as any of pickle's, zip's or torch's errors
+        raise UserError(f"ckpt_path={path} is not a checkpoint of this project ({type(err).__name__}: {err})") from err
+    trainer = build_trainer(cfg)
+    record_config(cfg, trainer)
+    datamodule.prepare_data()
+    metrics = {k: float(v) for k, v in trainer.test(model, datamodule=datamodule, verbose=False)[0].items()}
+    if trainer.is_global_zero:
+        Path(cfg.paths.output_dir, "test_metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+        print(f"test loss {metrics['test/loss']:.4f} | test accuracy {metrics['test/acc']:.4f} "
+              f"| {path} ({model.hparams.arch}, {len(datamodule.test_set)} images)", flush=True)
+    return metrics
+
+
+if __name__ == "__main__":
+    main()

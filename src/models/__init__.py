@@ -1,0 +1,1 @@
+"""The networks (torchvision ResNets) and the LightningModule that trains them."""

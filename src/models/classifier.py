@@ -1,0 +1,119 @@
+"""The LightningModule: a ResNet, cross-entropy, SGD with warm-up + decay, torchmetrics accuracy."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torchmetrics import MeanMetric
+from torchmetrics.classification import MulticlassAccuracy
+
+from src.errors import UserError
+from src.models.resnet import build_resnet
+
+DECAYS = ("cosine", "linear", "none")
+
+
+class ImageClassifier(L.LightningModule):
+    """Trains a torchvision ResNet on batches of ``(images, labels)``.
+
+    Hyperparameters are plain numbers and strings, so checkpoints load with ``weights_only=True``.
+    """
+
+    def __init__(
+        self,
+        arch: str = "resnet50",
+        num_classes: int = 10,
+        stem: str = "cifar",
+        label_smoothing: float = 0.0,
+        optimizer: dict[str, Any] | None = None,
+        scheduler: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__()
+        optimizer = {"lr": 0.1, "momentum": 0.9, "nesterov": True, "weight_decay": 5e-4, **(optimizer or {})}
+        scheduler = {"warmup_epochs": 1.0, "warmup_start_factor": 0.1, "decay": "cosine", "min_lr_factor": 0.0,
+                     **(scheduler or {})}
+        if scheduler["decay"] not in DECAYS:
+            raise UserError(f"model.scheduler.decay={scheduler['decay']} is not known: choose one of {', '.join(DECAYS)}")
+        if not 0.0 <= label_smoothing < 1.0:
+            raise UserError(f"model.label_smoothing={label_smoothing} must be in [0, 1)")
+        self.save_hyperparameters(
+            {"arch": arch, "num_classes": num_classes, "stem": stem, "label_smoothing": label_smoothing,
+             "optimizer": optimizer, "scheduler": scheduler},
+            logger=False,  # train.py logs the whole resolved config instead
+        )
+        self.net = build_resnet(arch, num_classes, stem)
+        self.criterion = nn.CrossEntropyLoss(label_smoothing=label_smoothing)
+        self.train_acc = MulticlassAccuracy(num_classes, average="micro")
+        # torchmetrics keeps sums and counts, so epoch values are exact across ranks and uneven batches.
+        self.val_acc, self.test_acc = MulticlassAccuracy(num_classes, average="micro"), MulticlassAccuracy(num_classes, average="micro")
+        self.val_loss, self.test_loss = MeanMetric(), MeanMetric()
+        self.flops_per_batch = None  # read by Lightning's ThroughputMonitor; unknown here
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.net(images)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        images, labels = batch
+        logits = self(images)
+        loss = self.criterion(logits, labels)
+        self.train_acc(logits, labels)
+        self.log("train/loss", loss, prog_bar=True)
+        self.log("train/acc", self.train_acc)
+        return loss
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        self._evaluate(batch, "val", self.val_loss, self.val_acc)
+
+    def test_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        self._evaluate(batch, "test", self.test_loss, self.test_acc)
+
+    def _evaluate(self, batch: tuple[torch.Tensor, torch.Tensor], stage: str, loss_metric: MeanMetric,
+                  acc_metric: MulticlassAccuracy) -> None:
+        images, labels = batch
+        logits = self(images)
+        # Plain cross-entropy, so evaluation loss compares across label-smoothing settings.
+        loss_metric.update(F.cross_entropy(logits, labels), weight=labels.numel())
+        acc_metric.update(logits, labels)
+        self.log(f"{stage}/loss", loss_metric, prog_bar=True)
+        self.log(f"{stage}/acc", acc_metric, prog_bar=True)
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        opt = self.hparams.optimizer
+        optimizer = torch.optim.SGD(self.parameters(), lr=opt["lr"], momentum=opt["momentum"],
+                                    nesterov=opt["nesterov"], weight_decay=opt["weight_decay"])
+        total_steps = self.trainer.estimated_stepping_batches
+        per_epoch = max(1, math.ceil(self.trainer.num_training_batches / self.trainer.accumulate_grad_batches))
+        schedule = warmup_then_decay(
+            warmup_steps=round(self.hparams.scheduler["warmup_epochs"] * per_epoch),
+            total_steps=total_steps,
+            start_factor=self.hparams.scheduler["warmup_start_factor"],
+            decay=self.hparams.scheduler["decay"],
+            min_factor=self.hparams.scheduler["min_lr_factor"],
+        )
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # Every rank builds this dict; only rank zero's reaches the disk, which the tests check.
+        checkpoint["saved_by"] = {"global_rank": self.global_rank, "world_size": self.trainer.world_size}
+
+
+def warmup_then_decay(warmup_steps: int, total_steps: float, start_factor: float = 0.1, decay: str = "cosine",
+                      min_factor: float = 0.0):
+    """LR multiplier per optimizer step: linear warm-up from ``start_factor`` to 1, then cosine/linear decay."""
+
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return start_factor + (1.0 - start_factor) * step / warmup_steps
+        if decay == "none" or not math.isfinite(total_steps):  # open-ended runs keep the peak rate
+            return 1.0
+        progress = min(1.0, (step - warmup_steps) / max(1.0, total_steps - warmup_steps))
+        shape = 0.5 * (1.0 + math.cos(math.pi * progress)) if decay == "cosine" else 1.0 - progress
+        return min_factor + (1.0 - min_factor) * shape
+
+    return factor

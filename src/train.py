@@ -1,0 +1,38 @@
+"""``python -m src.train [overrides]``: compose the config, build the parts, fit, test.
+
+Every process of a run executes this file (DDP re-enters it for local ranks 1..N-1; srun starts
+one per task); Lightning decides which rank does what.
+"""
+
+from __future__ import annotations
+
+import hydra
+import lightning as L
+from hydra.utils import instantiate
+from omegaconf import DictConfig
+
+from src.distributed import is_launch_rank_zero
+from src.errors import exit_on_user_error
+from src.trainer import build_trainer, record_config
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="train")
+@exit_on_user_error
+def main(cfg: DictConfig) -> float | None:
+    """Train; return the best validation accuracy (what a Hydra sweeper would optimise)."""
+    L.seed_everything(cfg.seed, workers=True)
+    datamodule = instantiate(cfg.data)
+    model = instantiate(cfg.model)
+    trainer = build_trainer(cfg)
+    record_config(cfg, trainer)
+    if is_launch_rank_zero():
+        datamodule.prepare_data()  # missing or bad data fails here, before any other process is started
+    trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.ckpt_path, weights_only=True)
+    if cfg.test:
+        trainer.test(model, datamodule=datamodule, ckpt_path="best", weights_only=True)
+    best = trainer.checkpoint_callback.best_model_score if trainer.checkpoint_callback else None
+    return None if best is None else float(best)
+
+
+if __name__ == "__main__":
+    main()

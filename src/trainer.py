@@ -1,0 +1,31 @@
+"""Builds the Lightning Trainer from the config groups: strategy, callbacks, logger, trainer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import lightning as L
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from src.distributed import is_launch_rank_zero
+
+
+def build_trainer(cfg: DictConfig) -> L.Trainer:
+    """A Trainer whose strategy, callbacks and loggers come from their config groups."""
+    callbacks = [instantiate(c) for c in (cfg.get("callbacks") or {}).values() if c is not None]
+    loggers = [instantiate(lg) for lg in (cfg.get("logger") or {}).values() if lg is not None]
+    return instantiate(cfg.trainer, strategy=instantiate(cfg.strategy), callbacks=callbacks,
+                       logger=loggers or False)
+
+
+def record_config(cfg: DictConfig, trainer: L.Trainer) -> None:
+    """Rank zero saves the resolved config beside the outputs and logs it as hyperparameters."""
+    if not is_launch_rank_zero():
+        return
+    resolved = OmegaConf.to_container(cfg, resolve=True)
+    out = Path(cfg.paths.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.yaml").write_text(OmegaConf.to_yaml(resolved))
+    for logger in trainer.loggers:
+        logger.log_hyperparams(resolved)
