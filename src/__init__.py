@@ -2,7 +2,8 @@
 
 from omegaconf import OmegaConf
 
-from src.distributed import rank_log_suffix
+from src.distributed import rank_log_suffix, rank_zero_only
 
-# conf/hydra/default.yaml names each process's log file with this; it must exist before Hydra composes.
+# conf/hydra/default.yaml uses these to keep per-process files apart; they must exist before Hydra composes.
 OmegaConf.register_new_resolver("rank_log_suffix", rank_log_suffix, replace=True)
+OmegaConf.register_new_resolver("rank_zero_only", rank_zero_only, replace=True)

@@ -164,6 +164,11 @@ def is_launch_rank_zero() -> bool:
     return os.environ.get("NODE_RANK", "0") == "0" and os.environ.get("LOCAL_RANK", "0") == "0"
 
 
+def rank_zero_only(value: str) -> str | None:
+    """``value`` on rank zero, else None: lets conf/hydra/default.yaml keep ``.hydra/`` a rank-zero file."""
+    return value if is_launch_rank_zero() else None
+
+
 def rank_log_suffix() -> str:
     """'' on rank zero, else a suffix that keeps each process's log file its own."""
     if is_launch_rank_zero():

@@ -48,9 +48,9 @@ class ImageClassifier(L.LightningModule):
         )
         self.net = build_resnet(arch, num_classes, stem)
         self.criterion = nn.CrossEntropyLoss(label_smoothing=label_smoothing)
-        self.train_acc = MulticlassAccuracy(num_classes, average="micro")
         # torchmetrics keeps sums and counts, so epoch values are exact across ranks and uneven batches.
-        self.val_acc, self.test_acc = MulticlassAccuracy(num_classes, average="micro"), MulticlassAccuracy(num_classes, average="micro")
+        self.train_acc, self.val_acc, self.test_acc = (
+            MulticlassAccuracy(num_classes, average="micro") for _ in range(3))
         self.val_loss, self.test_loss = MeanMetric(), MeanMetric()
         self.flops_per_batch = None  # read by Lightning's ThroughputMonitor; unknown here
 

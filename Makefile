@@ -1,0 +1,55 @@
+# make train ARGS="..." | make test | make demo | make tensorboard
+# Each target creates .venv and installs the project into it on first use.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# The torch pair this project is tested with (on this kind of machine pip takes them from local disk).
+TORCH_PINS ?= torch==2.14.1 torchvision==0.29.1
+ARGS ?=
+PYTEST_ARGS ?=
+
+.PHONY: install train test demo eval tensorboard clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet $(TORCH_PINS)
+	$(PY) -m pip install --quiet -e ".[dev]"
+	touch $@
+
+## the real job: ResNet-50 on CIFAR-10 (downloaded once into data/), all local GPUs or the CPU
+train: install
+	$(PY) -m src.train $(ARGS)
+
+## the test suite (CPU, gloo, a local Slurm cluster where the tests need one)
+test: install
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+## a short offline tour: synthetic data, two CPU processes with gloo, checkpoint, TensorBoard logs, eval
+DEMO_DIR ?= outputs/demo
+demo: install
+	rm -rf $(DEMO_DIR)
+	$(PY) -m src.train experiment=demo hydra.run.dir=$(DEMO_DIR)/train
+	$(PY) -m src.eval data=synthetic data.num_test=256 trainer.accelerator=cpu \
+	    ckpt_path=$(DEMO_DIR)/train/checkpoints/last.ckpt hydra.run.dir=$(DEMO_DIR)/eval
+	@echo
+	@echo "demo outputs:"
+	@echo "  resolved config    $(DEMO_DIR)/train/config.yaml"
+	@echo "  checkpoints        $$(ls $(DEMO_DIR)/train/checkpoints/*.ckpt | tr '\n' ' ')"
+	@echo "  TensorBoard logs   $(DEMO_DIR)/train/tensorboard/   (make tensorboard, then http://127.0.0.1:6006)"
+	@echo "  per-process logs   $$(ls $(DEMO_DIR)/train/*.log | tr '\n' ' ')"
+	@echo "  test metrics       $(DEMO_DIR)/eval/test_metrics.json"
+
+## evaluate a checkpoint: make eval CKPT=outputs/runs/.../checkpoints/last.ckpt
+eval: install
+	$(PY) -m src.eval ckpt_path=$(CKPT) $(ARGS)
+
+## TensorBoard over every run, on 127.0.0.1 only
+tensorboard: install
+	$(VENV)/bin/tensorboard --logdir outputs --host 127.0.0.1
+
+clean:
+	rm -rf outputs/runs outputs/multirun .pytest_cache

@@ -1,0 +1,81 @@
+"""Shared helpers: run the real entry points as processes, compose the real config, write CIFAR-format files."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SAMPLE = ROOT.parent / "shared" / "data" / "cifar10-sample"
+
+# A run that exercises every part in seconds on a CPU: small ResNet, synthetic CIFAR-shaped data, 2 steps.
+FAST = [
+    "data=synthetic", "data.num_train=96", "data.num_test=16", "data.batch_size=4",
+    "model.arch=resnet18", "trainer.accelerator=cpu", "backend=gloo", "trainer.max_epochs=1",
+    "trainer.limit_train_batches=2", "trainer.limit_val_batches=1", "trainer.limit_test_batches=1",
+    "trainer.log_every_n_steps=1", "trainer.enable_model_summary=false",
+]
+
+
+def run_module(module: str, *overrides: str, env: dict[str, str] | None = None, timeout: float = 300,
+               background: bool = False):
+    """Run ``python -m <module> overrides...`` from the project root, as a user would."""
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    for key in ("RANK", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        if env is None or key not in env:
+            full_env.pop(key, None)
+    cmd = [sys.executable, "-m", module, *overrides]
+    if background:
+        return subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True)
+    return subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
+
+
+def train(*overrides: str, **kwargs):
+    return run_module("src.train", *overrides, **kwargs)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def write_cifar_folder(root: Path, per_batch: int = 20, seed: int = 0) -> Path:
+    """A folder in the release's python-batch format (not the release: checksums differ)."""
+    folder = root / "cifar-10-batches-py"
+    folder.mkdir(parents=True)
+    rng = np.random.default_rng(seed)
+    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+        entry = {"batch_label": name, "labels": [int(x) for x in rng.integers(0, 10, per_batch)],
+                 "data": rng.integers(0, 256, (per_batch, 3072), dtype=np.uint8), "filenames": []}
+        with open(folder / name, "wb") as f:
+            pickle.dump(entry, f, protocol=2)
+    meta = {"label_names": ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship",
+                            "truck"], "num_cases_per_batch": per_batch, "num_vis": 3072}
+    with open(folder / "batches.meta", "wb") as f:
+        pickle.dump(meta, f, protocol=2)
+    return root
+
+
+def output(result) -> str:
+    return result.stdout + result.stderr
+
+
+@pytest.fixture
+def cifar_root(tmp_path: Path) -> Path:
+    return write_cifar_folder(tmp_path / "cifar")
+
+
+@pytest.fixture
+def sample_root() -> Path:
+    if not (SAMPLE / "cifar-10-batches-py").is_dir():
+        pytest.skip(f"the CIFAR-10 sample is not at {SAMPLE} (it comes with ../shared)")
+    return SAMPLE

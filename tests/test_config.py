@@ -1,0 +1,98 @@
+"""The Hydra config tree composes for every group option and builds the objects it names."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import lightning as L
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
+
+import src  # noqa: F401 - registers the resolvers conf/hydra uses
+from src.distributed import HydraDDPStrategy, build_strategy
+from src.errors import UserError
+from tests.conftest import ROOT
+
+CONF = ROOT / "conf"
+
+
+def options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+
+
+def make_cfg(tmp_path: Path, *overrides: str, name: str = "train"):
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose(config_name=name, overrides=[
+            f"paths.root_dir={tmp_path}", f"paths.output_dir={tmp_path}/run", *overrides])
+
+
+def test_every_config_group_has_options():
+    for group in ("data", "model", "trainer", "strategy", "callbacks", "logger", "paths", "hydra", "experiment",
+                  "debug"):
+        assert options(group), f"conf/{group}/ is empty"
+
+
+def test_default_run_is_resnet50_on_cifar10_with_the_cifar_stem(tmp_path):
+    cfg = make_cfg(tmp_path)
+    assert cfg.model.arch == "resnet50" and cfg.model.stem == "cifar"
+    assert cfg.data._target_.endswith("CIFAR10DataModule") and cfg.data.val_size == 0.1
+    assert cfg.strategy.name == "auto" and cfg.backend == "auto"
+    assert cfg.data.root == f"{tmp_path}/data"
+    assert cfg.callbacks.model_checkpoint.dirpath == f"{tmp_path}/run/checkpoints"
+    assert cfg.callbacks.model_checkpoint.monitor == "val/acc" and cfg.callbacks.model_checkpoint.save_last
+
+
+@pytest.mark.parametrize("group", ["data", "strategy", "trainer", "callbacks", "logger", "experiment", "debug"])
+def test_each_option_composes_and_resolves(tmp_path, group):
+    for option in options(group):
+        cfg = make_cfg(tmp_path, f"{group}={option}")
+        OmegaConf.to_container(cfg, resolve=True)  # every interpolation resolves
+
+
+def test_strategy_options_build_what_they_name(tmp_path):
+    cpu = ["trainer.accelerator=cpu", "backend=gloo"]
+    ddp = instantiate(make_cfg(tmp_path, "strategy=ddp", *cpu).strategy)
+    spawn = instantiate(make_cfg(tmp_path, "strategy=ddp_spawn", *cpu).strategy)
+    assert isinstance(ddp, HydraDDPStrategy) and ddp._start_method == "popen"
+    assert isinstance(spawn, HydraDDPStrategy) and spawn._start_method == "spawn"
+    assert ddp.process_group_backend == "gloo"
+    assert ddp._timeout.total_seconds() == 300
+    assert instantiate(make_cfg(tmp_path, "trainer.accelerator=cpu").strategy) == "auto"  # one device
+    auto_two = instantiate(make_cfg(tmp_path, "trainer.accelerator=cpu", "trainer.devices=2").strategy)
+    assert isinstance(auto_two, HydraDDPStrategy) and auto_two._start_method == "popen"
+    assert instantiate(make_cfg(tmp_path, "strategy=ddp", "trainer.accelerator=cpu").strategy
+                       ).process_group_backend is None  # auto: Lightning's choice, gloo on CPU
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    ({"name": "ddp", "backend": "nccl", "accelerator": "cpu"}, "backend=nccl needs CUDA"),
+    ({"name": "ddp", "backend": "mpi"}, "backend=mpi is not known"),
+    ({"name": "fsdp"}, "strategy=fsdp is not known"),
+])
+def test_bad_strategy_settings_are_user_errors(kwargs, words):
+    with pytest.raises(UserError, match=words):
+        build_strategy(**kwargs)
+
+
+def test_trainer_builds_from_the_composed_config(tmp_path):
+    cfg = make_cfg(tmp_path, "trainer.accelerator=cpu", "trainer.max_epochs=1")
+    from src.trainer import build_trainer
+
+    trainer = build_trainer(cfg)
+    assert isinstance(trainer, L.Trainer) and trainer.max_epochs == 1
+    names = {type(c).__name__ for c in trainer.callbacks}
+    assert {"ModelCheckpoint", "LearningRateMonitor", "ThroughputMonitor", "RichProgressBar", "RunSummary"} <= names
+    assert Path(trainer.logger.log_dir) == tmp_path / "run" / "tensorboard"
+
+
+def test_experiment_demo_is_two_cpu_processes_on_synthetic_data(tmp_path):
+    cfg = make_cfg(tmp_path, "experiment=demo")
+    assert cfg.trainer.devices == 2 and cfg.trainer.accelerator == "cpu" and cfg.backend == "gloo"
+    assert cfg.strategy.name == "ddp" and cfg.data._target_.endswith("SyntheticDataModule")
+
+
+def test_eval_config_needs_a_checkpoint_and_uses_one_device(tmp_path):
+    cfg = make_cfg(tmp_path, name="eval")
+    assert OmegaConf.is_missing(cfg, "ckpt_path") and cfg.trainer.devices == 1

@@ -1,0 +1,110 @@
+"""The ResNets are torchvision's, with the CIFAR stem; the module trains them with SGD and a warm-up schedule."""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+from torch import nn
+
+from src.data.synthetic import SyntheticDataModule
+from src.errors import UserError
+from src.models.classifier import ImageClassifier, warmup_then_decay
+from src.models.resnet import build_resnet, resnet_names
+
+# torchvision's ResNet-50 has 25,557,032 parameters for 1,000 classes; with a 10-class head that is
+# 23,528,522, and the 3x3 CIFAR stem (1,728 weights instead of 9,408) makes it 23,520,842.
+RESNET50_CIFAR_PARAMS = 23_520_842
+RESNET50_STOCK_10_CLASS_PARAMS = 23_528_522
+
+
+def count(net: nn.Module) -> int:
+    return sum(p.numel() for p in net.parameters())
+
+
+def test_resnet50_cifar_stem_keeps_32x32_into_layer1_and_outputs_10_logits():
+    net = build_resnet("resnet50", num_classes=10, stem="cifar").eval()
+    assert (net.conv1.kernel_size, net.conv1.stride) == ((3, 3), (1, 1))
+    assert isinstance(net.maxpool, nn.Identity)
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        stem = net.maxpool(net.relu(net.bn1(net.conv1(x))))
+        assert stem.shape == (2, 64, 32, 32)
+        assert net.layer4(net.layer3(net.layer2(net.layer1(stem)))).shape == (2, 2048, 4, 4)
+        assert net(x).shape == (2, 10)
+    assert count(net) == RESNET50_CIFAR_PARAMS
+
+
+def test_stock_stem_is_torchvisions_7x7_stride_2_with_max_pool():
+    net = build_resnet("resnet50", num_classes=10, stem="imagenet")
+    assert (net.conv1.kernel_size, net.conv1.stride) == ((7, 7), (2, 2))
+    assert isinstance(net.maxpool, nn.MaxPool2d)
+    assert count(net) == RESNET50_STOCK_10_CLASS_PARAMS
+
+
+def test_other_torchvision_resnets_are_selectable_by_name():
+    assert {"resnet18", "resnet34", "resnet50", "resnet101", "resnet152", "wide_resnet50_2"} <= set(resnet_names())
+    assert build_resnet("resnet18")(torch.randn(1, 3, 32, 32)).shape == (1, 10)
+
+
+@pytest.mark.parametrize("kwargs, words", [({"arch": "vgg16"}, "model.arch=vgg16"),
+                                           ({"stem": "huge"}, "model.stem=huge")])
+def test_unknown_arch_or_stem_is_a_user_error_naming_the_key(kwargs, words):
+    with pytest.raises(UserError, match=words):
+        build_resnet(**kwargs)
+
+
+def test_schedule_warms_up_linearly_then_decays_to_the_floor():
+    f = warmup_then_decay(warmup_steps=10, total_steps=110, start_factor=0.1, decay="cosine", min_factor=0.01)
+    assert f(0) == pytest.approx(0.1) and f(5) == pytest.approx(0.55) and f(10) == pytest.approx(1.0)
+    assert f(60) == pytest.approx(0.01 + 0.99 * 0.5)
+    assert f(110) == pytest.approx(0.01)
+    values = [f(s) for s in range(10, 111)]
+    assert all(a >= b for a, b in zip(values, values[1:]))
+    linear = warmup_then_decay(0, 100, decay="linear")
+    assert linear(50) == pytest.approx(0.5)
+    assert warmup_then_decay(0, float("inf"))(10**6) == 1.0  # open-ended runs keep the peak rate
+
+
+def test_label_smoothing_and_sgd_settings_come_from_config():
+    model = ImageClassifier(arch="resnet18", label_smoothing=0.1,
+                            optimizer={"lr": 0.2, "momentum": 0.8, "nesterov": False, "weight_decay": 1e-4})
+    assert model.criterion.label_smoothing == 0.1
+    assert model.hparams.optimizer == {"lr": 0.2, "momentum": 0.8, "nesterov": False, "weight_decay": 1e-4}
+    with pytest.raises(UserError, match="model.label_smoothing"):
+        ImageClassifier(arch="resnet18", label_smoothing=1.5)
+
+
+def fit(model: ImageClassifier, datamodule, **trainer_kwargs) -> L.Trainer:
+    trainer = L.Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, num_sanity_val_steps=0, **trainer_kwargs)
+    trainer.fit(model, datamodule)
+    return trainer
+
+
+def test_resnet50_itself_trains_a_few_steps_and_steps_the_learning_rate():
+    L.seed_everything(0)
+    model = ImageClassifier(arch="resnet50", scheduler={"warmup_epochs": 1.0})
+    before = model.net.fc.weight.detach().clone()
+    data = SyntheticDataModule(num_train=12, num_test=4, batch_size=4, val_size=4)
+    trainer = fit(model, data, max_epochs=1, limit_val_batches=1)
+    assert trainer.global_step == 2
+    assert not torch.equal(before, model.net.fc.weight)
+    assert torch.isfinite(trainer.callback_metrics["train/loss"])
+    # warm-up over the 2 steps of the epoch: 0.1 x lr, then halfway
+    assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.1 * (0.1 + 0.9 * 2 / 2))
+
+
+def test_loss_falls_on_synthetic_data():
+    L.seed_everything(0)
+    model = ImageClassifier(arch="resnet18", optimizer={"lr": 0.02}, scheduler={"warmup_epochs": 0.5})
+    data = SyntheticDataModule(num_train=480, num_test=64, image_size=16, batch_size=32)
+    losses: dict[int, list[float]] = {}
+
+    class Record(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            losses.setdefault(trainer.current_epoch, []).append(float(outputs["loss"]))
+
+    fit(model, data, max_epochs=3, callbacks=[Record()])
+    first, last = (sum(v) / len(v) for v in (losses[0], losses[2]))
+    assert last < 0.5 * first, losses
