@@ -48,8 +48,9 @@ def build_strategy(
             f"(trainer.accelerator={accelerator}, CUDA available: {torch.cuda.is_available()}); "
             "use backend=gloo (or backend=auto) on CPUs"
         )
+    processes = world_size(accelerator, devices, num_nodes)
     if name == "auto":
-        if world_size(accelerator, devices, num_nodes) == 1:
+        if processes == 1:
             return "auto"  # Lightning picks SingleDeviceStrategy: no process group, no DDP wrapper
         name = "ddp"
     return HydraDDPStrategy(
@@ -67,20 +68,36 @@ def uses_cuda(accelerator: str) -> bool:
     return accelerator == "auto" and torch.cuda.is_available()
 
 
-def world_size(accelerator: str, devices: Any, num_nodes: int) -> int:
+def world_size(accelerator: str, devices: Any, num_nodes: Any) -> int:
     """Number of processes a run asks for, from the same keys Lightning's Trainer reads."""
+    if isinstance(num_nodes, bool) or not isinstance(num_nodes, int) or num_nodes < 1:
+        raise UserError(f"trainer.num_nodes={num_nodes} must be a whole number >= 1")
     return num_nodes * local_device_count(accelerator, devices)
 
 
 def local_device_count(accelerator: str, devices: Any) -> int:
-    """Devices per node as Lightning will resolve them ("auto" and -1 mean all; lists count their entries)."""
-    if isinstance(devices, (list, tuple)):
-        return len(devices)
+    """Devices per node as Lightning will resolve them; impossible values are a UserError naming the key."""
+    if accelerator in ("gpu", "cuda") and not torch.cuda.is_available():
+        raise UserError(f"trainer.accelerator={accelerator} but no CUDA GPU is visible here: "
+                        "use trainer.accelerator=cpu (or auto)")
     if isinstance(devices, str) and "," in devices:
-        return len([d for d in devices.split(",") if d.strip()])
-    if devices in ("auto", -1, "-1"):
-        return torch.cuda.device_count() if uses_cuda(accelerator) else 1
-    return int(devices)
+        devices = [d for d in devices.split(",") if d.strip()]
+    if isinstance(devices, (list, tuple)):
+        count = len(devices)  # explicit GPU ids
+    elif devices in ("auto", -1, "-1"):
+        count = torch.cuda.device_count() if uses_cuda(accelerator) else 1
+    else:
+        try:
+            count = int(devices)
+        except (TypeError, ValueError):
+            raise UserError(f"trainer.devices={devices} is not a number: give a count >= 1, "
+                            "-1 or auto for all devices, or a list of GPU ids") from None
+        if count < 1 or isinstance(devices, bool):
+            raise UserError(f"trainer.devices={devices} must be >= 1 (or -1/auto for all devices)")
+    if uses_cuda(accelerator) and count > torch.cuda.device_count():
+        raise UserError(f"trainer.devices={devices} asks for {count} GPUs but this node has "
+                        f"{torch.cuda.device_count()}: lower trainer.devices, or use trainer.devices=auto")
+    return count
 
 
 class HydraDDPStrategy(DDPStrategy):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import lightning as L
@@ -9,6 +10,16 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from src.distributed import is_launch_rank_zero
+
+
+class _NoAdvertising(logging.Filter):
+    """Lightning prints a cloud-product tip at every start; a training log is no place for it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("💡 Tip")
+
+
+logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(_NoAdvertising())
 
 
 def build_trainer(cfg: DictConfig) -> L.Trainer:

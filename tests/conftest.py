@@ -15,13 +15,14 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLE = ROOT.parent / "shared" / "data" / "cifar10-sample"
 
-# A run that exercises every part in seconds on a CPU: small ResNet, synthetic CIFAR-shaped data, 2 steps.
-FAST = [
-    "data=synthetic", "data.num_train=96", "data.num_test=16", "data.batch_size=4",
-    "model.arch=resnet18", "trainer.accelerator=cpu", "backend=gloo", "trainer.max_epochs=1",
+# A run that exercises every part in seconds on a CPU: small ResNet, batch of 4, 2 steps (any dataset).
+FAST_RUN = [
+    "data.batch_size=4", "model.arch=resnet18", "trainer.accelerator=cpu", "backend=gloo", "trainer.max_epochs=1",
     "trainer.limit_train_batches=2", "trainer.limit_val_batches=1", "trainer.limit_test_batches=1",
     "trainer.log_every_n_steps=1", "trainer.enable_model_summary=false",
 ]
+# ... on a small synthetic dataset
+FAST = ["data=synthetic", "data.num_train=96", "data.num_test=16", *FAST_RUN]
 
 
 def run_module(module: str, *overrides: str, env: dict[str, str] | None = None, timeout: float = 300,

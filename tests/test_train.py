@@ -1,0 +1,179 @@
+"""`python -m src.train` and `python -m src.eval` as real processes: one CPU, DDP x2, two nodes, resume, errors."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from tests.conftest import FAST, FAST_RUN, free_port, output, run_module, train
+
+
+def checkpoint(path: Path) -> dict:
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def scalars(run_dir: Path) -> dict[str, list]:
+    """Every scalar in the run's TensorBoard event files, read with TensorBoard's own reader."""
+    found: dict[str, list] = {}
+    for events in sorted((run_dir / "tensorboard").glob("events.out.tfevents.*")):
+        acc = EventAccumulator(str(events))
+        acc.Reload()
+        for tag in acc.Tags()["scalars"]:
+            found.setdefault(tag, []).extend(acc.Scalars(tag))
+    return found
+
+
+def assert_ok(result) -> None:
+    assert result.returncode == 0, output(result)[-4000:]
+
+
+def only_last_ckpt(run_dir: Path) -> Path:
+    lasts = list(run_dir.rglob("last.ckpt"))
+    assert [p.relative_to(run_dir) for p in lasts] == [Path("checkpoints/last.ckpt")]
+    return lasts[0]
+
+
+@pytest.fixture(scope="module")
+def single_run(tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("single") / "run"
+    result = train(*FAST, "trainer.limit_train_batches=12", "trainer.max_epochs=2", f"hydra.run.dir={run_dir}")
+    assert_ok(result)
+    assert "Run: 1 node(s) x 1 device(s) = world size 1 | strategy single-device" in output(result)
+    return run_dir
+
+
+def test_single_process_run_writes_last_and_best_checkpoints_and_the_resolved_config(single_run):
+    last = checkpoint(only_last_ckpt(single_run))
+    assert last["global_step"] == 24 and last["epoch"] == 1
+    assert last["saved_by"] == {"global_rank": 0, "world_size": 1}
+    assert last["hyper_parameters"]["arch"] == "resnet18"
+    best = [p.name for p in (single_run / "checkpoints").glob("best-*.ckpt")]
+    assert len(best) == 1
+    config = (single_run / "config.yaml").read_text()
+    assert "${" not in config and f"output_dir: {single_run}" in config  # resolved
+    assert (single_run / "train.log").is_file() and (single_run / ".hydra" / "overrides.yaml").is_file()
+
+
+def test_tensorboard_holds_step_and_epoch_scalars_lr_throughput_and_hyperparameters(single_run):
+    found = scalars(single_run)
+    assert [e.step for e in found["train/loss"]] == list(range(24))  # one per step
+    assert len(found["train/acc"]) == 24
+    assert len(found["val/loss"]) == 2 and len(found["val/acc"]) == 2  # one per epoch
+    assert len(found["test/loss"]) == 1 and 0 <= found["test/acc"][0].value <= 1
+    lrs = [e.value for e in found["lr-SGD"]]
+    assert lrs[0] < max(lrs) and lrs[-1] < max(lrs)  # warm-up, then decay
+    assert all(e.value > 0 for e in found["train/device/samples_per_sec"])
+    hparams = (single_run / "tensorboard" / "hparams.yaml").read_text()
+    assert "arch: resnet18" in hparams and "backend: gloo" in hparams
+
+
+def test_resume_from_last_continues_the_global_step(single_run, tmp_path):
+    result = train(*FAST, "trainer.limit_train_batches=12", "trainer.max_epochs=3",
+                   f"ckpt_path={single_run}/checkpoints/last.ckpt", f"hydra.run.dir={tmp_path}")
+    assert_ok(result)
+    assert "Restoring states from the checkpoint" in output(result)
+    resumed = checkpoint(tmp_path / "checkpoints" / "last.ckpt")
+    assert resumed["global_step"] == 36 and resumed["epoch"] == 2
+    assert [e.step for e in scalars(tmp_path)["train/loss"]] == list(range(24, 36))
+
+
+def test_eval_reports_test_loss_and_accuracy_of_a_checkpoint(single_run, tmp_path):
+    result = run_module("src.eval", "data=synthetic", "data.num_test=16", "trainer.accelerator=cpu",
+                        f"ckpt_path={single_run}/checkpoints/last.ckpt", f"hydra.run.dir={tmp_path}")
+    assert_ok(result)
+    assert "test loss" in output(result) and "test accuracy" in output(result) and "resnet18" in output(result)
+    metrics = json.loads((tmp_path / "test_metrics.json").read_text())
+    assert set(metrics) == {"test/loss", "test/acc"} and 0 <= metrics["test/acc"] <= 1
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "ddp_spawn"])
+def test_two_processes_train_into_one_run_dir_and_rank_zero_writes_the_one_checkpoint(strategy, tmp_path):
+    run_dir = tmp_path / "run"
+    result = train(*FAST, f"strategy={strategy}", "trainer.devices=2", f"hydra.run.dir={run_dir}")
+    assert_ok(result)
+    assert f"world size 2 | strategy {strategy} | backend gloo" in output(result)
+    assert "global batch 8 (4 per process)" in output(result)
+    assert checkpoint(only_last_ckpt(run_dir))["saved_by"] == {"global_rank": 0, "world_size": 2}
+    assert [p.name for p in tmp_path.iterdir()] == ["run"]  # no rank made a dir of its own
+    assert len(list((run_dir / "tensorboard").glob("events.*"))) >= 1
+    assert [e.step for e in scalars(run_dir)["train/loss"]] == [0, 1]
+    if strategy == "ddp":  # local rank 1 re-entered src.train and logged into the same dir
+        assert (run_dir / "train_node0_local1.log").is_file()
+
+
+def test_two_nodes_of_one_process_each_over_loopback(tmp_path):
+    port = free_port()
+    args = [*FAST, "strategy=ddp", "trainer.devices=1", "trainer.num_nodes=2", f"hydra.run.dir={tmp_path}"]
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    node1 = train(*args, env={**env, "NODE_RANK": "1"}, background=True)
+    node0 = train(*args, env={**env, "NODE_RANK": "0"})
+    out1, _ = node1.communicate(timeout=300)
+    assert_ok(node0)
+    assert node1.returncode == 0, out1[-4000:]
+    assert "Run: 2 node(s) x 1 device(s) = world size 2" in output(node0)
+    assert checkpoint(only_last_ckpt(tmp_path))["saved_by"] == {"global_rank": 0, "world_size": 2}
+    assert (tmp_path / "train_node1_local0.log").is_file()
+
+
+def test_the_real_cifar10_sample_trains(sample_root, tmp_path):
+    result = train(*FAST_RUN, "data=cifar10", f"data.root={sample_root}",
+                   "data.download=false", f"hydra.run.dir={tmp_path}")
+    assert_ok(result)
+    assert "not the canonical release" in output(result)
+    only_last_ckpt(tmp_path)
+
+
+def assert_user_error(result, *words: str, seconds: float | None = None) -> None:
+    text = output(result)
+    assert result.returncode != 0, text[-3000:]
+    assert "Traceback" not in text, text[-3000:]
+    for word in words:
+        assert word in text, text[-3000:]
+
+
+def test_nccl_without_cuda_fails_at_once_saying_nccl(tmp_path):
+    start = time.monotonic()
+    result = train(*FAST, "strategy=ddp", "trainer.devices=2", "backend=nccl", f"hydra.run.dir={tmp_path}",
+                   timeout=120)
+    assert_user_error(result, "error: backend=nccl needs CUDA", "backend=gloo")
+    assert time.monotonic() - start < 60
+
+
+def test_missing_data_offline_fails_in_seconds_naming_data_root(tmp_path):
+    start = time.monotonic()
+    result = train(*FAST_RUN, "data=cifar10", f"data.root={tmp_path}/nowhere", f"hydra.run.dir={tmp_path}/run",
+                   "data.download_url=http://127.0.0.1:9/cifar-10-python.tar.gz", timeout=120)
+    assert_user_error(result, f"data.root={tmp_path}/nowhere", "data=synthetic")
+    assert time.monotonic() - start < 60
+
+
+@pytest.mark.parametrize("override, words", [
+    ("backend=bogus", ["backend=bogus is not known", "auto, nccl, gloo"]),
+    ("trainer.devices=0", ["trainer.devices=0"]),
+    ("trainer.devices=abc", ["trainer.devices=abc"]),
+    ("model.arch=resnet7", ["model.arch=resnet7"]),
+])
+def test_bad_values_exit_non_zero_with_one_line_naming_the_key(override, words, tmp_path):
+    result = train(*FAST, override, f"hydra.run.dir={tmp_path}", timeout=120)
+    assert_user_error(result, *words)
+    assert len([line for line in result.stderr.splitlines() if line.startswith("error:")]) == 1
+
+
+def test_unknown_strategy_is_rejected_by_hydra_with_the_choices(tmp_path):
+    result = train(*FAST, "strategy=horovod", f"hydra.run.dir={tmp_path}", timeout=120)
+    assert_user_error(result, "strategy", "horovod", "ddp_spawn")
+
+
+def test_a_rank_whose_peers_never_arrive_fails_after_the_timeout_naming_the_rendezvous(tmp_path):
+    port = free_port()
+    start = time.monotonic()
+    result = train(*FAST, "strategy=ddp", "trainer.devices=1", "trainer.num_nodes=2", "strategy.timeout_s=5",
+                   f"hydra.run.dir={tmp_path}", env={"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                                                     "NODE_RANK": "0"}, timeout=120)
+    assert_user_error(result, f"MASTER_ADDR:MASTER_PORT=127.0.0.1:{port}", "NODE_RANK=0", "world size 2", "within 5 s")
+    assert time.monotonic() - start < 60
