@@ -1,0 +1,117 @@
+"""The part every image datamodule here shares: uint8 tensors in memory, a seeded split, augmentation, loaders."""
+
+from __future__ import annotations
+
+import os
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, Dataset
+from torchvision.transforms import v2
+
+from src.errors import UserError
+
+# Per-channel statistics of the CIFAR-10 training set (R, G, B), used for both datasets here.
+CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
+CIFAR10_STD = (0.2470, 0.2435, 0.2616)
+
+
+class ImageTensors(Dataset):
+    """uint8 images (N, 3, H, W) and int64 labels, transformed one item at a time."""
+
+    def __init__(self, images: torch.Tensor, labels: torch.Tensor, transform: v2.Transform) -> None:
+        self.images, self.labels, self.transform = images, labels, transform
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.transform(self.images[index]), self.labels[index]
+
+
+def train_transform(image_size: int, augment: bool) -> v2.Transform:
+    """Random crop with 4-pixel zero padding and horizontal flip, then normalisation."""
+    steps = [v2.RandomCrop(image_size, padding=4), v2.RandomHorizontalFlip()] if augment else []
+    return v2.Compose([*steps, *eval_transform().transforms])
+
+
+def eval_transform() -> v2.Compose:
+    """uint8 -> float in [0, 1] -> normalised with CIFAR-10's channel statistics."""
+    return v2.Compose([v2.ToDtype(torch.float32, scale=True), v2.Normalize(CIFAR10_MEAN, CIFAR10_STD)])
+
+
+class InMemoryImageDataModule(L.LightningDataModule):
+    """Subclasses provide :meth:`load`; this class splits, augments and serves the batches.
+
+    Lightning swaps in a DistributedSampler under DDP, so each rank sees its own shard.
+    """
+
+    def __init__(self, batch_size: int = 128, num_workers: int | str = "auto", val_size: float = 0.1,
+                 augment: bool = True, seed: int = 0, pin_memory: bool | str = "auto", num_classes: int = 10) -> None:
+        super().__init__()
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise UserError(f"data.batch_size={batch_size} must be a whole number >= 1 (it is per process)")
+        if num_workers != "auto" and (not isinstance(num_workers, int) or num_workers < 0):
+            raise UserError(f"data.num_workers={num_workers} must be auto or a whole number >= 0")
+        self.batch_size, self.num_workers, self.val_size = batch_size, num_workers, val_size
+        self.augment, self.seed, self.pin_memory, self.num_classes = augment, seed, pin_memory, num_classes
+        self.train_set: ImageTensors | None = None
+        self.val_set: ImageTensors | None = None
+        self.test_set: ImageTensors | None = None
+
+    def load(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Return train images, train labels, test images, test labels (uint8 NCHW, int64)."""
+        raise NotImplementedError
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.train_set is not None:
+            return
+        train_x, train_y, test_x, test_y = self.load()
+        n_val = self._val_count(len(train_y))
+        order = torch.randperm(len(train_y), generator=torch.Generator().manual_seed(self.seed))
+        val_idx, train_idx = order[:n_val], order[n_val:]
+        size = train_x.shape[-1]
+        self.train_set = ImageTensors(train_x[train_idx], train_y[train_idx], train_transform(size, self.augment))
+        self.val_set = ImageTensors(train_x[val_idx], train_y[val_idx], eval_transform())
+        self.test_set = ImageTensors(test_x, test_y, eval_transform())
+
+    def _val_count(self, n_train: int) -> int:
+        count = round(self.val_size * n_train) if isinstance(self.val_size, float) and self.val_size < 1 \
+            else int(self.val_size)
+        if not 0 < count < n_train:
+            raise UserError(
+                f"data.val_size={self.val_size} leaves {n_train - count} training and {count} validation images "
+                f"out of {n_train}: use a fraction in (0, 1) or a count below {n_train}"
+            )
+        return count
+
+    def train_dataloader(self) -> DataLoader:
+        # drop_last: a last batch of one image breaks BatchNorm and skews the step time.
+        return self._loader(self.train_set, shuffle=True, drop_last=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader(self.val_set)
+
+    def test_dataloader(self) -> DataLoader:
+        return self._loader(self.test_set)
+
+    def _loader(self, dataset: ImageTensors | None, shuffle: bool = False, drop_last: bool = False) -> DataLoader:
+        if dataset is None:
+            raise RuntimeError("setup() must run before the dataloaders are asked for")
+        workers = self._workers()
+        return DataLoader(dataset, batch_size=self.batch_size, shuffle=shuffle, drop_last=drop_last,
+                          num_workers=workers, persistent_workers=workers > 0, pin_memory=self._pin())
+
+    def _on_gpu(self) -> bool:
+        trainer = self.trainer
+        return trainer is not None and trainer.strategy.root_device.type == "cuda"
+
+    def _workers(self) -> int:
+        if self.num_workers != "auto":
+            return int(self.num_workers)
+        if not self._on_gpu():
+            return 0  # on CPUs the cores are better spent on the model than on decoding tensors
+        processes = self.trainer.num_devices if self.trainer is not None else 1
+        return max(1, min(8, len(os.sched_getaffinity(0)) // processes - 1))
+
+    def _pin(self) -> bool:
+        return self._on_gpu() if self.pin_memory == "auto" else bool(self.pin_memory)
