@@ -11,6 +11,7 @@ import logging
 import os
 import subprocess
 import sys
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -142,6 +143,26 @@ class HydraJobLauncher(_SubprocessScriptLauncher):
         for local_rank in range(1, self.num_processes):
             child_env = {**os.environ, "LOCAL_RANK": str(local_rank)}
             self.procs.append(subprocess.Popen(command, env=child_env, cwd=cwd))
+        LAUNCHED.extend(self.procs)
+
+
+# Local ranks started by this process, so a job can wait for (or stop) its own before the next one starts.
+LAUNCHED: list[subprocess.Popen] = []
+
+
+def reap_launched(grace_s: float) -> list[int]:
+    """Wait up to ``grace_s`` for the local ranks this process started, kill what is left; return the killed pids."""
+    deadline = time.monotonic() + grace_s
+    killed = []
+    for proc in LAUNCHED:
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            killed.append(proc.pid)
+    LAUNCHED.clear()
+    return killed
 
 
 def child_command() -> tuple[list[str], str]:

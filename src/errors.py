@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 import functools
+import json
+import logging
 import os
 import sys
+from pathlib import Path
 from typing import Any, Callable
 
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 
+log = logging.getLogger(__name__)
+
 EXIT_USER_ERROR = 2
+FAILURE_FILE = "failure.json"
 
 
 class UserError(Exception):
@@ -27,18 +33,46 @@ def user_error_in(err: BaseException) -> BaseException | None:
     return None
 
 
-def exit_on_user_error(task: Callable[..., Any]) -> Callable[..., Any]:
-    """Turn a user's mistake into one ``error:`` line and exit code 2 (HYDRA_FULL_ERROR=1 keeps the traceback)."""
+def handle_errors(task: Callable[..., Any]) -> Callable[..., Any]:
+    """Report a failed task in one line.
+
+    A single run prints ``error: ...`` and exits 2 for a user's mistake (HYDRA_FULL_ERROR=1 keeps the
+    traceback). A job of a sweep records ``failure.json`` in its dir and returns, so the sweep goes on
+    to the next job and the scaling report lists the failure.
+    """
 
     @functools.wraps(task)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
+    def wrapper(cfg: Any) -> Any:
         try:
-            return task(*args, **kwargs)
+            return task(cfg)
         except Exception as err:
             cause = user_error_in(err)
+            if _in_sweep():
+                return _record_failure(cfg, err, cause)
             if cause is None or os.environ.get("HYDRA_FULL_ERROR") == "1":
                 raise
             print(f"error: {cause}", file=sys.stderr, flush=True)
             sys.exit(EXIT_USER_ERROR)
 
     return wrapper
+
+
+def _in_sweep() -> bool:
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+
+
+def _record_failure(cfg: Any, err: Exception, cause: BaseException | None) -> None:
+    from hydra.core.hydra_config import HydraConfig
+
+    message = str(cause) if cause is not None else f"{type(err).__name__}: {err}"
+    if cause is None:
+        log.exception("job failed")  # an unexpected error keeps its traceback, in the job's log file
+    job = HydraConfig.get().job
+    print(f"error: job {job.num} ({' '.join(HydraConfig.get().overrides.task)}): {message}", file=sys.stderr,
+          flush=True)
+    out = Path(HydraConfig.get().runtime.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / FAILURE_FILE).write_text(json.dumps({"job": job.num, "error": message}, indent=2) + "\n")

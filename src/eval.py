@@ -9,13 +9,13 @@ import hydra
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from src.errors import UserError, exit_on_user_error
+from src.errors import UserError, handle_errors
 from src.models.classifier import ImageClassifier
 from src.trainer import build_trainer, record_config
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="eval")
-@exit_on_user_error
+@handle_errors
 def main(cfg: DictConfig) -> dict[str, float]:
     """Evaluate ``ckpt_path`` on the test set; print and save ``test_metrics.json``."""
     if OmegaConf.is_missing(cfg, "ckpt_path") or not cfg.ckpt_path:

@@ -12,12 +12,12 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 
 from src.distributed import is_launch_rank_zero
-from src.errors import exit_on_user_error
+from src.errors import handle_errors
 from src.trainer import build_trainer, record_config
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="train")
-@exit_on_user_error
+@handle_errors
 def main(cfg: DictConfig) -> float | None:
     """Train; return the best validation accuracy (what a Hydra sweeper would optimise)."""
     L.seed_everything(cfg.seed, workers=True)

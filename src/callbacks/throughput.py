@@ -1,0 +1,125 @@
+"""throughput.json: what a run really measured, written in its run dir after training.
+
+Lightning's ThroughputMonitor logs rolling rates to TensorBoard; this adds the steady-state summary a
+scaling report needs, and the process ids of every rank, gathered over the process group, as proof of
+how many processes really trained.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import resource
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+
+from src.callbacks.run_summary import strategy_name
+
+
+def device_name(device: torch.device) -> str:
+    """'NVIDIA H100 80GB HBM3', or the CPU model and core count."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    model = platform.processor() or "CPU"
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
+    except OSError:
+        pass
+    return f"{model} ({len(os.sched_getaffinity(0))} cores)"
+
+
+def _peak_memory_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+def _gather(obj: Any) -> list[Any]:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        out: list[Any] = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(out, obj)
+        return out
+    return [obj]
+
+
+class ThroughputRecorder(L.Callback):
+    """Times training steps after ``warmup_steps``, then writes ``throughput.json`` (rank zero) at the end of fit.
+
+    A step's time is the wall time between the ends of two consecutive training batches of one
+    epoch, so it includes loading the batch; the first step of each epoch (iterator start-up) and
+    validation are left out.
+    """
+
+    def __init__(self, warmup_steps: int = 5, filename: str = "throughput.json") -> None:
+        self.warmup_steps, self.filename = warmup_steps, filename
+        self._intervals: list[float] = []
+        self._epoch_times: list[float] = []
+        self._last_end: float | None = None
+        self._epoch_start = 0.0
+        self._steps = 0
+        self._batch_size = 0
+
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._epoch_start = time.perf_counter()
+        self._last_end = None
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        now = time.perf_counter()
+        self._steps += 1
+        self._batch_size = batch[0].size(0)
+        if self._last_end is not None and self._steps > self._warmup(trainer):
+            self._intervals.append(now - self._last_end)
+        self._last_end = now
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._epoch_times.append(time.perf_counter() - self._epoch_start)
+
+    def _warmup(self, trainer: L.Trainer) -> int:
+        # Short runs (a smoke test of 3 steps) still measure something: at least the last two steps.
+        total = trainer.num_training_batches * max(1, trainer.max_epochs or 1)
+        return max(0, min(self.warmup_steps, int(total) - 3)) if total != float("inf") else self.warmup_steps
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        device = trainer.strategy.root_device
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        ranks = _gather({"pid": os.getpid(), "host": socket.gethostname(), "peak_memory_mb": _peak_memory_mb(device)})
+        if not trainer.is_global_zero:
+            return
+        step_time = sum(self._intervals) / len(self._intervals) if self._intervals else float("nan")
+        global_batch = self._batch_size * trainer.world_size
+        samples_per_second = global_batch / step_time if self._intervals else float("nan")
+        record = {
+            "num_nodes": trainer.num_nodes,
+            "devices": trainer.num_devices,
+            "world_size": trainer.world_size,
+            "strategy": strategy_name(trainer.strategy),
+            "backend": torch.distributed.get_backend() if torch.distributed.is_initialized() else "none",
+            "precision": str(trainer.precision),
+            "accelerator": device.type,
+            "device_name": device_name(device),
+            "global_batch_size": global_batch,
+            "per_device_batch_size": self._batch_size,
+            "samples_per_second": samples_per_second,
+            "samples_per_second_per_device": samples_per_second / trainer.world_size,
+            "step_time_s": step_time,
+            "steps_measured": len(self._intervals),
+            "warmup_steps": self._warmup(trainer),
+            "epoch_time_s": sum(self._epoch_times) / len(self._epoch_times) if self._epoch_times else float("nan"),
+            "epochs": len(self._epoch_times),
+            "peak_memory_mb": max(r["peak_memory_mb"] for r in ranks),
+            "pids": [r["pid"] for r in ranks],
+            "hosts": sorted({r["host"] for r in ranks}),
+        }
+        path = Path(trainer.default_root_dir) / self.filename
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(record, indent=2) + "\n")
+

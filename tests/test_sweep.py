@@ -1,0 +1,119 @@
+"""Hydra multirun sweeps over device counts with ddp and ddp_spawn, throughput.json and the scaling report."""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+from pathlib import Path
+
+import matplotlib.image
+import pytest
+
+from src.report import load_jobs, scaling_mode, write_report
+from tests.conftest import FAST, ROOT, output, run_module, train
+
+SWEEP = [*FAST, "trainer.limit_train_batches=3", "test=false"]
+
+
+def outputs_snapshot() -> set[Path]:
+    return set((ROOT / "outputs").rglob("*"))
+
+
+def assert_no_process_mentions(text: str) -> None:
+    found = subprocess.run(["pgrep", "-af", text], capture_output=True, text=True).stdout
+    assert not found.strip(), f"processes left behind:\n{found}"
+
+
+def job_dirs(sweep_dir: Path) -> list[Path]:
+    return sorted((p for p in sweep_dir.iterdir() if p.is_dir()), key=lambda p: p.name)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "ddp_spawn"])
+def test_device_sweep_runs_each_job_with_exactly_its_processes_and_reports(strategy, tmp_path):
+    sweep_dir = tmp_path / "sweep"
+    before = outputs_snapshot()
+    result = train("-m", *SWEEP, "trainer.devices=1,2", f"strategy={strategy}", f"hydra.sweep.dir={sweep_dir}")
+    assert result.returncode == 0, output(result)[-4000:]
+    assert [p.name for p in job_dirs(sweep_dir)] == ["0", "1"]
+    for devices, job in zip((1, 2), job_dirs(sweep_dir)):
+        record = json.loads((job / "throughput.json").read_text())
+        assert record["world_size"] == record["devices"] == devices == len(set(record["pids"]))
+        assert record["strategy"] == strategy and record["backend"] == "gloo"
+        assert record["global_batch_size"] == 4 * devices and record["samples_per_second"] > 0
+        assert record["steps_measured"] >= 1 and record["peak_memory_mb"] > 0
+        assert [p.relative_to(job) for p in job.rglob("last.ckpt")] == [Path("checkpoints/last.ckpt")]
+    assert [p.name for p in tmp_path.iterdir()] == ["sweep"]  # nothing created beside the sweep dir
+    assert outputs_snapshot() == before  # ... nor under the project's outputs/
+    rows = list(csv.DictReader((sweep_dir / "scaling.csv").open()))
+    assert [int(r["world_size"]) for r in rows] == [1, 2]
+    assert float(rows[0]["speedup"]) == 1.0 and float(rows[1]["speedup"]) > 0
+    assert "weak scaling" in (sweep_dir / "scaling.md").read_text()
+    assert matplotlib.image.imread(sweep_dir / "scaling.png").shape[2] in (3, 4)
+    assert_no_process_mentions(str(sweep_dir))
+
+
+def test_a_failing_job_is_reported_and_the_sweep_goes_on(tmp_path):
+    sweep_dir = tmp_path / "sweep"
+    result = train("-m", *SWEEP, "trainer.devices=0,2", "strategy=ddp", f"hydra.sweep.dir={sweep_dir}")
+    assert result.returncode == 1, output(result)[-4000:]
+    assert "error: 1 of 2 jobs failed: job 0: trainer.devices=0" in result.stderr
+    failed, ok = job_dirs(sweep_dir)
+    assert "trainer.devices=0" in json.loads((failed / "failure.json").read_text())["error"]
+    assert len(set(json.loads((ok / "throughput.json").read_text())["pids"])) == 2
+    report = (sweep_dir / "scaling.md").read_text()
+    assert "## Failed jobs" in report and "job 0" in report
+    assert len(list(csv.DictReader((sweep_dir / "scaling.csv").open()))) == 1
+    assert_no_process_mentions(str(sweep_dir))
+
+
+def test_sweeping_the_strategy_reports_one_series_per_strategy(tmp_path):
+    sweep_dir = tmp_path / "sweep"
+    result = train("-m", *SWEEP, "trainer.devices=2", "strategy=ddp,ddp_spawn", f"hydra.sweep.dir={sweep_dir}")
+    assert result.returncode == 0, output(result)[-4000:]
+    report = (sweep_dir / "scaling.md").read_text()
+    assert "## strategy=ddp:" in report and "## strategy=ddp_spawn:" in report
+    # the report is rebuilt from the throughput.json files alone
+    for name in ("scaling.csv", "scaling.md", "scaling.png"):
+        (sweep_dir / name).unlink()
+    rebuilt = run_module("src.report", str(sweep_dir))
+    assert rebuilt.returncode == 0, output(rebuilt)
+    assert (sweep_dir / "scaling.md").read_text() == report
+
+
+def fake_job(sweep: Path, num: int, overrides: list[str], world: int, per_device: int, rate: float) -> None:
+    job = sweep / str(num)
+    (job / ".hydra").mkdir(parents=True)
+    (job / ".hydra" / "overrides.yaml").write_text("".join(f"- {o}\n" for o in overrides))
+    record = {"num_nodes": 1, "devices": world, "world_size": world, "strategy": "ddp", "backend": "nccl",
+              "precision": "bf16-mixed", "device_name": "GPU", "hosts": ["n1"], "per_device_batch_size": per_device,
+              "global_batch_size": per_device * world, "samples_per_second": rate,
+              "samples_per_second_per_device": rate / world, "step_time_s": 0.1, "epoch_time_s": 1.0,
+              "peak_memory_mb": 1.0, "pids": list(range(world))}
+    (job / "throughput.json").write_text(json.dumps(record))
+
+
+def test_report_computes_speedup_and_efficiency_per_series_and_names_the_scaling_mode(tmp_path):
+    fake_job(tmp_path, 0, ["trainer.devices=1", "data.batch_size=64"], 1, 64, 1000.0)
+    fake_job(tmp_path, 1, ["trainer.devices=4", "data.batch_size=64"], 4, 64, 3000.0)
+    fake_job(tmp_path, 2, ["trainer.devices=1", "data.batch_size=128"], 1, 128, 1200.0)
+    fake_job(tmp_path, 3, ["trainer.devices=4", "data.batch_size=128"], 4, 128, 4800.0)
+    write_report(tmp_path)
+    rows = {r["job"]: r for r in csv.DictReader((tmp_path / "scaling.csv").open())}
+    assert float(rows["1"]["speedup"]) == pytest.approx(3.0) and float(rows["1"]["efficiency"]) == pytest.approx(0.75)
+    assert float(rows["3"]["speedup"]) == pytest.approx(4.0) and float(rows["3"]["efficiency"]) == pytest.approx(1.0)
+    assert rows["1"]["series"] == "data.batch_size=64"
+    md = (tmp_path / "scaling.md").read_text()
+    assert "## data.batch_size=64: weak scaling" in md and "| 1 | 1 | 4 | 4 | 256 | 3,000.0 | 750.0 | 3.00x | 75% |" in md
+
+
+def test_report_recognises_strong_scaling(tmp_path):
+    fake_job(tmp_path, 0, ["trainer.devices=1", "data.batch_size=256"], 1, 256, 1000.0)
+    fake_job(tmp_path, 1, ["trainer.devices=2", "data.batch_size=128"], 2, 128, 1800.0)
+    jobs = load_jobs(tmp_path)
+    assert scaling_mode(jobs) == "strong scaling (global batch fixed)"
+
+
+def test_report_of_a_folder_that_is_no_sweep_says_so(tmp_path):
+    result = run_module("src.report", str(tmp_path))
+    assert result.returncode == 2 and "no job dirs" in result.stderr
