@@ -167,7 +167,9 @@ def _plot(series: dict[str, list[Job]], path: Path) -> None:
     ax_tp.set(xlabel="world size (processes)", ylabel="samples/s (global)", title="Throughput")
     ax_eff.set(xlabel="world size (processes)", ylabel="efficiency (%)", title="Scaling efficiency", ylim=(0, 110))
     ax_eff.axhline(100, ls="--", color="grey", alpha=0.5)
+    worlds = sorted({j.record["world_size"] for members in series.values() for j in members})
     for ax in (ax_tp, ax_eff):
+        ax.set_xticks(worlds)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.tight_layout()
