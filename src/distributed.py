@@ -50,6 +50,7 @@ def build_strategy(
             "use backend=gloo (or backend=auto) on CPUs"
         )
     processes = world_size(accelerator, devices, num_nodes)
+    check_slurm_allocation(local_device_count(accelerator, devices), num_nodes)
     if name == "auto":
         if processes == 1:
             return "auto"  # Lightning picks SingleDeviceStrategy: no process group, no DDP wrapper
@@ -99,6 +100,32 @@ def local_device_count(accelerator: str, devices: Any) -> int:
         raise UserError(f"trainer.devices={devices} asks for {count} GPUs but this node has "
                         f"{torch.cuda.device_count()}: lower trainer.devices, or use trainer.devices=auto")
     return count
+
+
+def check_slurm_allocation(devices: int, num_nodes: int) -> None:
+    """Under a Slurm job, the processes must come from srun and match the allocation, or DDP waits forever."""
+    from lightning.fabric.plugins.environments import SLURMEnvironment
+
+    if "SLURM_JOB_ID" not in os.environ or not SLURMEnvironment.detect():
+        return  # not Slurm, or an interactive allocation (job name bash/interactive) Lightning leaves alone
+    in_batch_script = os.environ.get("SLURM_STEP_ID") in (None, "batch", "4294967294")
+    if in_batch_script and (int(os.environ.get("SLURM_NTASKS", "1")) > 1 or devices * num_nodes > 1):
+        raise UserError(
+            "python runs in the Slurm job's batch script without srun, so no other rank will start: "
+            "launch it as `srun python -m src.train ...` (slurm/train.sbatch does)"
+        )
+    per_node = os.environ.get("SLURM_NTASKS_PER_NODE", "").split("(")[0]
+    if per_node and int(per_node) != devices:
+        raise UserError(
+            f"the Slurm allocation runs --ntasks-per-node={per_node} but trainer.devices={devices}: "
+            f"make them equal (trainer.devices=$SLURM_NTASKS_PER_NODE, as slurm/train.sbatch passes)"
+        )
+    nodes = os.environ.get("SLURM_JOB_NUM_NODES") or os.environ.get("SLURM_NNODES")
+    if nodes and int(nodes) != num_nodes:
+        raise UserError(
+            f"the Slurm allocation has --nodes={nodes} but trainer.num_nodes={num_nodes}: "
+            f"make them equal (trainer.num_nodes=$SLURM_JOB_NUM_NODES, as slurm/train.sbatch passes)"
+        )
 
 
 class HydraDDPStrategy(DDPStrategy):

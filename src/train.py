@@ -13,7 +13,7 @@ from omegaconf import DictConfig
 
 from src.distributed import is_launch_rank_zero
 from src.errors import handle_errors
-from src.trainer import build_trainer, record_config
+from src.trainer import build_trainer, record_config, resume_path
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="train")
@@ -27,7 +27,8 @@ def main(cfg: DictConfig) -> float | None:
     record_config(cfg, trainer)
     if is_launch_rank_zero():
         datamodule.prepare_data()  # missing or bad data fails here, before any other process is started
-    trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.ckpt_path, weights_only=True)
+    ckpt_path = resume_path(cfg.ckpt_path, cfg.paths.output_dir)
+    trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True)
     if cfg.test:
         trainer.test(model, datamodule=datamodule, ckpt_path="best", weights_only=True)
     best = trainer.checkpoint_callback.best_model_score if trainer.checkpoint_callback else None

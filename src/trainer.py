@@ -30,6 +30,19 @@ def build_trainer(cfg: DictConfig) -> L.Trainer:
                        logger=loggers or False)
 
 
+def resume_path(ckpt_path: str | None, run_dir: str) -> str | None:
+    """``ckpt_path`` as Lightning takes it; ``auto`` means the newest checkpoint in this run dir, if any.
+
+    After a requeue that is Lightning's ``hpc_ckpt_N.ckpt`` (saved on SIGUSR1) or ``checkpoints/last.ckpt``
+    (saved at the last epoch end, e.g. before a preemption without warning).
+    """
+    if ckpt_path != "auto":
+        return ckpt_path
+    run = Path(run_dir)
+    found = [*run.glob("hpc_ckpt_*.ckpt"), *run.glob("checkpoints/last.ckpt")]
+    return str(max(found, key=lambda p: p.stat().st_mtime)) if found else None
+
+
 def record_config(cfg: DictConfig, trainer: L.Trainer) -> None:
     """Rank zero saves the resolved config beside the outputs and logs it as hyperparameters."""
     if not is_launch_rank_zero():

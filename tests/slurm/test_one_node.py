@@ -1,0 +1,96 @@
+"""slurm/train.sbatch on a real one-node Slurm cluster: 2 tasks, requeue + auto-resume, mismatches, sweeps."""
+
+from __future__ import annotations
+
+import csv
+import json
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import FAST, ROOT
+from tests.slurm.conftest import start_cluster, stop_cluster
+
+CPU = ["--gpus-per-node=0"]
+RUN = [*FAST, "test=false"]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    cluster = start_cluster(tmp_path_factory, nodes=1)
+    yield cluster
+    stop_cluster(cluster)
+
+
+def run_dir(job_id: str) -> Path:
+    return ROOT / "outputs" / "slurm" / job_id
+
+
+def test_one_node_two_tasks_train_one_world_of_two_into_the_jobs_run_dir(cluster):
+    job = cluster.sbatch("--nodes=1", "--ntasks-per-node=2", *CPU, "slurm/train.sbatch", *RUN)
+    info = cluster.wait(job)
+    assert info["JobState"] == "COMPLETED", cluster.log(job)
+    record = json.loads((run_dir(job) / "throughput.json").read_text())
+    assert record["world_size"] == 2 and len(set(record["pids"])) == 2
+    assert [p.relative_to(run_dir(job)) for p in run_dir(job).rglob("last.ckpt")] == [Path("checkpoints/last.ckpt")]
+    assert "world size 2 | strategy ddp | backend gloo" in cluster.log(job)
+    assert (run_dir(job) / "config.yaml").is_file() and (run_dir(job) / "tensorboard").is_dir()
+
+
+def test_sigusr1_checkpoints_requeues_and_resumes_to_exactly_the_requested_epochs(cluster):
+    steps = 40
+    job = cluster.sbatch("--nodes=1", "--ntasks-per-node=1", *CPU, "slurm/train.sbatch", *RUN,
+                         f"trainer.limit_train_batches={steps}", "trainer.max_epochs=3")
+    deadline = time.monotonic() + 180
+    while "Run: " not in cluster.log(job) and time.monotonic() < deadline:  # training has started
+        time.sleep(0.5)
+    time.sleep(3)
+    cluster.run("scancel", "--signal=USR1", job)
+    info = cluster.wait(job, timeout=400)
+    log = cluster.log(job)
+    assert info["JobState"] == "COMPLETED", log
+    assert int(info["Restarts"]) == 1, info
+    assert "Handling auto-requeue signal" in log and "restart 1" in log
+    assert list(run_dir(job).glob("hpc_ckpt_*.ckpt")), "no checkpoint written on SIGUSR1"
+    assert "Restoring states from the checkpoint" in log
+    last = torch.load(run_dir(job) / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    assert last["epoch"] == 2 and last["global_step"] == 3 * steps  # no epoch lost, none repeated
+
+
+def test_an_allocation_that_does_not_match_the_config_fails_fast_with_what_to_change(cluster):
+    start = time.monotonic()
+    job = cluster.sbatch("--nodes=1", "--ntasks-per-node=2", *CPU, "slurm/train.sbatch", *RUN, "trainer.devices=1")
+    info = cluster.wait(job, timeout=120)
+    assert info["JobState"] == "FAILED"
+    assert "--ntasks-per-node=2 but trainer.devices=1" in cluster.log(job)
+    assert time.monotonic() - start < 90
+
+
+def test_python_without_srun_in_a_multi_task_job_fails_fast(cluster):
+    job = cluster.sbatch("--nodes=1", "--ntasks-per-node=2", *CPU, "--output=outputs/slurm/%j.out",
+                         "--wrap", " ".join([".venv/bin/python", "-m", "src.train", *RUN, "trainer.devices=2",
+                                             "hydra.run.dir=outputs/slurm/nosrun-$SLURM_JOB_ID"]))
+    info = cluster.wait(job, timeout=120)
+    assert info["JobState"] == "FAILED"
+    assert "without srun" in cluster.log(job)
+
+
+def test_a_sweep_submits_one_job_per_device_count_sized_to_match_and_reports(cluster, tmp_path):
+    sweep = tmp_path / "sweep"
+    result = cluster.run("env", f"SWEEP_DIR={sweep}", ".venv/bin/python", "-m", "src.slurm_sweep", *CPU, "--",
+                         "trainer.devices=1,2", *RUN)
+    lines = result.stdout.splitlines()
+    ids = [line.split("Slurm job ")[1].split(":")[0] for line in lines if line.startswith("job ")]
+    report_id = next(line.split("Slurm job ")[1].split(",")[0] for line in lines if line.startswith("report:"))
+    cluster.job_ids.extend(ids)
+    assert len(ids) == 2
+    assert [cluster.show(i)["NumTasks"] for i in ids] == ["1", "2"]
+    for i in ids:
+        assert cluster.wait(i)["JobState"] == "COMPLETED", cluster.log(i)
+    assert cluster.wait(report_id)["JobState"] == "COMPLETED", (sweep / "report.out").read_text()
+    rows = list(csv.DictReader((sweep / "scaling.csv").open()))
+    assert sorted(int(r["world_size"]) for r in rows) == [1, 2]
+    for k, world in enumerate((1, 2)):
+        assert len(set(json.loads((sweep / str(k) / "throughput.json").read_text())["pids"])) == world

@@ -1,0 +1,31 @@
+"""slurm/train.sbatch across two Slurm nodes (network namespaces on this machine), one task each."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import FAST, ROOT
+from tests.slurm.conftest import start_cluster, stop_cluster
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    cluster = start_cluster(tmp_path_factory, nodes=2)
+    yield cluster
+    stop_cluster(cluster)
+
+
+def test_two_nodes_one_task_each_train_one_world_of_two(cluster):
+    job = cluster.sbatch("--nodes=2", "--ntasks-per-node=1", "--gpus-per-node=0", "slurm/train.sbatch", *FAST,
+                         "test=false")
+    info = cluster.wait(job)
+    assert info["JobState"] == "COMPLETED", cluster.log(job)
+    run_dir = ROOT / "outputs" / "slurm" / job
+    record = json.loads((run_dir / "throughput.json").read_text())
+    assert record["world_size"] == 2 and record["num_nodes"] == 2 and len(set(record["pids"])) == 2
+    assert record["hosts"] == ["node1", "node2"]
+    assert [p.relative_to(run_dir) for p in run_dir.rglob("last.ckpt")] == [Path("checkpoints/last.ckpt")]
+    assert "Run: 2 node(s) x 1 device(s) = world size 2" in cluster.log(job)
