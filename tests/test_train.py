@@ -177,3 +177,31 @@ def test_a_rank_whose_peers_never_arrive_fails_after_the_timeout_naming_the_rend
                                                      "NODE_RANK": "0"}, timeout=120)
     assert_user_error(result, f"MASTER_ADDR:MASTER_PORT=127.0.0.1:{port}", "NODE_RANK=0", "world size 2", "within 5 s")
     assert time.monotonic() - start < 60
+
+
+def test_ckpt_path_auto_means_the_newest_checkpoint_of_the_run_dir(tmp_path):
+    import os
+
+    from src.trainer import resume_path
+
+    assert resume_path("auto", str(tmp_path)) is None  # nothing yet: start fresh
+    (tmp_path / "checkpoints").mkdir()
+    last, hpc = tmp_path / "checkpoints" / "last.ckpt", tmp_path / "hpc_ckpt_1.ckpt"
+    last.write_bytes(b"x")
+    hpc.write_bytes(b"x")
+    os.utime(last, (1000, 1000))
+    assert resume_path("auto", str(tmp_path)) == str(hpc)
+    os.utime(last, (time.time() + 10, time.time() + 10))
+    assert resume_path("auto", str(tmp_path)) == str(last)
+    assert resume_path("some.ckpt", str(tmp_path)) == "some.ckpt" and resume_path(None, str(tmp_path)) is None
+
+
+def test_resume_with_ckpt_path_last_in_the_same_run_dir(single_run, tmp_path):
+    import shutil
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(single_run / "checkpoints", run_dir / "checkpoints")
+    result = train(*FAST, "trainer.limit_train_batches=12", "trainer.max_epochs=3", "ckpt_path=last", "test=false",
+                   f"hydra.run.dir={run_dir}")
+    assert_ok(result)
+    assert checkpoint(run_dir / "checkpoints" / "last.ckpt")["global_step"] == 36
