@@ -64,7 +64,6 @@ if ! command -v slurmctld >/dev/null || ! command -v slurmd >/dev/null ||
     die "apt-get install failed"
 fi
 for t in ip ss nsenter unshare timeout; do command -v $t >/dev/null || die "$t not found"; done
-T1=$(date +%s.%N)   # configure+start time is measured from here
 
 # --- 2. a cluster from an earlier run in DIR is stopped; another DIR's cluster is left alone
 if [ -e "$DIR/run/slurmctld.pid" ] || [ -e "$DIR/run/munged.pid" ] || [ -e "$DIR/cluster.env" ]; then
@@ -84,6 +83,7 @@ for port in "$CTLD_PORT" "$SLURMD_PORT"; do
 done
 
 CLEANUP=1
+T1=$(date +%s.%N)   # start-up time is measured from here
 rm -rf "$DIR/state" "$DIR/spool" "$DIR/run" "$DIR/log" "$DIR/env.sh"
 mkdir -p "$DIR"/{etc,state,spool,run,log,munge}
 chmod 755 "$DIR" "$DIR"/{etc,state,spool,run,log,munge}   # munged refuses group/other-writable dirs
@@ -159,8 +159,10 @@ JobCompType=jobcomp/none
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 SchedulerType=sched/backfill
-# the default batch_sched_delay=3 makes every sbatch wait ~3 s for the next scheduler pass
-SchedulerParameters=batch_sched_delay=0
+# the default batch_sched_delay=3 makes every sbatch wait ~3 s for the next scheduler pass;
+# sched_interval=1: a requeued job that becomes eligible (see cred_expire) starts within ~1 s
+# (nothing else wakes the scheduler then: by default it waits for the next 10 s node ping)
+SchedulerParameters=batch_sched_delay=0,sched_interval=1
 # the tests requeue batch jobs (scontrol requeue)
 JobRequeue=1
 MpiDefault=none

@@ -24,11 +24,11 @@ gone() {  # gone SECONDS PID: wait up to SECONDS for PID to exit
 
 stop_pid() {  # stop_pid PIDFILE COMM
   local p; p=$(cat "$1" 2>/dev/null) || return 0
-  rm -f "$1"
-  alive "$p" || return 0
-  [ "$(cat /proc/$p/comm 2>/dev/null)" = "$2" ] || { log "pid $p is not $2, left alone"; return 0; }
+  if ! alive "$p"; then rm -f "$1"; return 0; fi
+  [ "$(cat /proc/$p/comm 2>/dev/null)" = "$2" ] || { log "pid $p is not $2, left alone"; rm -f "$1"; return 0; }
   log "stopping $2 ($p)"; kill -TERM "$p"
   gone 10 "$p" || { log "$2 ($p) ignored SIGTERM, SIGKILL"; kill -KILL "$p"; gone 2 "$p"; }
+  rm -f "$1"
 }
 
 # 1. cancel jobs while slurmctld can still do it cleanly
