@@ -11,9 +11,10 @@
 #   private bridge c10-br0 (10.200.0.0/24, never leaves the machine), with its own hostname and a
 #   private /etc/hosts, so node names resolve inside jobs: Lightning takes MASTER_ADDR from the
 #   first host of SLURM_NODELIST and gloo connects to it from the other nodes.
-# Each node advertises 4 CPUs whatever the machine has (so --ntasks-per-node=2 fits), no GPUs.
+# Each node advertises 16 CPUs whatever the machine has, so slurm/train.sbatch's own
+# --ntasks-per-node=2 x --cpus-per-task=8 fits; no GPUs.
 # Config, state, logs, sockets and pid files all live under DIR; nothing is written to /etc.
-# Env: SLURM_CTLD_PORT (16817), SLURMD_PORT (16818), TESTCLUSTER_CPUS (4), TESTCLUSTER_NET (10.200.0).
+# Env: SLURM_CTLD_PORT (16817), SLURMD_PORT (16818), TESTCLUSTER_CPUS (16), TESTCLUSTER_NET (10.200.0).
 # stdout gets one line, `export SLURM_CONF=DIR/etc/slurm.conf` (also written to DIR/env.sh);
 # progress goes to stderr. On failure: one ERROR line plus a log tail, stop.sh DIR, exit 1.
 set -Eeuo pipefail
@@ -23,7 +24,7 @@ HERE=$(cd "$(dirname "$0")" && pwd)
 NODES=${2:-1}
 CTLD_PORT=${SLURM_CTLD_PORT:-16817}
 SLURMD_PORT=${SLURMD_PORT:-16818}
-CPUS=${TESTCLUSTER_CPUS:-4}
+CPUS=${TESTCLUSTER_CPUS:-16}
 NET=${TESTCLUSTER_NET:-10.200.0}
 BR=c10-br0                                   # names differ from shared/slurm-lab's slt-*
 
@@ -32,7 +33,8 @@ TAIL=""     # the log die() shows; set by each step
 CLEANUP=0   # set once we have started something, so die() undoes it
 die() {
   [ "$BASHPID" = $$ ] || exit 1   # in a $(...) subshell: let the main shell report it
-  trap - ERR
+  trap - ERR; set +e
+  [ -s "$TAIL" ] || TAIL=""
   log "ERROR: $*${TAIL:+ (last lines of $TAIL below)}"
   [ -z "$TAIL" ] || tail -n 15 "$TAIL" 2>/dev/null | sed 's/^/    /' >&2
   [ "$CLEANUP" = 0 ] || "$HERE/stop.sh" "$DIR" >/dev/null 2>&1
@@ -75,11 +77,11 @@ if [ "$NODES" = 2 ]; then
   for i in 1 2; do
     [ ! -e /run/netns/c10-n$i ] || die "netns c10-n$i exists: run stop.sh on the DIR that made it"
   done
-  ! ip -o -4 addr | grep -q " $NET\.1/" ||
+  [[ "$(ip -o -4 addr)" != *" $NET.1/"* ]] ||
     die "$NET.1 is already on an interface (shared/slurm-lab's cluster?): set TESTCLUSTER_NET"
 fi
 for port in "$CTLD_PORT" "$SLURMD_PORT"; do
-  ! ss -Htln "sport = :$port" | grep -q . || die "TCP port $port is in use: set SLURM_CTLD_PORT / SLURMD_PORT"
+  [ -z "$(ss -Htln "sport = :$port")" ] || die "TCP port $port is in use: set SLURM_CTLD_PORT / SLURMD_PORT"
 done
 
 CLEANUP=1
@@ -128,7 +130,7 @@ wait_for 10 munge_ok || die "munge round-trip failed"
 MEM=$(env -u SLURM_CONF slurmd -C | sed -n 's/.*\(RealMemory=[0-9]*\).*/\1/p' | head -n1)
 {
 cat <<EOF
-# written by slurm/testcluster/start.sh $NODES on $(date -u +%FT%TZ); removed by nothing, rewritten each start
+# written by slurm/testcluster/start.sh $DIR $NODES at $(date -u +%FT%TZ), rewritten at every start
 ClusterName=c10test
 SlurmctldHost=$CTL_NAME($CTL_ADDR)
 SlurmUser=root
@@ -165,6 +167,8 @@ SchedulerType=sched/backfill
 SchedulerParameters=batch_sched_delay=0,sched_interval=1
 # the tests requeue batch jobs (scontrol requeue)
 JobRequeue=1
+# job ids differ from one cluster to the next, so a new job never meets an old job's outputs/slurm/<id>/
+FirstJobId=$(( $(date +%s) % 900000 + 1000 ))
 MpiDefault=none
 SwitchType=switch/none
 ReturnToService=2
@@ -208,16 +212,24 @@ all_idle() { [ "$(timeout 5 sinfo -h -N -o %T 2>/dev/null | sort -u | tr '\n' ' 
 wait_for 30 all_idle || die "nodes not idle after 30 s: $(sinfo -h -N -o '%N=%T' | tr '\n' ' ')"
 T_IDLE=$(since)
 
-# --- 7. smoke test: one task per node, each reporting its own hostname (node "localhost" runs
-#        on this machine, so its jobs see this machine's hostname)
+# --- 7. smoke test: a batch job whose srun runs one task per node, each printing its hostname
+#        (node "localhost" is this machine, so there the job sees this machine's hostname).
+#        slurmctld schedules no batch job in its first ~3 s; this absorbs that wait too.
 [ "$NODES" = 2 ] && expect="node1 node2 " || expect="$(hostname) "
-out=$(timeout 60 srun -N"$NODES" --ntasks-per-node=1 hostname 2>&1) || die "smoke srun failed: $out"
-[ "$(sort <<<"$out" | tr '\n' ' ')" = "$expect" ] || die "smoke srun: expected '$expect', got '$out'"
-# let the nodes leave COMPLETING, else the first real job waits for the next scheduler pass
+TAIL=$DIR/log/smoke.out
+# (not sbatch --wait: it polls every 2..10 s)
+jid=$(sbatch --parsable -N"$NODES" --ntasks-per-node=1 -o "$TAIL" --wrap 'srun hostname')
+job_state() { timeout 5 scontrol show job "$jid" 2>/dev/null | grep -o 'JobState=[A-Z_]*' || true; }
+job_done() { [[ "$(job_state)" =~ =(COMPLETED|FAILED|CANCELLED|TIMEOUT|NODE_FAIL|OUT_OF_MEMORY)$ ]]; }
+wait_for 60 job_done || die "smoke job $jid (srun hostname) not done after 60 s"
+[ "$(job_state)" = JobState=COMPLETED ] || die "smoke job $jid (srun hostname): $(job_state)"
+[ "$(sort "$TAIL" | tr '\n' ' ')" = "$expect" ] || die "smoke job: expected hostnames '$expect'"
+TAIL=$DIR/log/slurmctld.log
+# let the nodes leave COMPLETING, else the next job waits for them
 wait_for 10 all_idle || true
 
 echo "export SLURM_CONF=$CONF" >"$DIR/env.sh"
-log "up: ${NAMES[*]} ($CPUS CPUs each), idle after ${T_IDLE}s, smoke srun ok after $(since)s; pids:" \
+log "up: ${NAMES[*]} ($CPUS CPUs each), idle after ${T_IDLE}s, smoke job done after $(since)s; pids:" \
     "munged $(cat "$DIR/run/munged.pid") slurmctld $(cat "$DIR/run/slurmctld.pid")" \
     "$(for n in "${NAMES[@]}"; do printf 'slurmd-%s %s ' "$n" "$(cat "$DIR/run/slurmd-$n.pid")"; done)"
 echo "export SLURM_CONF=$CONF"

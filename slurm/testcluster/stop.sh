@@ -22,13 +22,18 @@ gone() {  # gone SECONDS PID: wait up to SECONDS for PID to exit
   local i; for ((i = 0; i < $1 * 10; i++)); do alive "$2" || return 0; sleep 0.1; done; ! alive "$2"
 }
 
-stop_pid() {  # stop_pid PIDFILE COMM
-  local p; p=$(cat "$1" 2>/dev/null) || return 0
-  if ! alive "$p"; then rm -f "$1"; return 0; fi
-  [ "$(cat /proc/$p/comm 2>/dev/null)" = "$2" ] || { log "pid $p is not $2, left alone"; rm -f "$1"; return 0; }
-  log "stopping $2 ($p)"; kill -TERM "$p"
-  gone 10 "$p" || { log "$2 ($p) ignored SIGTERM, SIGKILL"; kill -KILL "$p"; gone 2 "$p"; }
-  rm -f "$1"
+stop_pids() {  # stop_pids COMM PIDFILE...: SIGTERM them all, wait up to 10 s, then SIGKILL
+  local want=$1 f p; local -a pids=(); shift
+  for f; do
+    p=$(cat "$f" 2>/dev/null) || continue
+    if alive "$p" && [ "$(cat /proc/$p/comm 2>/dev/null)" = "$want" ]; then
+      log "stopping $want ($p)"; kill -TERM "$p"; pids+=("$p")
+    elif alive "$p"; then log "pid $p in $f is not $want, left alone"; fi
+  done
+  for p in "${pids[@]}"; do
+    gone 10 "$p" || { log "$want ($p) ignored SIGTERM, SIGKILL"; kill -KILL "$p"; gone 2 "$p"; }
+  done
+  rm -f "$@"
 }
 
 # 1. cancel jobs while slurmctld can still do it cleanly
@@ -41,9 +46,10 @@ if alive "$(cat "$DIR/run/slurmctld.pid" 2>/dev/null)"; then
 fi
 
 # 2. daemons, by pid file
-for f in "$DIR"/run/slurmd-*.pid; do stop_pid "$f" slurmd; done
-stop_pid "$DIR/run/slurmctld.pid" slurmctld
-stop_pid "$DIR/run/munged.pid" munged
+stop_pids slurmd "$DIR"/run/slurmd-*.pid &   # each takes ~2 s, so side by side
+stop_pids slurmctld "$DIR/run/slurmctld.pid"
+wait
+stop_pids munged "$DIR/run/munged.pid"        # last: the others use it
 
 # 3. leftovers of this cluster's jobs: slurmstepd (inherits SLURM_CONF from slurmd) and tasks
 #    (Slurm sets SLURM_CONF and SLURM_JOB_ID in their environment). Not us, not our callers.
