@@ -9,6 +9,9 @@ import lightning as L
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from lightning.fabric.plugins.environments import SLURMEnvironment
+
+from src.callbacks.slurm_requeue import under_slurm
 from src.distributed import is_launch_rank_zero
 
 
@@ -26,21 +29,21 @@ def build_trainer(cfg: DictConfig) -> L.Trainer:
     """A Trainer whose strategy, callbacks and loggers come from their config groups."""
     callbacks = [instantiate(c) for c in (cfg.get("callbacks") or {}).values() if c is not None]
     loggers = [instantiate(lg) for lg in (cfg.get("logger") or {}).values() if lg is not None]
+    # Under Slurm, src/callbacks/slurm_requeue.py owns SIGUSR1 instead of Lightning (see there why).
+    plugins = [SLURMEnvironment(auto_requeue=False)] if under_slurm() else None
     return instantiate(cfg.trainer, strategy=instantiate(cfg.strategy), callbacks=callbacks,
-                       logger=loggers or False)
+                       logger=loggers or False, plugins=plugins)
 
 
 def resume_path(ckpt_path: str | None, run_dir: str) -> str | None:
-    """``ckpt_path`` as Lightning takes it; ``auto`` means the newest checkpoint in this run dir, if any.
+    """``ckpt_path`` as Lightning takes it; ``auto`` means this run dir's ``checkpoints/last.ckpt``, if any.
 
-    After a requeue that is Lightning's ``hpc_ckpt_N.ckpt`` (saved on SIGUSR1) or ``checkpoints/last.ckpt``
-    (saved at the last epoch end, e.g. before a preemption without warning).
+    That is what a requeued Slurm job (same run dir) restarts from: the last completed epoch.
     """
     if ckpt_path != "auto":
         return ckpt_path
-    run = Path(run_dir)
-    found = [*run.glob("hpc_ckpt_*.ckpt"), *run.glob("checkpoints/last.ckpt")]
-    return str(max(found, key=lambda p: p.stat().st_mtime)) if found else None
+    last = Path(run_dir) / "checkpoints" / "last.ckpt"
+    return str(last) if last.is_file() else None
 
 
 def record_config(cfg: DictConfig, trainer: L.Trainer) -> None:

@@ -1,0 +1,47 @@
+"""Requeue a Slurm job on SIGUSR1 (``#SBATCH --signal=SIGUSR1@90``); the restart resumes from ``last.ckpt``.
+
+This replaces Lightning's own SIGUSR1 handler (``SLURMEnvironment(auto_requeue=True)``), the one
+requeue owner being this callback. Lightning's handler also saves ``hpc_ckpt_N.ckpt`` from inside the
+signal handler, in the middle of a training step; with Lightning 2.6.6 a run resumed from such a
+checkpoint finished its interrupted epoch and then ran every remaining epoch with no batches (seen
+here: 21 of 63 steps). Resuming from the last epoch-end checkpoint repeats the interrupted epoch's
+steps instead, and the run ends with exactly the epochs and steps it was asked for.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import threading
+
+import lightning as L
+from lightning.fabric.plugins.environments import SLURMEnvironment
+
+log = logging.getLogger(__name__)
+
+
+def under_slurm() -> bool:
+    """True in the tasks of a Slurm job that Lightning treats as one (srun, not an interactive shell)."""
+    return SLURMEnvironment.detect()
+
+
+class SlurmRequeue(L.Callback):
+    """On SIGUSR1, rank zero runs ``scontrol requeue $SLURM_JOB_ID``; Slurm then stops and restarts the job."""
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if stage == "fit" and under_slurm() and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGUSR1, lambda signum, frame: self._requeue(trainer))
+
+    @staticmethod
+    def _requeue(trainer: L.Trainer) -> None:
+        if not trainer.is_global_zero:
+            return
+        array_job = os.environ.get("SLURM_ARRAY_JOB_ID")
+        job_id = f"{array_job}_{os.environ['SLURM_ARRAY_TASK_ID']}" if array_job else os.environ["SLURM_JOB_ID"]
+        result = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True)
+        if result.returncode == 0:
+            log.warning("SIGUSR1: requeued Slurm job %s; it will resume from checkpoints/last.ckpt", job_id)
+        else:
+            log.error("SIGUSR1: scontrol requeue %s failed: %s", job_id, result.stderr.strip())
