@@ -25,8 +25,22 @@ class _NoAdvertising(logging.Filter):
 logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(_NoAdvertising())
 
 
+def route_lightning_logs() -> None:
+    """Send Lightning's messages through Hydra's handlers, so each process's log file holds them too.
+
+    Lightning gives its logger a console handler of its own when it is imported, before Hydra has
+    configured logging, and stops it propagating; the run's log files then miss every Lightning line.
+    """
+    if not logging.getLogger().handlers:  # no Hydra logging (a spawned child): keep Lightning's own
+        return
+    for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
+        logging.getLogger(name).handlers.clear()
+        logging.getLogger(name).propagate = True
+
+
 def build_trainer(cfg: DictConfig) -> L.Trainer:
     """A Trainer whose strategy, callbacks and loggers come from their config groups."""
+    route_lightning_logs()
     callbacks = [instantiate(c) for c in (cfg.get("callbacks") or {}).values() if c is not None]
     loggers = [instantiate(lg) for lg in (cfg.get("logger") or {}).values() if lg is not None]
     # Under Slurm, src/callbacks/slurm_requeue.py owns SIGUSR1 instead of Lightning (see there why).
