@@ -7,7 +7,6 @@ fails with a readable message, and a launcher that starts local ranks from *this
 
 from __future__ import annotations
 
-import logging
 import os
 import subprocess
 import sys
@@ -20,8 +19,6 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
 from src.errors import UserError
-
-log = logging.getLogger(__name__)
 
 BACKENDS = ("auto", "nccl", "gloo")
 STRATEGIES = ("auto", "ddp", "ddp_spawn")

@@ -48,7 +48,7 @@ def handle_errors(task: Callable[..., Any]) -> Callable[..., Any]:
         except Exception as err:
             cause = user_error_in(err)
             if _in_sweep():
-                return _record_failure(cfg, err, cause)
+                return _record_failure(err, cause)
             if cause is None or os.environ.get("HYDRA_FULL_ERROR") == "1":
                 raise
             print(f"error: {cause}", file=sys.stderr, flush=True)
@@ -64,7 +64,7 @@ def _in_sweep() -> bool:
     return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
 
 
-def _record_failure(cfg: Any, err: Exception, cause: BaseException | None) -> None:
+def _record_failure(err: Exception, cause: BaseException | None) -> None:
     from hydra.core.hydra_config import HydraConfig
 
     message = str(cause) if cause is not None else f"{type(err).__name__}: {err}"
