@@ -47,7 +47,7 @@ def build_strategy(
             "use backend=gloo (or backend=auto) on CPUs"
         )
     processes = world_size(accelerator, devices, num_nodes)
-    check_slurm_allocation(local_device_count(accelerator, devices), num_nodes)
+    check_slurm_allocation(processes // num_nodes, num_nodes)
     if name == "auto":
         if processes == 1:
             return "auto"  # Lightning picks SingleDeviceStrategy: no process group, no DDP wrapper

@@ -11,7 +11,6 @@ from omegaconf import DictConfig, OmegaConf
 
 from lightning.fabric.plugins.environments import SLURMEnvironment
 
-from src.callbacks.slurm_requeue import under_slurm
 from src.distributed import is_launch_rank_zero
 
 
@@ -44,7 +43,7 @@ def build_trainer(cfg: DictConfig) -> L.Trainer:
     callbacks = [instantiate(c) for c in (cfg.get("callbacks") or {}).values() if c is not None]
     loggers = [instantiate(lg) for lg in (cfg.get("logger") or {}).values() if lg is not None]
     # Under Slurm, src/callbacks/slurm_requeue.py owns SIGUSR1 instead of Lightning (see there why).
-    plugins = [SLURMEnvironment(auto_requeue=False)] if under_slurm() else None
+    plugins = [SLURMEnvironment(auto_requeue=False)] if SLURMEnvironment.detect() else None
     return instantiate(cfg.trainer, strategy=instantiate(cfg.strategy), callbacks=callbacks,
                        logger=loggers or False, plugins=plugins)
 

@@ -22,16 +22,11 @@ from lightning.fabric.plugins.environments import SLURMEnvironment
 log = logging.getLogger(__name__)
 
 
-def under_slurm() -> bool:
-    """True in the tasks of a Slurm job that Lightning treats as one (srun, not an interactive shell)."""
-    return SLURMEnvironment.detect()
-
-
 class SlurmRequeue(L.Callback):
     """On SIGUSR1, rank zero runs ``scontrol requeue $SLURM_JOB_ID``; Slurm then stops and restarts the job."""
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        if stage == "fit" and under_slurm() and threading.current_thread() is threading.main_thread():
+        if stage == "fit" and SLURMEnvironment.detect() and threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGUSR1, lambda signum, frame: self._requeue(trainer))
 
     @staticmethod

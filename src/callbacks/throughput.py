@@ -64,7 +64,14 @@ class ThroughputRecorder(L.Callback):
         self._last_end: float | None = None
         self._epoch_start = 0.0
         self._steps = 0
+        self._warmup = warmup_steps
         self._batch_size = 0
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # Short runs (a smoke test of 3 steps) still measure something: at least the last two steps.
+        total = trainer.num_training_batches * max(1, trainer.max_epochs or 1)
+        if total != float("inf"):
+            self._warmup = max(0, min(self.warmup_steps, int(total) - 3))
 
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._epoch_start = time.perf_counter()
@@ -75,17 +82,12 @@ class ThroughputRecorder(L.Callback):
         now = time.perf_counter()
         self._steps += 1
         self._batch_size = batch[0].size(0)
-        if self._last_end is not None and self._steps > self._warmup(trainer):
+        if self._last_end is not None and self._steps > self._warmup:
             self._intervals.append(now - self._last_end)
         self._last_end = now
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._epoch_times.append(time.perf_counter() - self._epoch_start)
-
-    def _warmup(self, trainer: L.Trainer) -> int:
-        # Short runs (a smoke test of 3 steps) still measure something: at least the last two steps.
-        total = trainer.num_training_batches * max(1, trainer.max_epochs or 1)
-        return max(0, min(self.warmup_steps, int(total) - 3)) if total != float("inf") else self.warmup_steps
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         device = trainer.strategy.root_device
@@ -112,7 +114,7 @@ class ThroughputRecorder(L.Callback):
             "samples_per_second_per_device": samples_per_second / trainer.world_size,
             "step_time_s": step_time,
             "steps_measured": len(self._intervals),
-            "warmup_steps": self._warmup(trainer),
+            "warmup_steps": self._warmup,
             "epoch_time_s": sum(self._epoch_times) / len(self._epoch_times) if self._epoch_times else float("nan"),
             "epochs": len(self._epoch_times),
             "peak_memory_mb": max(r["peak_memory_mb"] for r in ranks),
@@ -122,4 +124,3 @@ class ThroughputRecorder(L.Callback):
         path = Path(trainer.default_root_dir) / self.filename
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(record, indent=2) + "\n")
-
