@@ -7,9 +7,8 @@ from pathlib import Path
 
 import lightning as L
 from hydra.utils import instantiate
-from omegaconf import DictConfig, OmegaConf
-
 from lightning.fabric.plugins.environments import SLURMEnvironment
+from omegaconf import DictConfig, OmegaConf
 
 from src.distributed import is_launch_rank_zero
 
