@@ -6,11 +6,12 @@ import logging
 from pathlib import Path
 
 import lightning as L
+import torch
 from hydra.utils import instantiate
 from lightning.fabric.plugins.environments import SLURMEnvironment
 from omegaconf import DictConfig, OmegaConf
 
-from src.distributed import is_launch_rank_zero
+from src.distributed import is_launch_rank_zero, uses_cuda
 
 
 class _NoAdvertising(logging.Filter):
@@ -36,6 +37,23 @@ def route_lightning_logs() -> None:
         logging.getLogger(name).propagate = True
 
 
+def hardware_defaults(trainer_cfg: DictConfig) -> dict:
+    """``precision`` and ``benchmark`` left at ``auto``, resolved for the hardware found.
+
+    On CUDA: bf16 autocast where the GPU has bf16 (Ampere and later; else 32-bit with TF32 matmuls) and
+    cuDNN autotuning (CIFAR's shapes never change). On a CPU: 32-bit, as bf16 autocast there is slower.
+    """
+    cuda = uses_cuda(trainer_cfg.accelerator)
+    resolved = {}
+    if trainer_cfg.precision == "auto":
+        resolved["precision"] = "bf16-mixed" if cuda and torch.cuda.is_bf16_supported() else "32-true"
+    if trainer_cfg.benchmark == "auto":
+        resolved["benchmark"] = cuda and not trainer_cfg.deterministic
+    if cuda:
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    return resolved
+
+
 def build_trainer(cfg: DictConfig) -> L.Trainer:
     """A Trainer whose strategy, callbacks and loggers come from their config groups."""
     route_lightning_logs()
@@ -44,7 +62,7 @@ def build_trainer(cfg: DictConfig) -> L.Trainer:
     # Under Slurm, src/callbacks/slurm_requeue.py owns SIGUSR1 instead of Lightning (see there why).
     plugins = [SLURMEnvironment(auto_requeue=False)] if SLURMEnvironment.detect() else None
     return instantiate(cfg.trainer, strategy=instantiate(cfg.strategy), callbacks=callbacks,
-                       logger=loggers or False, plugins=plugins)
+                       logger=loggers or False, plugins=plugins, **hardware_defaults(cfg.trainer))
 
 
 def resume_path(ckpt_path: str | None, run_dir: str) -> str | None:

@@ -9,7 +9,7 @@ from torch import nn
 
 from src.data.synthetic import SyntheticDataModule
 from src.errors import UserError
-from src.models.classifier import ImageClassifier, warmup_then_decay
+from src.models.classifier import ImageClassifier, scaled_lr, warmup_then_decay
 from src.models.resnet import build_resnet, resnet_names
 
 # torchvision's ResNet-50 has 25,557,032 parameters for 1,000 classes; with a 10-class head that is
@@ -70,7 +70,9 @@ def test_label_smoothing_and_sgd_settings_come_from_config():
     model = ImageClassifier(arch="resnet18", label_smoothing=0.1,
                             optimizer={"lr": 0.2, "momentum": 0.8, "nesterov": False, "weight_decay": 1e-4})
     assert model.criterion.label_smoothing == 0.1
-    assert model.hparams.optimizer == {"lr": 0.2, "momentum": 0.8, "nesterov": False, "weight_decay": 1e-4}
+    assert model.hparams.optimizer == {"lr": 0.2, "momentum": 0.8, "nesterov": False, "weight_decay": 1e-4,
+                                       "decay_norm_and_bias": False, "lr_scaling": "linear",
+                                       "reference_batch_size": 128}
     with pytest.raises(UserError, match="model.label_smoothing"):
         ImageClassifier(arch="resnet18", label_smoothing=1.5)
 
@@ -91,13 +93,14 @@ def test_resnet50_itself_trains_a_few_steps_and_steps_the_learning_rate():
     assert trainer.global_step == 2
     assert not torch.equal(before, model.net.fc.weight)
     assert torch.isfinite(trainer.callback_metrics["train/loss"])
-    # warm-up over the 2 steps of the epoch: 0.1 x lr, then halfway
-    assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.1 * (0.1 + 0.9 * 2 / 2))
+    # warm-up over the 2 steps of the epoch: 0.1 x lr, then halfway; lr scaled to the batch of 4 (reference 128)
+    assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.1 * 4 / 128 * (0.1 + 0.9 * 2 / 2))
 
 
 def test_loss_falls_on_synthetic_data():
     L.seed_everything(0)
-    model = ImageClassifier(arch="resnet18", optimizer={"lr": 0.02}, scheduler={"warmup_epochs": 0.5})
+    model = ImageClassifier(arch="resnet18", optimizer={"lr": 0.02, "lr_scaling": "none"},
+                            scheduler={"warmup_epochs": 0.5})
     data = SyntheticDataModule(num_train=480, num_test=64, image_size=16, batch_size=32)
     losses: dict[int, list[float]] = {}
 
@@ -108,3 +111,40 @@ def test_loss_falls_on_synthetic_data():
     fit(model, data, max_epochs=3, callbacks=[Record()])
     first, last = (sum(v) / len(v) for v in (losses[0], losses[2]))
     assert last < 0.5 * first, losses
+
+
+def test_weight_decay_skips_batchnorm_and_biases_unless_asked():
+    model = ImageClassifier(arch="resnet18")
+    decayed, plain = model.parameter_groups()
+    assert plain["weight_decay"] == 0.0 and "weight_decay" not in decayed  # the optimizer's value applies
+    bn_and_bias = {id(p) for m in model.modules() if isinstance(m, (nn.BatchNorm2d, nn.Linear))
+                   for name, p in m.named_parameters() if isinstance(m, nn.BatchNorm2d) or name == "bias"}
+    assert {id(p) for p in plain["params"]} == bn_and_bias
+    assert len(decayed["params"]) + len(plain["params"]) == len(list(model.parameters()))
+    everything = ImageClassifier(arch="resnet18", optimizer={"decay_norm_and_bias": True}).parameter_groups()
+    assert len(everything) == 1
+
+
+def test_learning_rate_scales_linearly_with_the_global_batch():
+    assert scaled_lr(0.1, "linear", global_batch=1024, reference_batch=128) == pytest.approx(0.8)
+    assert scaled_lr(0.1, "linear", global_batch=64, reference_batch=128) == pytest.approx(0.05)
+    assert scaled_lr(0.1, "none", global_batch=1024, reference_batch=128) == 0.1
+    with pytest.raises(UserError, match="model.optimizer.lr_scaling"):
+        ImageClassifier(arch="resnet18", optimizer={"lr_scaling": "sqrt"})
+
+
+def test_channels_last_and_compile_are_switches(tmp_path):
+    model = ImageClassifier(arch="resnet18", channels_last=True, compile=True)
+    data = SyntheticDataModule(num_train=16, num_test=4, image_size=16, batch_size=4, val_size=4)
+    trainer = L.Trainer(accelerator="cpu", logger=False, default_root_dir=tmp_path)
+    trainer.strategy.connect(model)
+    model.trainer = trainer
+    model.setup("fit")
+    assert model.net.conv1.weight.is_contiguous(memory_format=torch.channels_last)
+    assert model.net._compiled_call_impl is not None  # compiled lazily, at the first forward
+    plain = ImageClassifier(arch="resnet18")  # auto: off on a CPU
+    plain.trainer = trainer
+    plain.setup("fit")
+    assert plain.memory_format == torch.contiguous_format and plain.net._compiled_call_impl is None
+    with pytest.raises(UserError, match="model.channels_last"):
+        ImageClassifier(arch="resnet18", channels_last="yes")

@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import os
+from typing import Any
+
 import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset
 from torchvision.transforms import v2
 
+from src.data.device_batches import DeviceBatches
 from src.errors import UserError
+
+PIPELINES = ("auto", "device", "dataloader")
 
 # Per-channel statistics of the CIFAR-10 training set (R, G, B), used for both datasets here.
 CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
@@ -42,21 +47,30 @@ def eval_transform() -> v2.Compose:
 class InMemoryImageDataModule(L.LightningDataModule):
     """Subclasses provide :meth:`load`; this class splits, augments and serves the batches.
 
-    Lightning swaps in a DistributedSampler under DDP, so each rank sees its own shard.
+    Two pipelines serve the same shards, order and augmentation: ``device`` (the default) keeps the
+    images on the training device and augments whole batches there (src/data/device_batches.py);
+    ``dataloader`` is the classic DataLoader with per-image transforms, where Lightning swaps in a
+    DistributedSampler under DDP.
     """
 
     def __init__(self, batch_size: int = 128, num_workers: int | str = "auto", val_size: float = 0.1,
-                 augment: bool = True, seed: int = 0, pin_memory: bool | str = "auto", num_classes: int = 10) -> None:
+                 augment: bool = True, seed: int = 0, pin_memory: bool | str = "auto", num_classes: int = 10,
+                 pipeline: str = "auto") -> None:
         super().__init__()
         if not isinstance(batch_size, int) or batch_size < 1:
             raise UserError(f"data.batch_size={batch_size} must be a whole number >= 1 (it is per process)")
         if num_workers != "auto" and (not isinstance(num_workers, int) or num_workers < 0):
             raise UserError(f"data.num_workers={num_workers} must be auto or a whole number >= 0")
+        if pipeline not in PIPELINES:
+            raise UserError(f"data.pipeline={pipeline} is not known: choose one of {', '.join(PIPELINES)}")
         self.batch_size, self.num_workers, self.val_size = batch_size, num_workers, val_size
         self.augment, self.seed, self.pin_memory, self.num_classes = augment, seed, pin_memory, num_classes
+        # auto: the images of an in-memory dataset fit on any device, so they go there
+        self.pipeline = "device" if pipeline == "auto" else pipeline
         self.train_set: ImageTensors | None = None
         self.val_set: ImageTensors | None = None
         self.test_set: ImageTensors | None = None
+        self._train_batches: DeviceBatches | None = None
 
     def load(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Return train images, train labels, test images, test labels (uint8 NCHW, int64)."""
@@ -84,15 +98,42 @@ class InMemoryImageDataModule(L.LightningDataModule):
             )
         return count
 
-    def train_dataloader(self) -> DataLoader:
+    def train_dataloader(self) -> DataLoader | DeviceBatches:
         # drop_last: a last batch of one image breaks BatchNorm and skews the step time.
-        return self._loader(self.train_set, shuffle=True, drop_last=True)
+        shuffle = not (self.trainer is not None and self.trainer.overfit_batches > 0)  # overfit: the same batches
+        if self.pipeline == "device":
+            self._train_batches = self._device_batches(self.train_set, shuffle=shuffle, drop_last=True,
+                                                       augment=self.augment)
+            return self._train_batches
+        return self._loader(self.train_set, shuffle=shuffle, drop_last=True)
 
-    def val_dataloader(self) -> DataLoader:
-        return self._loader(self.val_set)
+    def val_dataloader(self) -> DataLoader | DeviceBatches:
+        return self._device_batches(self.val_set) if self.pipeline == "device" else self._loader(self.val_set)
 
-    def test_dataloader(self) -> DataLoader:
-        return self._loader(self.test_set)
+    def test_dataloader(self) -> DataLoader | DeviceBatches:
+        return self._device_batches(self.test_set) if self.pipeline == "device" else self._loader(self.test_set)
+
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        # Lightning prefetches a batch ahead; this hook runs as a batch reaches the model, so the position a
+        # checkpoint records is that of training, and a resumed run continues with the right batch.
+        if self._train_batches is not None and self.trainer is not None and self.trainer.training:
+            self._train_batches.mark_consumed()
+        return batch
+
+    def _device_batches(self, dataset: ImageTensors | None, shuffle: bool = False, drop_last: bool = False,
+                        augment: bool = False) -> DeviceBatches:
+        if dataset is None:
+            raise RuntimeError("setup() must run before the dataloaders are asked for")
+        trainer = self.trainer
+        return DeviceBatches(
+            dataset.images, dataset.labels, self.batch_size,
+            device=trainer.strategy.root_device if trainer is not None else torch.device("cpu"),
+            rank=trainer.global_rank if trainer is not None else 0,
+            world_size=trainer.world_size if trainer is not None else 1,
+            seed=self.seed, shuffle=shuffle, drop_last=drop_last, augment=augment,
+            mean=CIFAR10_MEAN, std=CIFAR10_STD,
+            epoch_of=(lambda: trainer.current_epoch) if trainer is not None else (lambda: 0),
+        )
 
     def _loader(self, dataset: ImageTensors | None, shuffle: bool = False, drop_last: bool = False) -> DataLoader:
         if dataset is None:

@@ -16,6 +16,7 @@ from src.errors import UserError
 from src.models.resnet import build_resnet
 
 DECAYS = ("cosine", "linear", "none")
+LR_SCALINGS = ("linear", "none")
 
 
 class ImageClassifier(L.LightningModule):
@@ -32,18 +33,26 @@ class ImageClassifier(L.LightningModule):
         label_smoothing: float = 0.0,
         optimizer: dict[str, Any] | None = None,
         scheduler: dict[str, Any] | None = None,
+        channels_last: bool | str = "auto",
+        compile: bool = False,
     ) -> None:
         super().__init__()
-        optimizer = {"lr": 0.1, "momentum": 0.9, "nesterov": True, "weight_decay": 5e-4, **(optimizer or {})}
+        optimizer = {"lr": 0.1, "momentum": 0.9, "nesterov": True, "weight_decay": 5e-4, "decay_norm_and_bias": False,
+                     "lr_scaling": "linear", "reference_batch_size": 128, **(optimizer or {})}
         scheduler = {"warmup_epochs": 1.0, "warmup_start_factor": 0.1, "decay": "cosine", "min_lr_factor": 0.0,
                      **(scheduler or {})}
         if scheduler["decay"] not in DECAYS:
             raise UserError(f"model.scheduler.decay={scheduler['decay']} is not known: choose one of {', '.join(DECAYS)}")
         if not 0.0 <= label_smoothing < 1.0:
             raise UserError(f"model.label_smoothing={label_smoothing} must be in [0, 1)")
+        if optimizer["lr_scaling"] not in LR_SCALINGS:
+            raise UserError(f"model.optimizer.lr_scaling={optimizer['lr_scaling']} is not known: "
+                            f"choose one of {', '.join(LR_SCALINGS)}")
+        if channels_last not in (True, False, "auto"):
+            raise UserError(f"model.channels_last={channels_last} must be true, false or auto")
         self.save_hyperparameters(
             {"arch": arch, "num_classes": num_classes, "stem": stem, "label_smoothing": label_smoothing,
-             "optimizer": optimizer, "scheduler": scheduler},
+             "optimizer": optimizer, "scheduler": scheduler, "channels_last": channels_last, "compile": compile},
             logger=False,  # train.py logs the whole resolved config instead
         )
         self.net = build_resnet(arch, num_classes, stem)
@@ -53,9 +62,20 @@ class ImageClassifier(L.LightningModule):
             MulticlassAccuracy(num_classes, average="micro") for _ in range(3))
         self.val_loss, self.test_loss = MeanMetric(), MeanMetric()
         self.flops_per_batch = None  # read by Lightning's ThroughputMonitor; unknown here
+        self.memory_format = torch.contiguous_format
+
+    def setup(self, stage: str) -> None:
+        channels_last = self.hparams.channels_last
+        if channels_last == "auto":  # tensor cores run convolutions fastest in NHWC; CPUs gain little
+            channels_last = self.trainer.strategy.root_device.type == "cuda"
+        if channels_last:
+            self.memory_format = torch.channels_last
+            self.net.to(memory_format=self.memory_format)
+        if self.hparams.compile and not getattr(self.net, "_compiled_call_impl", None):
+            self.net.compile()  # in place: the state dict keeps its keys, so checkpoints stay interchangeable
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
-        return self.net(images)
+        return self.net(images.contiguous(memory_format=self.memory_format))
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         images, labels = batch
@@ -84,7 +104,7 @@ class ImageClassifier(L.LightningModule):
 
     def configure_optimizers(self) -> dict[str, Any]:
         opt = self.hparams.optimizer
-        optimizer = torch.optim.SGD(self.parameters(), lr=opt["lr"], momentum=opt["momentum"],
+        optimizer = torch.optim.SGD(self.parameter_groups(), lr=self.learning_rate(), momentum=opt["momentum"],
                                     nesterov=opt["nesterov"], weight_decay=opt["weight_decay"])
         total_steps = self.trainer.estimated_stepping_batches
         per_epoch = max(1, math.ceil(self.trainer.num_training_batches / self.trainer.accumulate_grad_batches))
@@ -98,9 +118,32 @@ class ImageClassifier(L.LightningModule):
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
+    def parameter_groups(self) -> list[dict[str, Any]]:
+        """Weight decay on conv and linear weights only: decaying BatchNorm scales and biases only hurts."""
+        if self.hparams.optimizer["decay_norm_and_bias"]:
+            return [{"params": list(self.parameters())}]
+        params = list(self.parameters())
+        return [{"params": [p for p in params if p.ndim > 1]},
+                {"params": [p for p in params if p.ndim <= 1], "weight_decay": 0.0}]
+
+    def learning_rate(self) -> float:
+        """``optimizer.lr`` is the rate for ``reference_batch_size``; linear scaling keeps the per-image step the
+        same when the global batch grows with devices and nodes (Goyal et al. 2017), the warm-up taking the shock."""
+        opt = self.hparams.optimizer
+        per_device = getattr(self.trainer.datamodule, "batch_size", None)
+        if per_device is None:  # no datamodule to say the batch size: take the rate as given
+            return opt["lr"]
+        global_batch = per_device * self.trainer.world_size * self.trainer.accumulate_grad_batches
+        return scaled_lr(opt["lr"], opt["lr_scaling"], global_batch, opt["reference_batch_size"])
+
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # Every rank builds this dict; only rank zero's reaches the disk, which the tests check.
         checkpoint["saved_by"] = {"global_rank": self.global_rank, "world_size": self.trainer.world_size}
+
+
+def scaled_lr(lr: float, scaling: str, global_batch: int, reference_batch: int) -> float:
+    """The learning rate for ``global_batch`` images per step, given ``lr`` for ``reference_batch``."""
+    return lr * global_batch / reference_batch if scaling == "linear" else lr
 
 
 def warmup_then_decay(warmup_steps: int, total_steps: float, start_factor: float = 0.1, decay: str = "cosine",

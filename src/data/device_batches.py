@@ -1,0 +1,110 @@
+"""Batches cut from a dataset that lives on the training device: no DataLoader, no workers, no host copies.
+
+CIFAR-10 is 150 MB as uint8, so the whole set fits on any GPU. Each batch is one gather on the
+device that crops (zero padding), flips and normalises all its images at once, instead of a
+Python call per image on the CPU and a host-to-device copy per batch. On a CPU the same code runs
+on in-memory tensors.
+
+Each rank takes exactly the shard a ``DistributedSampler(shuffle, seed)`` would give it, reshuffled
+every epoch the same way, so a run sees the same images per epoch on any pipeline. The random
+crop and flip of an image depend only on (seed, epoch, image), so a resumed run repeats them exactly.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.nn.functional as F
+
+
+def shard_indices(n: int, rank: int, world_size: int, epoch: int, seed: int, shuffle: bool) -> torch.Tensor:
+    """The indices ``DistributedSampler(n, world_size, rank, shuffle, seed)`` yields in ``epoch``, as a tensor."""
+    if shuffle:
+        order = torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch))
+    else:
+        order = torch.arange(n)
+    total = math.ceil(n / world_size) * world_size
+    if total > n:  # pad by repeating from the start, as the sampler does, so every rank has as many
+        order = torch.cat([order] * math.ceil(total / n))[:total]
+    return order[rank:total:world_size]
+
+
+def crop_and_flip_params(n: int, epoch: int, seed: int, padding: int) -> torch.Tensor:
+    """Per image of the dataset: (row offset, column offset, flip) for ``epoch``; offsets in [0, 2*padding]."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + epoch * 2 + 1)  # a stream apart from the shuffle's
+    offsets = torch.randint(0, 2 * padding + 1, (n, 2), generator=g)
+    flips = torch.randint(0, 2, (n, 1), generator=g)
+    return torch.cat([offsets, flips], dim=1)
+
+
+class DeviceBatches:
+    """An iterable of ``(images, labels)`` batches for one rank, augmented and normalised on ``device``.
+
+    ``epoch_of`` tells which epoch an iteration is (the trainer's). The training set's position inside
+    an epoch is checkpointed (``state_dict``), so a run resumed mid-epoch continues with the next batch.
+    """
+
+    def __init__(self, images: torch.Tensor, labels: torch.Tensor, batch_size: int, *, device: torch.device,
+                 rank: int = 0, world_size: int = 1, seed: int = 0, shuffle: bool = False, drop_last: bool = False,
+                 augment: bool = False, padding: int = 4, mean: tuple[float, ...] = (0.0, 0.0, 0.0),
+                 std: tuple[float, ...] = (1.0, 1.0, 1.0), epoch_of: Callable[[], int] = lambda: 0) -> None:
+        self.batch_size, self.rank, self.world_size, self.seed = batch_size, rank, world_size, seed
+        self.shuffle, self.drop_last, self.augment, self.padding = shuffle, drop_last, augment, padding
+        self.epoch_of, self.device = epoch_of, device
+        self.num_images = len(labels)
+        self.image_size = images.shape[-2:]
+        # Stored channels-last (N, H, W, C): one gather then yields channels-last batches, the layout
+        # tensor cores want; the model converts if it runs in the classic layout.
+        stored = F.pad(images, [padding] * 4) if augment else images
+        self.images = stored.permute(0, 2, 3, 1).contiguous().to(device)
+        self.labels = labels.to(device)
+        mean, std = torch.tensor(mean), torch.tensor(std)
+        self.scale = (1.0 / (255.0 * std)).to(device)  # (x / 255 - mean) / std == x * scale + shift
+        self.shift = (-mean / std).to(device)
+        self.per_rank = math.ceil(self.num_images / world_size)
+        self.epoch, self.consumed, self._resume_at = -1, 0, None
+
+    def __len__(self) -> int:
+        return self.per_rank // self.batch_size if self.drop_last else math.ceil(self.per_rank / self.batch_size)
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        epoch = self.epoch_of()
+        start = 0
+        if self._resume_at is not None and self._resume_at[0] == epoch:
+            start = self._resume_at[1]
+        self._resume_at = None
+        self.epoch, self.consumed = epoch, start
+        indices = shard_indices(self.num_images, self.rank, self.world_size, epoch, self.seed, self.shuffle)
+        indices = indices.to(self.device)
+        params = None
+        if self.augment:
+            params = crop_and_flip_params(self.num_images, epoch, self.seed, self.padding).to(self.device)
+        for b in range(start, len(self)):
+            batch = indices[b * self.batch_size:(b + 1) * self.batch_size]
+            yield self._gather(batch, params), self.labels[batch]
+
+    def _gather(self, batch: torch.Tensor, params: torch.Tensor | None) -> torch.Tensor:
+        h, w = self.image_size
+        rows = torch.arange(h, device=self.device).expand(len(batch), h)
+        cols = torch.arange(w, device=self.device).expand(len(batch), w)
+        if params is not None:
+            p = params[batch]
+            rows = rows + p[:, :1]
+            cols = torch.where(p[:, 2:3].bool(), cols.flip(1), cols) + p[:, 1:2]
+        # one advanced-indexing gather: (B, H, W, C) of the (cropped, flipped) images
+        pixels = self.images[batch[:, None, None], rows[:, :, None], cols[:, None, :]]
+        images = pixels.permute(0, 3, 1, 2)  # NCHW shape, channels-last strides
+        return images.float() * self.scale[:, None, None] + self.shift[:, None, None]
+
+    def mark_consumed(self) -> None:
+        """Count one batch as trained on (called by the datamodule as a batch reaches the model, not as it is
+        prefetched), so a checkpoint records where training, not the prefetcher, has got to."""
+        self.consumed += 1
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "consumed": self.consumed}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._resume_at = (state["epoch"], state["consumed"])
