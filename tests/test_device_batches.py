@@ -119,7 +119,7 @@ def test_a_restored_position_continues_with_the_next_batch_of_the_same_epoch():
     for _ in range(3):
         first.mark_consumed()
     resumed = make()
-    resumed.load_state_dict(first.state_dict())
+    resumed.resume_from(first.position())
     rest = list(resumed)
     assert len(rest) == len(full) - 3
     assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(rest, full[3:]))

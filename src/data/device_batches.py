@@ -13,7 +13,7 @@ crop and flip of an image depend only on (seed, epoch, image), so a resumed run 
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Iterator
+from typing import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -42,8 +42,8 @@ def crop_and_flip_params(n: int, epoch: int, seed: int, padding: int) -> torch.T
 class DeviceBatches:
     """An iterable of ``(images, labels)`` batches for one rank, augmented and normalised on ``device``.
 
-    ``epoch_of`` tells which epoch an iteration is (the trainer's). The training set's position inside
-    an epoch is checkpointed (``state_dict``), so a run resumed mid-epoch continues with the next batch.
+    ``epoch_of`` tells which epoch an iteration is (the trainer's). :meth:`position` and :meth:`resume_from`
+    let a checkpoint carry the place inside an epoch, so a run resumed mid-epoch continues with the next batch.
     """
 
     def __init__(self, images: torch.Tensor, labels: torch.Tensor, batch_size: int, *, device: torch.device,
@@ -103,8 +103,10 @@ class DeviceBatches:
         prefetched), so a checkpoint records where training, not the prefetcher, has got to."""
         self.consumed += 1
 
-    def state_dict(self) -> dict[str, Any]:
+    def position(self) -> dict[str, int]:
+        """Epoch and batches trained on in it."""
         return {"epoch": self.epoch, "consumed": self.consumed}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._resume_at = (state["epoch"], state["consumed"])
+    def resume_from(self, position: dict[str, int]) -> None:
+        """Make the next pass over ``position["epoch"]`` start after its first ``consumed`` batches."""
+        self._resume_at = (position["epoch"], position["consumed"])

@@ -71,6 +71,7 @@ class InMemoryImageDataModule(L.LightningDataModule):
         self.val_set: ImageTensors | None = None
         self.test_set: ImageTensors | None = None
         self._train_batches: DeviceBatches | None = None
+        self._resume_position: dict[str, int] | None = None
 
     def load(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Return train images, train labels, test images, test labels (uint8 NCHW, int64)."""
@@ -104,6 +105,8 @@ class InMemoryImageDataModule(L.LightningDataModule):
         if self.pipeline == "device":
             self._train_batches = self._device_batches(self.train_set, shuffle=shuffle, drop_last=True,
                                                        augment=self.augment)
+            if self._resume_position is not None:
+                self._train_batches.resume_from(self._resume_position)
             return self._train_batches
         return self._loader(self.train_set, shuffle=shuffle, drop_last=True)
 
@@ -119,6 +122,17 @@ class InMemoryImageDataModule(L.LightningDataModule):
         if self._train_batches is not None and self.trainer is not None and self.trainer.training:
             self._train_batches.mark_consumed()
         return batch
+
+    # The place inside the epoch travels in the checkpoint as this datamodule's state (not as a stateful
+    # loader: Lightning 2.6 skips restoring those when the train loader was built early, e.g. for
+    # estimated_stepping_batches in configure_optimizers).
+    def state_dict(self) -> dict[str, Any]:
+        return {"train_position": self._train_batches.position()} if self._train_batches is not None else {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._resume_position = state.get("train_position")
+        if self._train_batches is not None and self._resume_position is not None:
+            self._train_batches.resume_from(self._resume_position)
 
     def _device_batches(self, dataset: ImageTensors | None, shuffle: bool = False, drop_last: bool = False,
                         augment: bool = False) -> DeviceBatches:
