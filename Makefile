@@ -9,7 +9,7 @@ TORCH_PINS ?= torch==2.14.1 torchvision==0.29.1
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: install train test demo eval tensorboard clean
+.PHONY: install train test demo eval tensorboard recipes clean
 
 install: $(VENV)/.installed
 
@@ -50,6 +50,11 @@ eval: install
 ## TensorBoard over every run, on 127.0.0.1 only
 tensorboard: install
 	$(VENV)/bin/tensorboard --logdir outputs --host 127.0.0.1
+
+## the default recipe against the seed-004 recipe (plain SGD, lr 1e-4), same net/data/epochs: test accuracies
+RECIPE_ARGS ?= --epochs 10 --arch resnet50
+recipes: install
+	$(PY) benchmarks/compare_recipes.py $(RECIPE_ARGS)
 
 clean:
 	rm -rf outputs/runs outputs/multirun .pytest_cache

@@ -22,6 +22,12 @@ def strategy_name(strategy: L.pytorch.strategies.Strategy) -> str:
     return "single-device"
 
 
+def peak_lr(trainer: L.Trainer) -> float:
+    """The first parameter group's rate before the schedule's factor: what lr scaling made of the config's."""
+    group = trainer.optimizers[0].param_groups[0]
+    return group.get("initial_lr", group["lr"])
+
+
 class RunSummary(L.Callback):
     """Prints, on rank zero when fitting starts, nodes x devices, strategy, backend, precision and global batch."""
 
@@ -36,4 +42,5 @@ class RunSummary(L.Callback):
             f" | device {trainer.strategy.root_device.type} | precision {trainer.precision}"
             f" | global batch {global_batch} ({per_process} per process"
             f"{f' x {accumulate} accumulated' if accumulate > 1 else ''})"
+            + (f" | peak lr {peak_lr(trainer):.4g}" if trainer.optimizers else "")
         )
