@@ -9,6 +9,7 @@ import hydra
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from src.checkpoints import read_checkpoint
 from src.errors import UserError, handle_errors
 from src.models.classifier import ImageClassifier
 from src.trainer import build_trainer, record_config
@@ -21,13 +22,14 @@ def main(cfg: DictConfig) -> dict[str, float]:
     if OmegaConf.is_missing(cfg, "ckpt_path") or not cfg.ckpt_path:
         raise UserError("ckpt_path=PATH is required: the checkpoint to evaluate (e.g. outputs/.../checkpoints/last.ckpt)")
     path = Path(cfg.ckpt_path)
-    if not path.is_file():
-        raise UserError(f"ckpt_path={path} does not exist: pass the path of a .ckpt file written by src.train")
+    checkpoint = read_checkpoint(path, trusted=cfg.ckpt_trusted)
     datamodule = instantiate(cfg.data)
     try:
-        model = ImageClassifier.load_from_checkpoint(path, map_location="cpu", weights_only=True)
-    except Exception as err:  # noqa: BLE001 - a bad file surfaces as any of pickle's, zip's or torch's errors
-        raise UserError(f"ckpt_path={path} is not a checkpoint of this project ({type(err).__name__}: {err})") from err
+        model = ImageClassifier(**checkpoint["hyper_parameters"])
+        model.load_state_dict(checkpoint["state_dict"])
+    except (KeyError, TypeError, RuntimeError) as err:
+        raise UserError(f"ckpt_path={path} is not a checkpoint of this project's model "
+                        f"({type(err).__name__}: {str(err).splitlines()[0]})") from err
     trainer = build_trainer(cfg)
     record_config(cfg, trainer)
     datamodule.prepare_data()

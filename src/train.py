@@ -11,9 +11,10 @@ import lightning as L
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
+from src.checkpoints import check_compatible, read_checkpoint, resume_path
 from src.distributed import is_launch_rank_zero
 from src.errors import handle_errors
-from src.trainer import build_trainer, record_config, resume_path
+from src.trainer import build_trainer, record_config
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="train")
@@ -23,16 +24,19 @@ def main(cfg: DictConfig) -> float | None:
     L.seed_everything(cfg.seed, workers=True)
     datamodule = instantiate(cfg.data)
     model = instantiate(cfg.model)
+    ckpt_path = resume_path(cfg.ckpt_path, cfg.paths.output_dir)
+    if ckpt_path is not None:  # a wrong file fails here in one line, before any other process starts
+        check_compatible(read_checkpoint(ckpt_path, trusted=cfg.ckpt_trusted), ckpt_path, model.hparams)
     trainer = build_trainer(cfg)
     record_config(cfg, trainer)
     if is_launch_rank_zero():
         datamodule.prepare_data()  # missing or bad data fails here, before any other process is started
-    ckpt_path = resume_path(cfg.ckpt_path, cfg.paths.output_dir)
-    trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True)
-    if cfg.test:
-        trainer.test(model, datamodule=datamodule, ckpt_path="best", weights_only=True)
-    best = trainer.checkpoint_callback.best_model_score if trainer.checkpoint_callback else None
-    return None if best is None else float(best)
+    trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=not cfg.ckpt_trusted)
+    best = getattr(trainer.checkpoint_callback, "best_model_path", None) or None
+    if cfg.test:  # the best epoch's weights, or the last ones when no best checkpoint is kept
+        trainer.test(model, datamodule=datamodule, ckpt_path=best, weights_only=True)
+    score = getattr(trainer.checkpoint_callback, "best_model_score", None)
+    return None if score is None else float(score)
 
 
 if __name__ == "__main__":

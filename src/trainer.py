@@ -11,6 +11,7 @@ from hydra.utils import instantiate
 from lightning.fabric.plugins.environments import SLURMEnvironment
 from omegaconf import DictConfig, OmegaConf
 
+from src.checkpoints import AtomicCheckpointIO
 from src.distributed import is_launch_rank_zero, uses_cuda
 
 
@@ -59,21 +60,11 @@ def build_trainer(cfg: DictConfig) -> L.Trainer:
     route_lightning_logs()
     callbacks = [instantiate(c) for c in (cfg.get("callbacks") or {}).values() if c is not None]
     loggers = [instantiate(lg) for lg in (cfg.get("logger") or {}).values() if lg is not None]
-    # Under Slurm, src/callbacks/slurm_requeue.py owns SIGUSR1 instead of Lightning (see there why).
-    plugins = [SLURMEnvironment(auto_requeue=False)] if SLURMEnvironment.detect() else None
+    plugins = [AtomicCheckpointIO()]
+    if SLURMEnvironment.detect():  # src/callbacks/slurm_requeue.py owns SIGUSR1 instead of Lightning (see there why)
+        plugins.append(SLURMEnvironment(auto_requeue=False))
     return instantiate(cfg.trainer, strategy=instantiate(cfg.strategy), callbacks=callbacks,
                        logger=loggers or False, plugins=plugins, **hardware_defaults(cfg.trainer))
-
-
-def resume_path(ckpt_path: str | None, run_dir: str) -> str | None:
-    """``ckpt_path`` as Lightning takes it; ``auto`` means this run dir's ``checkpoints/last.ckpt``, if any.
-
-    That is what a requeued Slurm job (same run dir) restarts from: the last completed epoch.
-    """
-    if ckpt_path != "auto":
-        return ckpt_path
-    last = Path(run_dir) / "checkpoints" / "last.ckpt"
-    return str(last) if last.is_file() else None
 
 
 def record_config(cfg: DictConfig, trainer: L.Trainer) -> None:

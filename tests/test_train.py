@@ -41,7 +41,8 @@ def only_last_ckpt(run_dir: Path) -> Path:
 @pytest.fixture(scope="module")
 def single_run(tmp_path_factory) -> Path:
     run_dir = tmp_path_factory.mktemp("single") / "run"
-    result = train(*FAST, "trainer.limit_train_batches=12", "trainer.max_epochs=2", f"hydra.run.dir={run_dir}")
+    result = train(*FAST, "trainer.limit_train_batches=12", "trainer.max_epochs=2", "model.scheduler.warmup_epochs=1",
+                   f"hydra.run.dir={run_dir}")
     assert_ok(result)
     assert "Run: 1 node(s) x 1 device(s) = world size 1 | strategy single-device" in output(result)
     return run_dir
@@ -65,7 +66,7 @@ def test_tensorboard_holds_step_and_epoch_scalars_lr_throughput_and_hyperparamet
     assert len(found["train/acc"]) == 24
     assert len(found["val/loss"]) == 2 and len(found["val/acc"]) == 2  # one per epoch
     assert len(found["test/loss"]) == 1 and 0 <= found["test/acc"][0].value <= 1
-    lrs = [e.value for e in found["lr-SGD"]]
+    lrs = [e.value for e in found["lr-SGD/pg1"]]  # pg1: decayed weights; pg2: norms and biases, same rate
     assert lrs[0] < max(lrs) and lrs[-1] < max(lrs)  # warm-up, then decay
     assert all(e.value > 0 for e in found["train/device/samples_per_sec"])
     hparams = (single_run / "tensorboard" / "hparams.yaml").read_text()
@@ -180,12 +181,16 @@ def test_a_rank_whose_peers_never_arrive_fails_after_the_timeout_naming_the_rend
 
 
 def test_ckpt_path_auto_means_the_run_dirs_last_checkpoint_if_there_is_one(tmp_path):
-    from src.trainer import resume_path
+    from src.checkpoints import resume_path
+    from src.errors import UserError
 
     assert resume_path("auto", str(tmp_path)) is None  # nothing yet: start fresh
+    with pytest.raises(UserError, match="ckpt_path=last but .* does not exist"):
+        resume_path("last", str(tmp_path))  # last, though, must exist
     (tmp_path / "checkpoints").mkdir()
     (tmp_path / "checkpoints" / "last.ckpt").write_bytes(b"x")
     assert resume_path("auto", str(tmp_path)) == str(tmp_path / "checkpoints" / "last.ckpt")
+    assert resume_path("last", str(tmp_path)) == str(tmp_path / "checkpoints" / "last.ckpt")
     assert resume_path("some.ckpt", str(tmp_path)) == "some.ckpt" and resume_path(None, str(tmp_path)) is None
 
 
