@@ -7,18 +7,26 @@ fails with a readable message, and a launcher that starts local ranks from *this
 
 from __future__ import annotations
 
+import logging
+import multiprocessing
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 from datetime import timedelta
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
+from src import supervision
 from src.errors import UserError
+
+log = logging.getLogger(__name__)
 
 BACKENDS = ("auto", "nccl", "gloo")
 STRATEGIES = ("auto", "ddp", "ddp_spawn")
@@ -126,14 +134,20 @@ def check_slurm_allocation(devices: int, num_nodes: int) -> None:
 
 
 class HydraDDPStrategy(DDPStrategy):
-    """DDP whose local ranks join this Hydra job, and whose rendezvous failure says what is missing."""
+    """DDP whose local ranks join this Hydra job, watch their launcher, and whose rendezvous failure says what is
+    missing."""
 
     def _configure_launcher(self) -> None:
         super()._configure_launcher()
         if self._start_method == "popen":
             self._launcher = HydraJobLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        else:
+            self._launcher = HydraSpawnLauncher(self, start_method=self._start_method)
 
     def setup_distributed(self) -> None:
+        launcher_pid = _launcher_pid()
+        if launcher_pid is not None:  # a started rank: it must not outlive the process that started it
+            supervision.watch_launcher(self.node_rank * self.num_processes + self.local_rank, launcher_pid)
         try:
             super().setup_distributed()
         except torch.distributed.DistError as err:
@@ -147,11 +161,24 @@ class HydraDDPStrategy(DDPStrategy):
             ) from err
 
 
+_LAUNCHER_PID = "CIFAR10_DDP_LAUNCHER_PID"  # set for the local ranks HydraJobLauncher starts
+
+
+def _launcher_pid() -> int | None:
+    """The pid of the process that started this rank (our launcher, or the ddp_spawn parent), if one did."""
+    parent = multiprocessing.parent_process()
+    if parent is not None:
+        return parent.pid
+    pid = os.environ.get(_LAUNCHER_PID)
+    return int(pid) if pid is not None and int(pid) == os.getppid() else None
+
+
 class HydraJobLauncher(_SubprocessScriptLauncher):
     """Starts local ranks 1..N-1 as ``python -m <entry> <this job's overrides>`` in this job's run dir.
 
     Lightning's own launcher replays ``sys.argv``; under ``-m`` that starts a whole sweep in every
     child (Lightning issue #11300). Rebuilding the command from the job's own task overrides fixes that.
+    The started ranks are watched: one that dies stops the run (src/supervision.py).
     """
 
     def _call_children_scripts(self) -> None:
@@ -164,29 +191,68 @@ class HydraJobLauncher(_SubprocessScriptLauncher):
         os.environ["WORLD_SIZE"] = str(self.num_processes * self.num_nodes)
         command, cwd = child_command()
         self.procs = []
+        first = env.node_rank() * self.num_processes
         for local_rank in range(1, self.num_processes):
-            child_env = {**os.environ, "LOCAL_RANK": str(local_rank)}
+            child_env = {**os.environ, "LOCAL_RANK": str(local_rank), _LAUNCHER_PID: str(os.getpid())}
             self.procs.append(subprocess.Popen(command, env=child_env, cwd=cwd))
-        LAUNCHED.extend(self.procs)
+            LAUNCHED.append(self.procs[-1])
+            LAUNCHED_RANKS.append(first + local_rank)
+        from src.errors import in_sweep
+
+        supervision.watch_children(self.procs, LAUNCHED_RANKS[-len(self.procs):], exit_process=not in_sweep())
+
+
+class HydraSpawnLauncher(_MultiProcessingLauncher):
+    """``ddp_spawn``'s launcher: the parent passes a SIGTERM on to its ranks (it is no rank itself), and a rank
+    that stopped on request exits with ``128 + signal`` instead of multiprocessing's 1."""
+
+    def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+        if threading.current_thread() is not threading.main_thread():
+            return super().launch(function, *args, trainer=trainer, **kwargs)
+        previous = signal.signal(signal.SIGTERM, lambda signum, frame: self.kill(signum))
+        try:
+            return super().launch(function, *args, trainer=trainer, **kwargs)
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+
+    def _wrapping_function(self, *args: Any, **kwargs: Any) -> Any:
+        from src.callbacks.graceful_stop import Terminated
+
+        try:
+            return super()._wrapping_function(*args, **kwargs)
+        except Terminated as stop:
+            if self._strategy.global_rank == 0:
+                print(f"stopped: {stop}", file=sys.stderr, flush=True)
+            sys.exit(stop.exit_code)
 
 
 # Local ranks started by this process, so a job can wait for (or stop) its own before the next one starts.
 LAUNCHED: list[subprocess.Popen] = []
+LAUNCHED_RANKS: list[int] = []
 
 
-def reap_launched(grace_s: float) -> list[int]:
-    """Wait up to ``grace_s`` for the local ranks this process started, kill what is left; return the killed pids."""
+def launched_failure() -> str | None:
+    """'rank 1 (pid 123) died: killed by SIGKILL' if a local rank this process started ended badly."""
+    return supervision.failed_child(LAUNCHED, LAUNCHED_RANKS)
+
+
+def reap_launched(grace_s: float) -> str | None:
+    """Wait up to ``grace_s`` for the local ranks this process started, kill what is left, forget them all.
+
+    Returns how the first one that ended badly ended ('rank 1 (pid 123) died: exited with code 2'), or None.
+    """
     deadline = time.monotonic() + grace_s
-    killed = []
     for proc in LAUNCHED:
         try:
             proc.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
+            log.warning("local rank pid %s still running %.0f s after this one finished: killing it", proc.pid, grace_s)
             proc.kill()
             proc.wait()
-            killed.append(proc.pid)
+    failure = launched_failure()
     LAUNCHED.clear()
-    return killed
+    LAUNCHED_RANKS.clear()
+    return failure
 
 
 def child_command() -> tuple[list[str], str]:

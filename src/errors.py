@@ -37,27 +37,50 @@ def handle_errors(task: Callable[..., Any]) -> Callable[..., Any]:
     """Report a failed task in one line.
 
     A single run prints ``error: ...`` and exits 2 for a user's mistake (HYDRA_FULL_ERROR=1 keeps the
-    traceback). A job of a sweep records ``failure.json`` in its dir and returns, so the sweep goes on
-    to the next job and the scaling report lists the failure.
+    traceback), 1 for a rank that died, ``128 + signal`` when stopped by a signal. A job of a sweep records
+    ``failure.json`` in its dir and returns, so the sweep goes on to the next job and the scaling report
+    lists the failure; a signal stops the whole sweep.
     """
 
     @functools.wraps(task)
     def wrapper(cfg: Any) -> Any:
+        from src import distributed, supervision
+        from src.callbacks.graceful_stop import Terminated
+
         try:
-            return task(cfg)
+            result = task(cfg)
+        except Terminated as stop:
+            if distributed.is_launch_rank_zero():
+                print(f"stopped: {stop}", file=sys.stderr, flush=True)
+            distributed.reap_launched(grace_s=60)  # they stop at the same batch; let them finish writing
+            sys.exit(stop.exit_code)
         except Exception as err:
+            failure = supervision.explain(err)
+            if in_sweep():
+                return _record_failure(err, UserError(failure[0]) if failure and failure[0] else user_error_in(err))
+            if failure is not None and os.environ.get("HYDRA_FULL_ERROR") != "1":
+                message, code = failure
+                if message:
+                    supervision.report_once(message)
+                supervision.stop_processes(distributed.LAUNCHED, grace_s=2.0)
+                sys.exit(code)
             cause = user_error_in(err)
-            if _in_sweep():
-                return _record_failure(err, cause)
             if cause is None or os.environ.get("HYDRA_FULL_ERROR") == "1":
                 raise
             print(f"error: {cause}", file=sys.stderr, flush=True)
             sys.exit(EXIT_USER_ERROR)
+        if not in_sweep():  # a sweep's JobIsolation waits for each job's ranks itself
+            failure = distributed.reap_launched(grace_s=120)
+            if failure is not None:
+                supervision.report_once(failure)
+                sys.exit(supervision.EXIT_RANK_FAILED)
+        return result
 
     return wrapper
 
 
-def _in_sweep() -> bool:
+def in_sweep() -> bool:
+    """Whether this process runs a job of a Hydra multirun."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 

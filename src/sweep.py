@@ -39,9 +39,9 @@ class JobIsolation(Callback):
 
     def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs: Any) -> None:
         failed = (Path(config.hydra.runtime.output_dir) / FAILURE_FILE).exists()
-        killed = reap_launched(grace_s=0 if failed else CHILD_EXIT_GRACE_S)
-        if killed:
-            log.warning("stopped local ranks left by this job: pids %s", killed)
+        failure = reap_launched(grace_s=0 if failed else CHILD_EXIT_GRACE_S)
+        if failure is not None:
+            log.warning("job %s: %s", config.hydra.job.num, failure)
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
         if self._environ is not None:

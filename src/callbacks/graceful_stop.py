@@ -1,0 +1,104 @@
+"""SIGTERM (a preempted VM, ``kubectl delete``, ``scancel``, a Slurm requeue): stop every rank at the same step,
+write ``last.ckpt``, exit ``128 + 15``.
+
+This replaces Lightning's own SIGTERM handling, which (2.6.6) exits with code 0 and writes no checkpoint,
+acts only on rank zero's signal, and runs a collective inside the signal handler. Here a signal only
+sets a flag; at every batch end each rank adds its flag to an all-reduce on a small gloo group of its
+own, started asynchronously and read one batch later, so no GPU work waits on it. Every rank reads the
+same sum after the same batch, so all stop together, whichever of them was signalled.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+import torch.distributed as dist
+
+from src.checkpoints import LAST, LastCheckpoint
+
+
+class Terminated(Exception):
+    """Raised on every rank at the agreed batch; the entry point reports it and exits with ``exit_code``."""
+
+    def __init__(self, signum: int, message: str) -> None:
+        super().__init__(message)
+        self.signum, self.exit_code = signum, 128 + signum
+
+
+class GracefulStop(L.Callback):
+    """Stops training (or testing) at the same batch on every rank after a SIGTERM to any of them."""
+
+    def __init__(self) -> None:
+        self._signum: int | None = None
+        self._group: Any = None
+        self._pending: tuple[torch.Tensor, Any] | None = None
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if dist.is_available() and dist.is_initialized() and trainer.world_size > 1 and self._group is None:
+            self._group = dist.new_group(backend="gloo")  # every rank creates it, in the same order
+
+    # Lightning installs its own handler (after on_fit_start) just before a stage runs; these hooks come later,
+    # so ours replaces it rather than joining it.
+    def on_sanity_check_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._install()
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._install()
+
+    def on_test_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._install()
+
+    def _install(self) -> None:
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._on_signal)
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        if self._signum is None:
+            self._signum = signum
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if not self._agreed():
+            return
+        path = self._save(trainer)
+        raise Terminated(self._signal_or_sigterm(), f"{self._name()} after step {trainer.global_step}: every rank stopped "
+                         f"there and {path} holds that step; resume with ckpt_path={path}")
+
+    def on_test_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                          batch_idx: int, dataloader_idx: int = 0) -> None:
+        if self._agreed():
+            raise Terminated(self._signal_or_sigterm(), f"{self._name()} during the test pass; "
+                             "training had finished and its checkpoints are complete")
+
+    def _agreed(self) -> bool:
+        """Whether any rank had been signalled as of the previous batch (this rank alone, without a group)."""
+        if self._group is None:
+            return self._signum is not None
+        stop = False
+        if self._pending is not None:
+            flags, work = self._pending
+            work.wait()
+            stop = bool(flags.item())
+        flags = torch.tensor([int(self._signum is not None)])
+        self._pending = (flags, dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._group, async_op=True))
+        return stop
+
+    def _save(self, trainer: L.Trainer) -> Path:
+        last = next((cb for cb in trainer.callbacks if isinstance(cb, LastCheckpoint)), None)
+        if last is not None:
+            last.save(trainer)
+            return last.path
+        path = Path(trainer.default_root_dir) / "checkpoints" / LAST
+        trainer.save_checkpoint(path)
+        return path
+
+    def _signal_or_sigterm(self) -> int:
+        return self._signum or signal.SIGTERM  # a peer's signal: this rank stops for the same reason
+
+    def _name(self) -> str:
+        return signal.Signals(self._signal_or_sigterm()).name

@@ -1,0 +1,105 @@
+"""A run's processes live and die together: a killed rank or launcher stops the rest at once, naming it;
+SIGTERM stops every rank at the same step with a checkpoint and exit code 143."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import FAST, cmdline, descendants, running, train
+
+# Long enough that a signal always lands mid-training: 2,000 images, batch 4 per rank.
+LONG = [*FAST, "data.num_train=2000", "trainer.limit_train_batches=null", "callbacks.last_checkpoint.every_n_train_steps=2",
+        "callbacks.progress_bar=null", "test=false"]
+
+
+def last_step(run_dir: Path) -> int:
+    """global_step of ``run_dir``'s last.ckpt, or -1 while there is none."""
+    try:
+        return torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True,
+                          mmap=True)["global_step"]
+    except (OSError, RuntimeError, EOFError):
+        return -1
+
+
+def start_and_wait_for_step(run_dir: Path, step: int, *overrides: str, ranks: int = 1) -> subprocess.Popen:
+    """Start a training run in the background; return once it has checkpointed ``step`` and all ranks are up."""
+    proc = train(*overrides, f"hydra.run.dir={run_dir}", background=True)
+    deadline = time.monotonic() + 180
+    while last_step(run_dir) < step or len(rank_pids(proc.pid)) < ranks:
+        assert proc.poll() is None, proc.communicate()[0][-3000:]
+        assert time.monotonic() < deadline, "the run never reached its first checkpoint"
+        time.sleep(0.05)
+    return proc
+
+
+def rank_pids(main: int) -> list[int]:
+    """The processes of a run that train (the main one, unless it only spawned them; then its spawned ranks)."""
+    spawned = [p for p in descendants(main) if "spawn_main" in cmdline(p)]
+    started = [p for p in descendants(main) if "src.train" in cmdline(p)]
+    return sorted(spawned) if spawned else [main, *started]
+
+
+def finish(proc: subprocess.Popen, pids: list[int], limit_s: float) -> tuple[str, float]:
+    """Wait for the run (and every process it had) to end; return its output and the seconds that took."""
+    start = time.monotonic()
+    out, _ = proc.communicate(timeout=limit_s + 30)  # returns once every process holding its output has gone
+    while any(running(p) for p in pids) and time.monotonic() - start < limit_s + 30:
+        time.sleep(0.1)
+    return out, time.monotonic() - start
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "ddp_spawn"])
+def test_a_rank_killed_mid_training_stops_every_process_with_one_line_naming_it(strategy, tmp_path):
+    proc = start_and_wait_for_step(tmp_path, 2, *LONG, f"strategy={strategy}", "trainer.devices=2", ranks=2)
+    everyone = [proc.pid, *descendants(proc.pid)]
+    victim = rank_pids(proc.pid)[1]  # ddp: the started rank 1; ddp_spawn: one of the two spawned ranks
+    os.kill(victim, signal.SIGKILL)
+    out, seconds = finish(proc, everyone, limit_s=60)
+    assert seconds < 60, out[-3000:]
+    assert proc.returncode != 0
+    assert not [p for p in everyone if running(p)], "processes were left behind"
+    errors = [line for line in out.splitlines() if line.startswith("error:")]
+    rank = "1" if strategy == "ddp" else "[01]"
+    assert len(errors) == 1 and re.fullmatch(
+        rf"error: rank {rank} \(pid {victim}\) died: killed by SIGKILL; stopped the other ranks", errors[0]), out[-3000:]
+    assert "Traceback" not in out
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "ddp_spawn"])
+def test_a_killed_launcher_takes_its_ranks_with_it(strategy, tmp_path):
+    proc = start_and_wait_for_step(tmp_path, 2, *LONG, f"strategy={strategy}", "trainer.devices=2", ranks=2)
+    everyone = [proc.pid, *descendants(proc.pid)]
+    os.kill(proc.pid, signal.SIGKILL)  # the command the user started: ddp's rank 0, or ddp_spawn's parent
+    out, seconds = finish(proc, everyone, limit_s=60)
+    assert seconds < 60 and proc.returncode == -signal.SIGKILL
+    assert not [p for p in everyone if running(p)], "ranks outlived their launcher"
+    assert f"the process that launched it (pid {proc.pid}) died; this rank stopped too" in out, out[-3000:]
+    assert "Traceback" not in out
+
+
+@pytest.mark.parametrize("strategy, devices, to", [("auto", 1, "main"), ("ddp", 2, "main"), ("ddp", 2, "rank 1"),
+                                                   ("ddp_spawn", 2, "main")])
+def test_sigterm_stops_every_rank_at_one_step_with_a_checkpoint_and_exit_code_143(strategy, devices, to, tmp_path):
+    proc = start_and_wait_for_step(tmp_path, 2, *LONG, f"strategy={strategy}", f"trainer.devices={devices}",
+                                   ranks=devices)
+    everyone = [proc.pid, *descendants(proc.pid)]
+    os.kill(proc.pid if to == "main" else rank_pids(proc.pid)[1], signal.SIGTERM)
+    out, seconds = finish(proc, everyone, limit_s=60)
+    assert proc.returncode == 128 + signal.SIGTERM, out[-3000:]
+    assert seconds < 60 and not [p for p in everyone if running(p)]
+    stopped = [line for line in out.splitlines() if line.startswith("stopped: SIGTERM after step")]
+    assert len(stopped) == 1, out[-3000:]  # rank zero says it, once
+    step = int(stopped[0].split("after step ")[1].split(":")[0])
+    last = torch.load(tmp_path / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    assert last["global_step"] == step > 2  # the step every rank stopped at, mid-epoch
+    assert last["epoch"] == 0 and last["SyntheticDataModule"]["train_position"] == {"epoch": 0, "consumed": step}
+    assert f"resume with ckpt_path={tmp_path}/checkpoints/last.ckpt" in stopped[0]
+    assert "Traceback" not in out
