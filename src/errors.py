@@ -10,7 +10,7 @@ import os
 import re
 import sys
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, NoReturn
 
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 
@@ -79,7 +79,7 @@ def wants_traceback() -> bool:
     return os.environ.get(USER_FULL_ERROR, os.environ.get("HYDRA_FULL_ERROR", "")) == "1"
 
 
-def report(message: str) -> None:
+def report(message: str) -> NoReturn:
     """Print ``error: message`` as one line and exit 2."""
     print("error: " + " ".join(line.strip() for line in message.splitlines() if line.strip()), file=sys.stderr,
           flush=True)
@@ -166,7 +166,7 @@ def check_group_choices() -> None:
         return
     loader = GlobalHydra.instance().config_loader()
     for group, option in HydraConfig.get().runtime.choices.items():
-        if option is None or group.startswith("hydra/"):
+        if not isinstance(option, str) or group.startswith("hydra/"):  # unset, or several options at once
             continue
         options = loader.get_group_options(group)
         if option not in options:

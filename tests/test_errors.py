@@ -139,8 +139,8 @@ def make_files(tmp: Path) -> None:
     batch = write_cifar_folder(tmp / "truncated") / "cifar-10-batches-py" / "data_batch_3"
     batch.write_bytes(batch.read_bytes()[:1000])
     write_cifar_folder(tmp / "unreadable").chmod(0o000)
-    (tmp / "readonly").mkdir(mode=0o555)
-    (tmp / "readonly").chmod(0o555)  # mkdir's mode is masked by the umask
+    (tmp / "readonly").mkdir()
+    (tmp / "readonly").chmod(0o555)
 
 
 def launch(case: Case, name: str, tmp: Path, port: int, full_error: str, prefixes: dict) -> Result | str:
@@ -162,8 +162,18 @@ def launch(case: Case, name: str, tmp: Path, port: int, full_error: str, prefixe
     return Result(done.returncode, done.stdout, done.stderr, time.monotonic() - start)
 
 
+@dataclass
+class Runs:
+    results: dict[str, Result | str]  # by case name: what its process did, or why it could not run here
+    tmp: Path
+    port: int
+
+    def fill(self, text: str) -> str:
+        return text.format(tmp=self.tmp, port=self.port)
+
+
 @pytest.fixture(scope="module")
-def results(tmp_path_factory) -> dict[str, Result | str]:
+def runs(tmp_path_factory) -> Runs:
     """Every case's process, run PARALLEL at a time while a socket holds the port one of them asks for."""
     assert USER_FULL_ERROR not in os.environ  # set only inside an entry point
     tmp = tmp_path_factory.mktemp("bad-inputs")
@@ -182,12 +192,12 @@ def results(tmp_path_factory) -> dict[str, Result | str]:
     finally:
         (tmp / "unreadable").chmod(0o755)  # so that pytest can clean up
         (tmp / "readonly").chmod(0o755)
-    return {**found, "tmp": tmp, "port": port}
+    return Runs(found, tmp, port)
 
 
 @pytest.mark.parametrize("name", CASES)
-def test_a_bad_input_fails_fast_with_one_error_line_naming_it(name, results):
-    result, case = results[name], CASES[name]
+def test_a_bad_input_fails_fast_with_one_error_line_naming_it(name, runs):
+    result, case = runs.results[name], CASES[name]
     if isinstance(result, str):
         pytest.skip(result)
     text = output(result)
@@ -196,13 +206,13 @@ def test_a_bad_input_fails_fast_with_one_error_line_naming_it(name, results):
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1, text[-3000:]
     for word in case.words:
-        assert word.format(tmp=results["tmp"], port=results["port"]) in errors[0], errors[0]
+        assert runs.fill(word) in errors[0], errors[0]
     assert "Traceback" not in text, text[-3000:]
 
 
 @pytest.mark.parametrize("name", TRACEBACK_CASES)
-def test_hydra_full_error_keeps_the_traceback(name, results):
-    result = results[f"traceback-{name}"]
+def test_hydra_full_error_keeps_the_traceback(name, runs):
+    result = runs.results[f"traceback-{name}"]
     text = output(result)
     assert result.returncode not in (0, None), text[-3000:]
     assert "Traceback (most recent call last)" in text
