@@ -138,6 +138,15 @@ def read_checkpoint(path: str | Path, key: str = "ckpt_path", trusted: bool = Fa
     if not path.is_file():
         raise UserError(f"{key}={path} does not exist: pass the path of a .ckpt file written by src.train")
     try:
+        with open(path, "rb") as f:
+            intact = zipfile.is_zipfile(f)  # torch.save writes a zip archive: a cut-off one lacks its directory
+    except OSError as err:
+        raise UserError(f"{key}={path} cannot be read ({err.strerror}): fix its permissions, or pass another "
+                        "checkpoint") from err
+    if not intact:
+        raise UserError(f"{key}={path} is not a checkpoint: truncated, corrupt or in another format (not the zip "
+                        "archive torch.save writes); pass an intact .ckpt written by src.train")
+    try:
         return torch.load(path, map_location="cpu", weights_only=not trusted, mmap=True)  # mmap: no tensor is read yet
     except pickle.UnpicklingError as err:
         if not trusted and "weights_only" in str(err):
@@ -155,9 +164,9 @@ def check_compatible(checkpoint: dict[str, Any], path: str | Path, model_hparams
                      key: str = "ckpt_path") -> None:
     """A checkpoint of another network (arch, stem, classes) cannot be resumed: say which key differs."""
     saved = checkpoint.get("hyper_parameters")
-    if not isinstance(saved, dict) or "state_dict" not in checkpoint:
-        raise UserError(f"{key}={path} is not a checkpoint of this project's model (no hyper_parameters or "
-                        "state_dict): pass a .ckpt written by src.train")
+    if not isinstance(saved, dict) or "state_dict" not in checkpoint or "pytorch-lightning_version" not in checkpoint:
+        raise UserError(f"{key}={path} is not a checkpoint of this project's model (no hyper_parameters, state_dict "
+                        "or pytorch-lightning_version): pass a .ckpt written by src.train")
     for name in ("arch", "stem", "num_classes"):
         if name in saved and saved[name] != model_hparams.get(name):
             raise UserError(

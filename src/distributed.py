@@ -60,6 +60,7 @@ def build_strategy(
         if processes == 1:
             return "auto"  # Lightning picks SingleDeviceStrategy: no process group, no DDP wrapper
         name = "ddp"
+    check_launch(accelerator, processes // num_nodes, timeout_s)
     return HydraDDPStrategy(
         start_method=_START_METHODS[name],
         process_group_backend=None if backend == "auto" else backend,  # Lightning: nccl on CUDA, else gloo
@@ -305,3 +306,36 @@ def rank_log_suffix() -> str:
     if rank is not None:
         return f"_rank{rank}"
     return f"_node{os.environ.get('NODE_RANK', 0)}_local{os.environ.get('LOCAL_RANK', 0)}"
+
+
+def check_launch(accelerator: str, local_processes: int, timeout_s: Any) -> None:
+    """What a DDP run needs from this node, checked before any other process starts, each a one-line UserError.
+
+    CPU processes beyond the cores thrash (and each holds a model copy in memory); a timeout of 0 fails every
+    rendezvous; and a MASTER_PORT that is not a port, or one already taken where this process will host the
+    rendezvous, fails only once the ranks try to meet, after the others have started.
+    """
+    import socket
+
+    cores = len(os.sched_getaffinity(0))
+    if not uses_cuda(accelerator) and local_processes > cores:
+        raise UserError(f"trainer.devices={local_processes} starts {local_processes} CPU processes but this node has "
+                        f"{cores} CPU core(s) for this run: use trainer.devices={cores} or fewer")
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+        raise UserError(f"strategy.timeout_s={timeout_s} must be a number of seconds > 0: how long ranks wait for "
+                        "each other (default 300)")
+    port = os.environ.get("MASTER_PORT")
+    if port is None:
+        return  # Lightning picks a free one
+    if not port.strip().isdigit() or not 1 <= int(port) <= 65535:
+        raise UserError(f"MASTER_PORT={port} is not a port: set a number in 1-65535, or unset MASTER_PORT and "
+                        "Lightning picks a free one")
+    if not is_launch_rank_zero() or "TORCHELASTIC_RUN_ID" in os.environ:
+        return  # another process hosts the rendezvous (under torchrun, its agent already holds the port)
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the rendezvous store binds it
+        try:
+            probe.bind(("", int(port)))
+        except OSError as err:
+            raise UserError(f"MASTER_PORT={port} cannot be used on this node ({err.strerror}): pick a free port, or "
+                            "unset MASTER_PORT and Lightning picks a free one") from err

@@ -10,7 +10,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from src.checkpoints import read_checkpoint
-from src.errors import UserError, handle_errors
+from src.errors import UserError, handle_errors, run
 from src.models.classifier import ImageClassifier
 from src.trainer import build_trainer, record_config
 
@@ -42,4 +42,4 @@ def main(cfg: DictConfig) -> dict[str, float]:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)  # Hydra's own rejections (unknown option, misspelled key) in one line too

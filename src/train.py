@@ -13,7 +13,7 @@ from omegaconf import DictConfig
 
 from src.checkpoints import check_compatible, read_checkpoint, resume_path
 from src.distributed import is_launch_rank_zero
-from src.errors import handle_errors
+from src.errors import handle_errors, run
 from src.trainer import build_trainer, record_config
 
 
@@ -40,4 +40,4 @@ def main(cfg: DictConfig) -> float | None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)  # Hydra's own rejections (unknown option, misspelled key) in one line too

@@ -13,6 +13,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from src.checkpoints import AtomicCheckpointIO
 from src.distributed import is_launch_rank_zero, uses_cuda
+from src.errors import UserError
+
+ACCELERATORS = ("auto", "cpu", "gpu", "cuda", "mps")
 
 
 class _NoAdvertising(logging.Filter):
@@ -55,8 +58,20 @@ def hardware_defaults(trainer_cfg: DictConfig) -> dict:
     return resolved
 
 
+def check_trainer_settings(trainer_cfg: DictConfig) -> None:
+    """Values Lightning takes yet misreads (max_epochs=-1: train forever) or rejects only deep inside fit."""
+    if trainer_cfg.accelerator not in ACCELERATORS:
+        raise UserError(f"trainer.accelerator={trainer_cfg.accelerator} is not supported here: "
+                        "choose one of auto, cpu, gpu")
+    epochs = trainer_cfg.get("max_epochs")
+    if epochs is not None and (isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1):
+        raise UserError(f"trainer.max_epochs={epochs} must be a whole number >= 1: the epochs to train "
+                        "(Lightning's -1, 'forever', would leave the learning-rate schedule without an end)")
+
+
 def build_trainer(cfg: DictConfig) -> L.Trainer:
     """A Trainer whose strategy, callbacks and loggers come from their config groups."""
+    check_trainer_settings(cfg.trainer)
     route_lightning_logs()
     callbacks = [instantiate(c) for c in (cfg.get("callbacks") or {}).values() if c is not None]
     loggers = [instantiate(lg) for lg in (cfg.get("logger") or {}).values() if lg is not None]

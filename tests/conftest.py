@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 import pytest
@@ -26,13 +27,13 @@ FAST = ["data=synthetic", "data.num_train=96", "data.num_test=16", *FAST_RUN]
 
 
 def run_module(module: str, *overrides: str, env: dict[str, str] | None = None, timeout: float = 300,
-               background: bool = False):
-    """Run ``python -m <module> overrides...`` from the project root, as a user would."""
+               background: bool = False, prefix: Sequence[str] = ()):
+    """Run ``python -m <module> overrides...`` from the project root, as a user would (``prefix``: e.g. taskset)."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     for key in ("RANK", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         if env is None or key not in env:
             full_env.pop(key, None)
-    cmd = [sys.executable, "-m", module, *overrides]
+    cmd = [*prefix, sys.executable, "-m", module, *overrides]
     if background:
         return subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True)

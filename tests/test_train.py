@@ -137,39 +137,6 @@ def assert_user_error(result, *words: str, seconds: float | None = None) -> None
         assert word in text, text[-3000:]
 
 
-def test_nccl_without_cuda_fails_at_once_saying_nccl(tmp_path):
-    start = time.monotonic()
-    result = train(*FAST, "strategy=ddp", "trainer.devices=2", "backend=nccl", f"hydra.run.dir={tmp_path}",
-                   timeout=120)
-    assert_user_error(result, "error: backend=nccl needs CUDA", "backend=gloo")
-    assert time.monotonic() - start < 60
-
-
-def test_missing_data_offline_fails_in_seconds_naming_data_root(tmp_path):
-    start = time.monotonic()
-    result = train(*FAST_RUN, "data=cifar10", f"data.root={tmp_path}/nowhere", f"hydra.run.dir={tmp_path}/run",
-                   "data.download_url=http://127.0.0.1:9/cifar-10-python.tar.gz", timeout=120)
-    assert_user_error(result, f"data.root={tmp_path}/nowhere", "data=synthetic")
-    assert time.monotonic() - start < 60
-
-
-@pytest.mark.parametrize("override, words", [
-    ("backend=bogus", ["backend=bogus is not known", "auto, nccl, gloo"]),
-    ("trainer.devices=0", ["trainer.devices=0"]),
-    ("trainer.devices=abc", ["trainer.devices=abc"]),
-    ("model.arch=resnet7", ["model.arch=resnet7"]),
-])
-def test_bad_values_exit_non_zero_with_one_line_naming_the_key(override, words, tmp_path):
-    result = train(*FAST, override, f"hydra.run.dir={tmp_path}", timeout=120)
-    assert_user_error(result, *words)
-    assert len([line for line in result.stderr.splitlines() if line.startswith("error:")]) == 1
-
-
-def test_unknown_strategy_is_rejected_by_hydra_with_the_choices(tmp_path):
-    result = train(*FAST, "strategy=horovod", f"hydra.run.dir={tmp_path}", timeout=120)
-    assert_user_error(result, "strategy", "horovod", "ddp_spawn")
-
-
 def test_a_rank_whose_peers_never_arrive_fails_after_the_timeout_naming_the_rendezvous(tmp_path):
     port = free_port()
     start = time.monotonic()

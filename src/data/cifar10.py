@@ -90,14 +90,19 @@ class CIFAR10DataModule(InMemoryImageDataModule):
         """Download once when missing (``data.download=true``), then check the files against the release."""
         if self._checked:
             return
-        if not self.folder.is_dir():
-            if not self.download:
-                raise UserError(
-                    f"CIFAR-10 is not under data.root={self.root} (no {FOLDER} folder) and data.download=false: "
-                    "set data.download=true, point data.root at the folder that holds it, or use data=synthetic offline"
-                )
-            self._download()
-        self._verify()
+        try:
+            if not self.folder.is_dir():
+                if not self.download:
+                    raise UserError(
+                        f"CIFAR-10 is not under data.root={self.root} (no {FOLDER} folder) and data.download=false: "
+                        "set data.download=true, point data.root at the folder that holds it, or use data=synthetic "
+                        "offline"
+                    )
+                self._download()
+            self._verify()
+        except PermissionError as err:
+            raise UserError(f"data.root={self.root} cannot be read ({err.strerror}: {err.filename}): fix its "
+                            "permissions (chmod -R a+rX), or point data.root at a copy you can read") from err
         self._checked = True
 
     def _download(self) -> None:
@@ -127,6 +132,9 @@ class CIFAR10DataModule(InMemoryImageDataModule):
             raise UserError(f"{self.folder} lacks {', '.join(missing)}: restore them, or delete the folder and "
                             "let data.download=true fetch the release again")
         differing = [name for name, md5 in RELEASE_MD5.items() if md5sum(self.folder / name) != md5]
+        for name in differing:  # not the release's bytes: read them now, so a truncated file fails before DDP starts
+            if name != CIFAR10.meta["filename"]:
+                read_batch(self.folder / name)
         if differing:
             log.warning("data.root=%s is in the CIFAR-10 format but is not the canonical release (%s differ from "
                         "its checksums): loading it anyway; figures from it are not CIFAR-10 results",

@@ -63,6 +63,11 @@ class InMemoryImageDataModule(L.LightningDataModule):
             raise UserError(f"data.num_workers={num_workers} must be auto or a whole number >= 0")
         if pipeline not in PIPELINES:
             raise UserError(f"data.pipeline={pipeline} is not known: choose one of {', '.join(PIPELINES)}")
+        fraction = isinstance(val_size, float) and 0 < val_size < 1
+        count = isinstance(val_size, int) and not isinstance(val_size, bool) and val_size >= 1
+        if not (fraction or count):
+            raise UserError(f"data.val_size={val_size} must be a fraction in (0, 1) or a whole number of images >= 1 "
+                            "(e.g. 0.1 or 5000)")
         self.batch_size, self.num_workers, self.val_size = batch_size, num_workers, val_size
         self.augment, self.seed, self.pin_memory, self.num_classes = augment, seed, pin_memory, num_classes
         # auto: the images of an in-memory dataset fit on any device, so they go there
@@ -90,8 +95,7 @@ class InMemoryImageDataModule(L.LightningDataModule):
         self.test_set = ImageTensors(test_x, test_y, eval_transform())
 
     def _val_count(self, n_train: int) -> int:
-        count = round(self.val_size * n_train) if isinstance(self.val_size, float) and self.val_size < 1 \
-            else int(self.val_size)
+        count = round(self.val_size * n_train) if isinstance(self.val_size, float) else self.val_size
         if not 0 < count < n_train:
             raise UserError(
                 f"data.val_size={self.val_size} leaves {n_train - count} training and {count} validation images "

@@ -1,0 +1,265 @@
+"""Every bad input fails fast: exit 2 within 30 s, one ``error:`` line naming what was given and what to do.
+
+Each case is a real ``python -m src.train`` (or ``src.eval``) process. They are started together, a few at a
+time, by one module fixture; each test then reads its own process's result and duration.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+
+from src.errors import EXIT_USER_ERROR, USER_FULL_ERROR, wants_traceback
+from tests.conftest import FAST, FAST_RUN, output, run_module, write_cifar_folder
+
+EVAL = ["data=synthetic", "data.num_test=16", "trainer.accelerator=cpu"]
+CIFAR_OFFLINE = [*FAST_RUN, "data=cifar10", "data.download=false"]
+DDP2 = ["strategy=ddp", "trainer.devices=2"]
+SECONDS = 30
+PARALLEL = 2  # processes at a time: as many as CI has cores (each case is mostly importing torch)
+
+
+@dataclass(frozen=True)
+class Case:
+    """A command line that must fail; ``{tmp}`` and ``{port}`` are filled in by the fixture."""
+
+    args: list[str]
+    words: list[str]  # each one in the error line: what was given, and what to do
+    module: str = "src.train"
+    env: dict[str, str] = field(default_factory=dict)
+    restricted: bool = False  # without root's power over file permissions
+    one_core: bool = False  # pinned to one CPU core
+
+
+CASES = {
+    # what Hydra rejects before the task runs
+    "unknown-group-option": Case([*FAST, "strategy=horovod"],
+                                 ["strategy=horovod", "config group strategy", "choose one of auto, ddp, ddp_spawn"]),
+    "unknown-optional-option": Case([*FAST, "experiment=resnet50"],
+                                    ["experiment=resnet50", "choose one of cifar10_resnet50, demo"]),
+    "misspelled-key": Case([*FAST, "trainer.max_epoch=3"],
+                           ["trainer.max_epoch is not a key", "did you mean trainer.max_epochs", "+trainer.max_epoch=3"]),
+    "unknown-argument": Case([*FAST, "+model.dropout=0.5"], ["model.dropout", "ImageClassifier", "remove it"]),
+    "unparsable-override": Case([*FAST, "trainer.devices=[1,"], ["trainer.devices=[1,", "quote"]),
+    # processes and devices
+    "devices-zero": Case([*FAST, "trainer.devices=0"], ["trainer.devices=0", ">= 1"]),
+    "devices-negative": Case([*FAST, "trainer.devices=-3"], ["trainer.devices=-3", ">= 1"]),
+    "devices-not-a-number": Case([*FAST, "trainer.devices=abc"], ["trainer.devices=abc", "give a count"]),
+    "devices-beyond-cpu-cores": Case([*FAST, *DDP2], ["trainer.devices=2", "1 CPU core", "trainer.devices=1 or fewer"],
+                                     one_core=True),
+    "num-nodes-zero": Case([*FAST, "trainer.num_nodes=0"], ["trainer.num_nodes=0", ">= 1"]),
+    "unknown-backend": Case([*FAST, "backend=bogus"], ["backend=bogus is not known", "auto, nccl, gloo"]),
+    "nccl-on-cpu": Case([*FAST, *DDP2, "backend=nccl"], ["error: backend=nccl needs CUDA", "backend=gloo"]),
+    "unknown-accelerator": Case([*FAST, "trainer.accelerator=tpu"],
+                                ["trainer.accelerator=tpu", "choose one of auto, cpu, gpu"]),
+    "timeout-zero": Case([*FAST, *DDP2, "strategy.timeout_s=0"], ["strategy.timeout_s=0", "> 0"]),
+    "master-port-in-use": Case([*FAST, *DDP2], ["MASTER_PORT={port}", "Address already in use", "unset MASTER_PORT"],
+                               env={"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "{port}"}),
+    "master-port-not-a-port": Case([*FAST, *DDP2], ["MASTER_PORT=abc is not a port", "1-65535"],
+                                   env={"MASTER_PORT": "abc"}),
+    "max-epochs-negative": Case([*FAST, "trainer.max_epochs=-1"], ["trainer.max_epochs=-1", ">= 1"]),
+    "unknown-arch": Case([*FAST, "model.arch=resnet7"], ["model.arch=resnet7", "choose one of"]),
+    # files: data, checkpoints, the run dir
+    "data-root-missing-offline": Case(
+        [*FAST_RUN, "data=cifar10", "data.root={tmp}/nowhere", "data.download_url=http://127.0.0.1:9/cifar-10-python.tar.gz"],
+        ["data.root={tmp}/nowhere", "data=synthetic"]),
+    "data-root-unreadable": Case([*CIFAR_OFFLINE, "data.root={tmp}/unreadable"],
+                                 ["data.root={tmp}/unreadable", "cannot be read", "permissions"], restricted=True),
+    "truncated-batch-file": Case([*CIFAR_OFFLINE, "data.root={tmp}/truncated"],
+                                 ["{tmp}/truncated/cifar-10-batches-py/data_batch_3 is truncated", "restore the file"]),
+    "batch-size-zero": Case([*FAST, "data.batch_size=0"], ["data.batch_size=0", ">= 1"]),
+    "val-size-not-a-fraction": Case([*FAST, "data.val_size=2.0"], ["data.val_size=2.0", "fraction in (0, 1)"]),
+    "ckpt-missing": Case([*FAST, "ckpt_path=/nonexistent.ckpt"], ["ckpt_path=/nonexistent.ckpt does not exist"]),
+    "ckpt-random-bytes": Case([*FAST, "ckpt_path={tmp}/random.ckpt"],
+                              ["ckpt_path={tmp}/random.ckpt is not a checkpoint", "pass an intact .ckpt"]),
+    "ckpt-truncated": Case([*FAST, "ckpt_path={tmp}/truncated.ckpt"],
+                           ["ckpt_path={tmp}/truncated.ckpt is not a checkpoint", "truncated"]),
+    "ckpt-other-arch": Case([*FAST, "ckpt_path={tmp}/resnet18.ckpt", "model.arch=resnet50"],
+                            ["ckpt_path={tmp}/resnet18.ckpt holds a resnet18", "pass model.arch=resnet18"]),
+    "ckpt-last-without-one": Case([*FAST, "ckpt_path=last"], ["ckpt_path=last but", "does not exist", "hydra.run.dir"]),
+    "run-dir-not-writable": Case([*FAST, "hydra.run.dir={tmp}/readonly/run"],
+                                 ["{tmp}/readonly/run", "Permission denied", "hydra.run.dir=DIR"], restricted=True),
+    "eval-without-ckpt": Case([*EVAL], ["ckpt_path=PATH is required"], module="src.eval"),
+}
+# The same kind of mistakes with HYDRA_FULL_ERROR=1: the user asked for the traceback, one of the task's, one of Hydra's.
+TRACEBACK_CASES = {
+    "task-error": Case([*FAST, "backend=bogus"], ["UserError", "backend=bogus is not known"]),
+    "hydra-error": Case([*FAST, "trainer.max_epoch=3"], ["ConfigCompositionException", "trainer.max_epoch"]),
+}
+
+
+@dataclass
+class Result:
+    returncode: int | None
+    stdout: str
+    stderr: str
+    seconds: float
+
+
+def restricted_prefix() -> list[str] | str:
+    """A command prefix under which file permissions hold, or why there is none.
+
+    root reads and writes through any mode bits; without the two DAC capabilities (still uid 0, so the venv
+    under /root stays usable) it obeys them like any user.
+    """
+    if os.geteuid() != 0:
+        return []
+    caps = "-dac_override,-dac_read_search"
+    prefix = ["setpriv", f"--bounding-set={caps}", f"--inh-caps={caps}", "--"]
+    if shutil.which("setpriv") is None or subprocess.run([*prefix, "true"], capture_output=True).returncode != 0:
+        return "running as root, and setpriv cannot drop CAP_DAC_OVERRIDE here: permissions cannot be tested"
+    return prefix
+
+
+def one_core_prefix() -> list[str] | str:
+    if shutil.which("taskset") is None:
+        return "taskset is not installed: cannot pin a run to one core"
+    return ["taskset", "-c", str(min(os.sched_getaffinity(0)))]
+
+
+def make_files(tmp: Path) -> None:
+    """The bad files the cases point at."""
+    from src.models.classifier import ImageClassifier
+
+    (tmp / "random.ckpt").write_bytes(os.urandom(4096))
+    model = ImageClassifier(arch="resnet18")
+    torch.save({"state_dict": model.state_dict(), "hyper_parameters": dict(model.hparams),
+                "pytorch-lightning_version": "2.6.6", "epoch": 0, "global_step": 0}, tmp / "resnet18.ckpt")
+    whole = (tmp / "resnet18.ckpt").read_bytes()
+    (tmp / "truncated.ckpt").write_bytes(whole[: len(whole) // 2])
+    batch = write_cifar_folder(tmp / "truncated") / "cifar-10-batches-py" / "data_batch_3"
+    batch.write_bytes(batch.read_bytes()[:1000])
+    write_cifar_folder(tmp / "unreadable").chmod(0o000)
+    (tmp / "readonly").mkdir()
+    (tmp / "readonly").chmod(0o555)
+
+
+def launch(case: Case, name: str, tmp: Path, port: int, full_error: str, prefixes: dict) -> Result | str:
+    prefix: list[str] = []
+    for wanted, kind in ((case.restricted, "restricted"), (case.one_core, "one_core")):
+        if wanted:
+            if isinstance(prefixes[kind], str):
+                return prefixes[kind]  # the reason it cannot run here
+            prefix += prefixes[kind]
+    args = [a.format(tmp=tmp, port=port) for a in case.args]
+    if not any(a.startswith("hydra.run.dir=") for a in args):
+        args.append(f"hydra.run.dir={tmp}/runs/{name}")
+    env = {"HYDRA_FULL_ERROR": full_error, **{k: v.format(port=port) for k, v in case.env.items()}}
+    start = time.monotonic()
+    try:
+        done = run_module(case.module, *args, env=env, timeout=120, prefix=prefix)
+    except subprocess.TimeoutExpired as err:
+        return Result(None, str(err.stdout or ""), str(err.stderr or ""), time.monotonic() - start)
+    return Result(done.returncode, done.stdout, done.stderr, time.monotonic() - start)
+
+
+@dataclass
+class Runs:
+    results: dict[str, Result | str]  # by case name: what its process did, or why it could not run here
+    tmp: Path
+    port: int
+
+    def fill(self, text: str) -> str:
+        return text.format(tmp=self.tmp, port=self.port)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Runs:
+    """Every case's process, run PARALLEL at a time while a socket holds the port one of them asks for."""
+    assert USER_FULL_ERROR not in os.environ  # set only inside an entry point
+    tmp = tmp_path_factory.mktemp("bad-inputs")
+    make_files(tmp)
+    prefixes = {"restricted": restricted_prefix(), "one_core": one_core_prefix()}
+    jobs = [(name, case, "0") for name, case in CASES.items()]
+    jobs += [(f"traceback-{name}", case, "1") for name, case in TRACEBACK_CASES.items()]
+    try:
+        with socket.socket() as busy, ThreadPoolExecutor(PARALLEL) as pool:
+            busy.bind(("127.0.0.1", 0))
+            busy.listen()
+            port = busy.getsockname()[1]
+            futures = {name: pool.submit(launch, case, name, tmp, port, full_error, prefixes)
+                       for name, case, full_error in jobs}
+            found = {name: future.result() for name, future in futures.items()}
+    finally:
+        (tmp / "unreadable").chmod(0o755)  # so that pytest can clean up
+        (tmp / "readonly").chmod(0o755)
+    return Runs(found, tmp, port)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_a_bad_input_fails_fast_with_one_error_line_naming_it(name, runs):
+    result, case = runs.results[name], CASES[name]
+    if isinstance(result, str):
+        pytest.skip(result)
+    text = output(result)
+    assert result.returncode == EXIT_USER_ERROR, text[-3000:]
+    assert result.seconds < SECONDS, f"took {result.seconds:.1f} s"
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, text[-3000:]
+    for word in case.words:
+        assert runs.fill(word) in errors[0], errors[0]
+    assert "Traceback" not in text, text[-3000:]
+
+
+@pytest.mark.parametrize("name", TRACEBACK_CASES)
+def test_hydra_full_error_keeps_the_traceback(name, runs):
+    result = runs.results[f"traceback-{name}"]
+    text = output(result)
+    assert result.returncode not in (0, None), text[-3000:]
+    assert "Traceback (most recent call last)" in text
+    for word in TRACEBACK_CASES[name].words:
+        assert word in text, text[-3000:]
+
+
+def test_the_users_hydra_full_error_wins_over_the_one_set_for_hydra(monkeypatch):
+    """Entry points set HYDRA_FULL_ERROR=1 for Hydra's sake; the user's own value, recorded beside it, decides."""
+    monkeypatch.setenv("HYDRA_FULL_ERROR", "1")
+    monkeypatch.setenv(USER_FULL_ERROR, "")
+    assert not wants_traceback()  # DDP's local ranks inherit both variables
+    monkeypatch.setenv(USER_FULL_ERROR, "1")
+    assert wants_traceback()
+    monkeypatch.delenv(USER_FULL_ERROR)
+    assert wants_traceback()  # no entry point in between: HYDRA_FULL_ERROR as given
+
+
+# The same messages in-process, for variants that need no process of their own.
+@pytest.mark.parametrize("override, words", [
+    ("data=imagenet", ["data=imagenet is not an option of config group data", "choose one of cifar10, synthetic"]),
+    ("modle.arch=resnet34", ["modle.arch is not a key", "did you mean model.arch?", "+modle.arch=resnet34"]),
+    ("model.optimizer.lrr=0.2", ["did you mean model.optimizer.lr?"]),
+    ("trainer.zzz=1", ["trainer.zzz is not a key", "--cfg job", "+trainer.zzz=1"]),
+    ("+trainer.max_epochs=3", ["An item is already at 'trainer.max_epochs'", "trainer.max_epochs=3"]),
+])
+def test_hydras_rejections_become_one_line_naming_the_override(override, words, tmp_path):
+    from hydra.errors import HydraException
+
+    from src.errors import hydra_error_message
+    from tests.test_config import make_cfg
+
+    with pytest.raises(HydraException) as caught:
+        make_cfg(tmp_path, override)
+    message = hydra_error_message(caught.value)
+    assert message is not None  # report() prints it as one line
+    for word in words:
+        assert word in message, message
+
+
+@pytest.mark.parametrize("epochs", [-1, 0, -5, "abc", 2.5, True])
+def test_max_epochs_must_be_a_count_of_at_least_one(epochs):
+    from omegaconf import OmegaConf
+
+    from src.errors import UserError
+    from src.trainer import check_trainer_settings
+
+    with pytest.raises(UserError, match=f"trainer.max_epochs={epochs} must be a whole number >= 1"):
+        check_trainer_settings(OmegaConf.create({"accelerator": "cpu", "max_epochs": epochs}))
+    check_trainer_settings(OmegaConf.create({"accelerator": "cpu", "max_epochs": 1}))
