@@ -7,6 +7,7 @@ fails with a readable message, and a launcher that starts local ranks from *this
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import multiprocessing
 import os
@@ -166,10 +167,8 @@ _LAUNCHER_PID = "CIFAR10_DDP_LAUNCHER_PID"  # set for the local ranks HydraJobLa
 
 
 def _launcher_pid() -> int | None:
-    """The pid of the process that started this rank (our launcher, or the ddp_spawn parent), if one did."""
-    parent = multiprocessing.parent_process()
-    if parent is not None:
-        return parent.pid
+    """The pid of the HydraJobLauncher that started this rank, if one did (ddp_spawn's ranks watch from
+    HydraSpawnLauncher)."""
     pid = os.environ.get(_LAUNCHER_PID)
     return int(pid) if pid is not None and int(pid) == os.getppid() else None
 
@@ -216,15 +215,26 @@ class HydraSpawnLauncher(_MultiProcessingLauncher):
         finally:
             signal.signal(signal.SIGTERM, previous)
 
-    def _wrapping_function(self, *args: Any, **kwargs: Any) -> Any:
+    def _wrapping_function(self, process_idx: int, *args: Any, **kwargs: Any) -> Any:
         from src.callbacks.graceful_stop import Terminated
 
+        # torch makes a spawned rank get SIGINT when its parent dies; that KeyboardInterrupt races the watch
+        # below and ends the rank without a word. One owner: the watch, which says what happened.
+        _clear_parent_death_signal()
+        rank = self._strategy.node_rank * self._strategy.num_processes + process_idx
+        supervision.watch_launcher(rank, multiprocessing.parent_process().pid)
         try:
-            return super()._wrapping_function(*args, **kwargs)
+            return super()._wrapping_function(process_idx, *args, **kwargs)
         except Terminated as stop:
             if self._strategy.global_rank == 0:
                 print(f"stopped: {stop}", file=sys.stderr, flush=True)
             sys.exit(stop.exit_code)
+
+
+def _clear_parent_death_signal() -> None:
+    """Undo torch's prctl(PR_SET_PDEATHSIG, SIGINT) for this process (Linux; elsewhere nothing was set)."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(1, 0, 0, 0, 0)  # 1: PR_SET_PDEATHSIG, 0: no signal
 
 
 # Local ranks started by this process, so a job can wait for (or stop) its own before the next one starts.
