@@ -83,7 +83,8 @@ def test_trainer_builds_from_the_composed_config(tmp_path):
     trainer = build_trainer(cfg)
     assert isinstance(trainer, L.Trainer) and trainer.max_epochs == 1
     names = {type(c).__name__ for c in trainer.callbacks}
-    assert {"ModelCheckpoint", "LearningRateMonitor", "ThroughputMonitor", "RichProgressBar", "RunSummary"} <= names
+    assert {"ModelCheckpoint", "LastCheckpoint", "LearningRateMonitor", "ThroughputRecorder", "ProgressBar", "RunSummary",
+             "GracefulStop"} <= names
     assert Path(trainer.logger.log_dir) == tmp_path / "run" / "tensorboard"
 
 

@@ -1,1 +1,1 @@
-"""Callbacks Lightning lacks: the one-line run summary, and the batch-size hook for its ThroughputMonitor."""
+"""Callbacks Lightning lacks: run summary, throughput record, sync-free progress bar, SIGTERM stop, Slurm requeue."""

@@ -41,6 +41,11 @@ class GracefulStop(L.Callback):
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if dist.is_available() and dist.is_initialized() and trainer.world_size > 1 and self._group is None:
             self._group = dist.new_group(backend="gloo")  # every rank creates it, in the same order
+        # Lightning's SIGTERM path broadcasts rank zero's flag before every training step: under NCCL a
+        # device-to-host wait per step. With SIGTERM handled here, that broadcast only costs time.
+        epoch_loop = trainer.fit_loop.epoch_loop
+        if hasattr(epoch_loop, "_broadcast_sigterm_tensor"):
+            epoch_loop._broadcast_sigterm_tensor = lambda: None
 
     # Lightning installs its own handler (after on_fit_start) just before a stage runs; these hooks come later,
     # so ours replaces it rather than joining it.

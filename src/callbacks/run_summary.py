@@ -2,16 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any
 
 import lightning as L
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
-
-
-def images_in_batch(batch: Any) -> int:
-    """Batch size of an ``(images, labels)`` batch, for Lightning's ThroughputMonitor."""
-    return batch[0].size(0)
 
 
 def strategy_name(strategy: L.pytorch.strategies.Strategy) -> str:

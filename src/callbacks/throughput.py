@@ -1,8 +1,9 @@
-"""throughput.json: what a run really measured, written in its run dir after training.
+"""Training throughput: samples/s in TensorBoard at every log step, and throughput.json after training.
 
-Lightning's ThroughputMonitor logs rolling rates to TensorBoard; this adds the steady-state summary a
-scaling report needs, and the process ids of every rank, gathered over the process group, as proof of
-how many processes really trained.
+throughput.json holds the steady-state summary a scaling report needs, and the process ids of every
+rank, gathered over the process group, as proof of how many processes really trained. Lightning's
+ThroughputMonitor is not used: it calls torch.cuda.synchronize() after every step, which stalls the
+GPU's queue; wall time between log steps measures the same rate without waiting on the device.
 """
 
 from __future__ import annotations
@@ -54,7 +55,8 @@ class ThroughputRecorder(L.Callback):
 
     A step's time is the wall time between the ends of two consecutive training batches of one
     epoch, so it includes loading the batch; the first step of each epoch (iterator start-up) and
-    validation are left out.
+    validation are left out. Every ``trainer.log_every_n_steps`` steps the rate since the last log step
+    goes to the loggers as ``train/samples_per_sec`` (the world) and ``train/device/samples_per_sec``.
     """
 
     def __init__(self, warmup_steps: int = 5, filename: str = "throughput.json") -> None:
@@ -66,6 +68,8 @@ class ThroughputRecorder(L.Callback):
         self._steps = 0
         self._warmup = warmup_steps
         self._batch_size = 0
+        self._first_step_at: float | None = None
+        self._window: tuple[float, int] | None = None  # (time, step) of the last log step
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # Short runs (a smoke test of 3 steps) still measure something: at least the last two steps.
@@ -76,6 +80,12 @@ class ThroughputRecorder(L.Callback):
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._epoch_start = time.perf_counter()
         self._last_end = None
+        self._window = None  # the epoch's first step includes the iterator's start-up: not a rate
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        if self._first_step_at is None:
+            self._first_step_at = time.time()  # wall clock: launch overhead is measured from the command's start
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
@@ -85,6 +95,17 @@ class ThroughputRecorder(L.Callback):
         if self._last_end is not None and self._steps > self._warmup:
             self._intervals.append(now - self._last_end)
         self._last_end = now
+        if trainer.global_step % trainer.log_every_n_steps == 0 and self._steps > self._warmup:
+            self._log_rate(trainer, now)
+
+    def _log_rate(self, trainer: L.Trainer, now: float) -> None:
+        if self._window is not None and trainer.global_step > self._window[1]:
+            seconds, steps = now - self._window[0], trainer.global_step - self._window[1]
+            per_device = steps * self._batch_size / seconds
+            for logger in trainer.loggers:  # plain floats, straight to the loggers: no device tensor, no sync
+                logger.log_metrics({"train/device/samples_per_sec": per_device,
+                                    "train/samples_per_sec": per_device * trainer.world_size}, step=trainer.global_step)
+        self._window = (now, trainer.global_step)
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._epoch_times.append(time.perf_counter() - self._epoch_start)
@@ -119,6 +140,7 @@ class ThroughputRecorder(L.Callback):
             "epochs": len(self._epoch_times),
             "peak_memory_mb": max(r["peak_memory_mb"] for r in ranks),
             "pids": [r["pid"] for r in ranks],
+            "first_step_at": self._first_step_at,
             "hosts": sorted({r["host"] for r in ranks}),
         }
         path = Path(trainer.default_root_dir) / self.filename

@@ -61,7 +61,6 @@ class ImageClassifier(L.LightningModule):
         self.train_acc, self.val_acc, self.test_acc = (
             MulticlassAccuracy(num_classes, average="micro") for _ in range(3))
         self.val_loss, self.test_loss = MeanMetric(), MeanMetric()
-        self.flops_per_batch = None  # read by Lightning's ThroughputMonitor; unknown here
         self.memory_format = torch.contiguous_format
 
     def setup(self, stage: str) -> None:

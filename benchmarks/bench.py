@@ -1,0 +1,128 @@
+"""``make bench``: the project's training against a bare DDP loop, same model, batch, images and steps.
+
+    python benchmarks/bench.py [--arch resnet50] [--batch-size 32] [--steps 20] [--warmup 3] [--processes 1,2]
+
+For each world size it runs, one after the other (in an order that alternates, so a slow minute of
+the machine does not land on one side only):
+  project  ``python -m src.train`` as a user runs it: Hydra, Lightning, the default callbacks (checkpoints,
+           LR and throughput logging, progress bar, SIGTERM handling) and the default data pipeline;
+           the rate is throughput.json's, over the steps after the warm-up.
+  bare     ``torchrun benchmarks/bare_ddp.py``: DistributedSampler + DataLoader, DDP, SGD, nothing else.
+Both train the same ResNet (CIFAR stem) on the same synthetic images with the same crop/flip, and both
+time the steps after the same warm-up. It prints a table (throughput and launch overhead: seconds from
+the command to the first training step) and, last, the throughput ratio of the world size where the
+project does worst. On a CPU it compares 1 and 2 processes over gloo; on a GPU one process over nccl
+with the fast path (bf16, channels-last; --compile adds torch.compile).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def hardware() -> tuple[bool, str]:
+    """(CUDA available, 'NVIDIA H100 80GB HBM3' or 'AMD EPYC 7B13 (2 cores)')."""
+    import torch
+
+    if torch.cuda.is_available():
+        return True, torch.cuda.get_device_name(0)
+    model = platform.processor() or "CPU"
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
+    except OSError:
+        pass
+    return False, f"{model} ({len(os.sched_getaffinity(0))} cores)"
+
+
+def run(command: list[str], log: Path, timeout: float) -> float:
+    """Run ``command`` from the project root, its output into ``log``; return its start time (wall clock)."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    started = time.time()
+    with open(log, "w") as out:
+        done = subprocess.run(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, timeout=timeout,
+                              env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    if done.returncode != 0:
+        sys.exit(f"error: {' '.join(command[:6])} ... failed ({done.returncode}); see {log}")
+    return started
+
+
+def project(args: argparse.Namespace, processes: int, cuda: bool, out: Path) -> dict[str, float]:
+    run_dir = out / f"project-{processes}"
+    steps = args.warmup + args.steps
+    command = [sys.executable, "-m", "src.train", "data=synthetic", f"data.num_train={images_needed(args, processes)}",
+               "data.val_size=64", f"data.batch_size={args.batch_size}", f"model.arch={args.arch}",
+               f"trainer.devices={processes}", "strategy=ddp" if processes > 1 else "strategy=auto",
+               f"backend={'nccl' if cuda else 'gloo'}", "trainer.max_epochs=1", f"trainer.limit_train_batches={steps}",
+               "trainer.limit_val_batches=1", "trainer.num_sanity_val_steps=0", "test=false",
+               f"callbacks.throughput_record.warmup_steps={args.warmup}", f"hydra.run.dir={run_dir}"]
+    command += ["trainer.precision=bf16-mixed", "model.channels_last=true"] if cuda else ["trainer.accelerator=cpu"]
+    command += ["model.compile=true"] if args.compile else []
+    started = run(command, out / f"project-{processes}.log", args.timeout)
+    record = json.loads((run_dir / "throughput.json").read_text())
+    assert record["steps_measured"] == args.steps, record
+    return {"images_per_second": record["samples_per_second"], "launch_s": record["first_step_at"] - started}
+
+
+def bare(args: argparse.Namespace, processes: int, cuda: bool, out: Path) -> dict[str, float]:
+    result = out / f"bare-{processes}.json"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}",
+               str(ROOT / "benchmarks" / "bare_ddp.py"), f"--arch={args.arch}", f"--batch-size={args.batch_size}",
+               f"--steps={args.steps}", f"--warmup={args.warmup}", f"--images={images_needed(args, processes)}",
+               f"--out={result}"]
+    command += ["--bf16", "--channels-last"] if cuda else []
+    started = run(command, out / f"bare-{processes}.log", args.timeout)
+    record = json.loads(result.read_text())
+    return {"images_per_second": record["images_per_second"], "launch_s": record["first_step_at"] - started}
+
+
+def images_needed(args: argparse.Namespace, processes: int) -> int:
+    """Enough images for warm-up + measured steps on every rank, in one epoch."""
+    return (args.warmup + args.steps + 1) * args.batch_size * processes + 64
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    cuda, device = hardware()
+    parser.add_argument("--arch", default="resnet50")
+    parser.add_argument("--batch-size", type=int, default=256 if cuda else 32, help="per process")
+    parser.add_argument("--steps", type=int, default=200 if cuda else 20, help="measured steps")
+    parser.add_argument("--warmup", type=int, default=30 if cuda else 3, help="steps before the clock starts")
+    parser.add_argument("--processes", default="1" if cuda else "1,2", help="world sizes to compare, e.g. 1,2")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the project's model (GPU)")
+    parser.add_argument("--timeout", type=float, default=600, help="seconds allowed for each run")
+    parser.add_argument("--out", type=Path, default=ROOT / "outputs" / "bench")
+    args = parser.parse_args()
+    backend = "nccl" if cuda else "gloo"
+    worlds = [int(p) for p in args.processes.split(",")]
+    rows = []
+    for i, processes in enumerate(worlds):
+        sides = [("bare", bare), ("project", project)]
+        measured = dict((name, fn(args, processes, cuda, args.out)) for name, fn in (sides if i % 2 == 0 else sides[::-1]))
+        rows.append((processes, measured["project"], measured["bare"]))
+
+    print(f"\n{args.arch} (CIFAR stem), batch {args.batch_size} per process, {args.steps} steps timed after "
+          f"{args.warmup} warm-up steps, {backend}, {device}\n")
+    print("| processes | project img/s | bare img/s | ratio | project launch s | bare launch s |")
+    print("|---:|---:|---:|---:|---:|---:|")
+    for processes, p, b in rows:
+        print(f"| {processes} | {p['images_per_second']:.1f} | {b['images_per_second']:.1f} "
+              f"| {p['images_per_second'] / b['images_per_second']:.3f} | {p['launch_s']:.1f} | {b['launch_s']:.1f} |")
+    processes, p, b = min(rows, key=lambda row: row[1]["images_per_second"] / row[2]["images_per_second"])
+    print(f"\nproject/bare throughput ratio: {p['images_per_second'] / b['images_per_second']:.3f} "
+          f"(project {p['images_per_second']:.1f} img/s, bare {b['images_per_second']:.1f} img/s, "
+          f"{device}, {processes} process{'es' if processes > 1 else ''}, {backend})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
