@@ -1,4 +1,4 @@
-# make train ARGS="..." | make test | make demo | make tensorboard
+# make train ARGS="..." | make test | make demo | make bench | make recipes | make tensorboard
 # Each target creates .venv and installs the project into it on first use.
 SHELL := /bin/bash
 PYTHON ?= python3
@@ -9,7 +9,7 @@ TORCH_PINS ?= torch==2.14.1 torchvision==0.29.1
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: install train test demo eval tensorboard recipes clean
+.PHONY: install train test demo eval tensorboard bench recipes clean
 
 install: $(VENV)/.installed
 
@@ -50,6 +50,11 @@ eval: install
 ## TensorBoard over every run, on 127.0.0.1 only
 tensorboard: install
 	$(VENV)/bin/tensorboard --logdir outputs --host 127.0.0.1
+
+## the project against a bare torch.distributed DDP loop: same model, batch, data and steps (~4 min on 2 cores)
+BENCH_ARGS ?=
+bench: install
+	$(PY) benchmarks/bench.py $(BENCH_ARGS)
 
 ## the default recipe against the seed-004 recipe (plain SGD, lr 1e-4), same net/data/epochs: test accuracies
 RECIPE_ARGS ?= --epochs 10 --arch resnet50

@@ -9,9 +9,10 @@ the machine does not land on one side only):
            the rate is throughput.json's, over the steps after the warm-up.
   bare     ``torchrun benchmarks/bare_ddp.py``: DistributedSampler + DataLoader, DDP, SGD, nothing else.
 Both train the same ResNet (CIFAR stem) on the same synthetic images with the same crop/flip, and both
-time the steps after the same warm-up. It prints a table (throughput and launch overhead: seconds from
-the command to the first training step) and, last, the throughput ratio of the world size where the
-project does worst. On a CPU it compares 1 and 2 processes over gloo; on a GPU one process over nccl
+time the steps after the same warm-up. The project runs once per data pipeline (``--pipelines``: the
+device-resident default, and the same DataLoader + per-image transforms the bare loop uses). It prints a
+table (throughput, and launch overhead: seconds from the command to the first training step) and, last,
+the throughput ratio of the default pipeline at the world size where the project does worst. On a CPU it compares 1 and 2 processes over gloo; on a GPU one process over nccl
 with the fast path (bf16, channels-last; --compile adds torch.compile).
 """
 
@@ -56,18 +57,19 @@ def run(command: list[str], log: Path, timeout: float) -> float:
     return started
 
 
-def project(args: argparse.Namespace, processes: int, cuda: bool, out: Path) -> dict[str, float]:
-    run_dir = out / f"project-{processes}"
+def project(args: argparse.Namespace, processes: int, cuda: bool, out: Path, pipeline: str) -> dict[str, float]:
+    run_dir = out / f"project-{processes}-{pipeline}"
     steps = args.warmup + args.steps
     command = [sys.executable, "-m", "src.train", "data=synthetic", f"data.num_train={images_needed(args, processes)}",
                "data.val_size=64", f"data.batch_size={args.batch_size}", f"model.arch={args.arch}",
                f"trainer.devices={processes}", "strategy=ddp" if processes > 1 else "strategy=auto",
                f"backend={'nccl' if cuda else 'gloo'}", "trainer.max_epochs=1", f"trainer.limit_train_batches={steps}",
                "trainer.limit_val_batches=1", "trainer.num_sanity_val_steps=0", "test=false",
-               f"callbacks.throughput_record.warmup_steps={args.warmup}", f"hydra.run.dir={run_dir}"]
+               f"callbacks.throughput_record.warmup_steps={args.warmup}", f"data.pipeline={pipeline}",
+               f"hydra.run.dir={run_dir}"]
     command += ["trainer.precision=bf16-mixed", "model.channels_last=true"] if cuda else ["trainer.accelerator=cpu"]
     command += ["model.compile=true"] if args.compile else []
-    started = run(command, out / f"project-{processes}.log", args.timeout)
+    started = run(command, out / f"project-{processes}-{pipeline}.log", args.timeout)
     record = json.loads((run_dir / "throughput.json").read_text())
     assert record["steps_measured"] == args.steps, record
     return {"images_per_second": record["samples_per_second"], "launch_s": record["first_step_at"] - started}
@@ -98,29 +100,37 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=200 if cuda else 20, help="measured steps")
     parser.add_argument("--warmup", type=int, default=30 if cuda else 3, help="steps before the clock starts")
     parser.add_argument("--processes", default="1" if cuda else "1,2", help="world sizes to compare, e.g. 1,2")
+    parser.add_argument("--pipelines", default="device,dataloader",
+                        help="the project's data.pipeline values to run; the first is the one in the ratio line")
     parser.add_argument("--compile", action="store_true", help="torch.compile the project's model (GPU)")
     parser.add_argument("--timeout", type=float, default=600, help="seconds allowed for each run")
     parser.add_argument("--out", type=Path, default=ROOT / "outputs" / "bench")
     args = parser.parse_args()
     backend = "nccl" if cuda else "gloo"
-    worlds = [int(p) for p in args.processes.split(",")]
-    rows = []
-    for i, processes in enumerate(worlds):
-        sides = [("bare", bare), ("project", project)]
-        measured = dict((name, fn(args, processes, cuda, args.out)) for name, fn in (sides if i % 2 == 0 else sides[::-1]))
-        rows.append((processes, measured["project"], measured["bare"]))
+    pipelines = args.pipelines.split(",")
+    results: dict[tuple[int, str], dict[str, float]] = {}
+    for i, processes in enumerate(int(p) for p in args.processes.split(",")):
+        runs = [("bare", lambda: bare(args, processes, cuda, args.out))]
+        runs += [(pipeline, lambda pipeline=pipeline: project(args, processes, cuda, args.out, pipeline))
+                 for pipeline in pipelines]
+        for name, measure in runs if i % 2 == 0 else runs[::-1]:
+            results[processes, name] = measure()
 
     print(f"\n{args.arch} (CIFAR stem), batch {args.batch_size} per process, {args.steps} steps timed after "
           f"{args.warmup} warm-up steps, {backend}, {device}\n")
-    print("| processes | project img/s | bare img/s | ratio | project launch s | bare launch s |")
-    print("|---:|---:|---:|---:|---:|---:|")
-    for processes, p, b in rows:
-        print(f"| {processes} | {p['images_per_second']:.1f} | {b['images_per_second']:.1f} "
-              f"| {p['images_per_second'] / b['images_per_second']:.3f} | {p['launch_s']:.1f} | {b['launch_s']:.1f} |")
-    processes, p, b = min(rows, key=lambda row: row[1]["images_per_second"] / row[2]["images_per_second"])
-    print(f"\nproject/bare throughput ratio: {p['images_per_second'] / b['images_per_second']:.3f} "
-          f"(project {p['images_per_second']:.1f} img/s, bare {b['images_per_second']:.1f} img/s, "
-          f"{device}, {processes} process{'es' if processes > 1 else ''}, {backend})")
+    print("| processes | run | img/s | vs bare | launch s |")
+    print("|---:|---|---:|---:|---:|")
+    for (processes, name), r in results.items():
+        base = results[processes, "bare"]["images_per_second"]
+        label = "bare DDP loop (DataLoader)" if name == "bare" else f"project, data.pipeline={name}"
+        print(f"| {processes} | {label} | {r['images_per_second']:.1f} | {r['images_per_second'] / base:.3f} "
+              f"| {r['launch_s']:.1f} |")
+    ratios = {p: results[p, pipelines[0]]["images_per_second"] / results[p, "bare"]["images_per_second"]
+              for p, name in results if name == "bare"}
+    processes = min(ratios, key=ratios.get)
+    mine, theirs = results[processes, pipelines[0]]["images_per_second"], results[processes, "bare"]["images_per_second"]
+    print(f"\nproject/bare throughput ratio: {ratios[processes]:.3f} (project {mine:.1f} img/s, bare {theirs:.1f} "
+          f"img/s, {device}, {processes} process{'es' if processes > 1 else ''}, {backend})")
     return 0
 
 

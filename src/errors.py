@@ -12,8 +12,6 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, NoReturn
 
-from lightning.fabric.utilities.exceptions import MisconfigurationException
-
 log = logging.getLogger(__name__)
 
 EXIT_USER_ERROR = 2
@@ -29,9 +27,11 @@ class UserError(Exception):
 
 def user_error_in(err: BaseException) -> BaseException | None:
     """The UserError (or Lightning's MisconfigurationException) behind ``err``, through Hydra's wrapping."""
+    lightning = sys.modules.get("lightning.fabric.utilities.exceptions")  # not loaded: none of its errors is raised
+    known = (UserError, lightning.MisconfigurationException) if lightning else (UserError,)
     seen = set()
     while err is not None and id(err) not in seen:
-        if isinstance(err, (UserError, MisconfigurationException)):
+        if isinstance(err, known):
             return err
         unknown = _UNKNOWN_ARGUMENT.search(str(err))
         if unknown:  # +model.foo=1: a key the config may gain, but the class it builds has no such argument
@@ -59,20 +59,21 @@ def handle_errors(task: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(task)
     def wrapper(cfg: Any) -> Any:
-        from src import distributed, supervision
-        from src.callbacks.graceful_stop import Terminated
+        from src import launch, supervision
 
         global _task_started
         _task_started = True
         try:
             check_group_choices()
             result = task(cfg)
-        except Terminated as stop:
-            if distributed.is_launch_rank_zero():
-                print(f"stopped: {stop}", file=sys.stderr, flush=True)
-            distributed.reap_launched(grace_s=60)  # they stop at the same batch; let them finish writing
-            sys.exit(stop.exit_code)
         except Exception as err:
+            from src.callbacks.graceful_stop import Terminated  # here, not at the top: it loads Lightning
+
+            if isinstance(err, Terminated):
+                if launch.is_launch_rank_zero():
+                    print(f"stopped: {err}", file=sys.stderr, flush=True)
+                launch.reap_launched(grace_s=60)  # they stop at the same batch; let them finish writing
+                sys.exit(err.exit_code)
             failure = supervision.explain(err)
             if in_sweep():
                 return _record_failure(err, UserError(failure[0]) if failure and failure[0] else user_error_in(err))
@@ -80,14 +81,15 @@ def handle_errors(task: Callable[..., Any]) -> Callable[..., Any]:
                 message, code = failure
                 if message:
                     supervision.report_once(message)
-                supervision.stop_processes(distributed.LAUNCHED, grace_s=2.0)
+                supervision.stop_processes(launch.LAUNCHED, grace_s=2.0)
                 sys.exit(code)
             cause = user_error_in(err)
             if cause is None or wants_traceback():
                 raise
+            supervision.stop_processes(launch.LAUNCHED, grace_s=2.0)  # ranks started early, still loading
             report(str(cause))
         if not in_sweep():  # a sweep's JobIsolation waits for each job's ranks itself
-            failure = distributed.reap_launched(grace_s=120)
+            failure = launch.reap_launched(grace_s=120)
             if failure is not None:
                 supervision.report_once(failure)
                 sys.exit(supervision.EXIT_RANK_FAILED)

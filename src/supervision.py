@@ -22,13 +22,13 @@ import threading
 import time
 from typing import Sequence
 
-import torch
 
 EXIT_RANK_FAILED = 1
 POLL_S = 0.25
 _STOPPED_ON_REQUEST = {128 + signal.SIGTERM}
 _report_lock = threading.Lock()
 _reported = False
+_stopped_here: set[int] = set()  # pids this process stopped on purpose: their ending is no failure
 
 
 def how_it_ended(returncode: int) -> str:
@@ -55,6 +55,7 @@ def report_once(message: str) -> bool:
 
 def stop_processes(procs: Sequence[subprocess.Popen], grace_s: float = 5.0) -> None:
     """SIGTERM the processes still running, then SIGKILL what is left after ``grace_s``."""
+    _stopped_here.update(proc.pid for proc in procs)  # before any signal, so no watch reads one as a death
     for proc in procs:
         if proc.poll() is None:
             proc.terminate()
@@ -71,7 +72,7 @@ def failed_child(procs: Sequence[subprocess.Popen], ranks: Sequence[int]) -> str
     """'rank 1 (pid 123) died: killed by SIGKILL' for the first started rank that ended badly, else None."""
     for proc, rank in zip(procs, ranks):
         code = proc.poll()
-        if code not in (None, 0) and code not in _STOPPED_ON_REQUEST:
+        if code not in (None, 0) and code not in _STOPPED_ON_REQUEST and proc.pid not in _stopped_here:
             return f"rank {rank} (pid {proc.pid}) died: {how_it_ended(code)}"
     return None
 
@@ -139,7 +140,7 @@ def explain(err: BaseException) -> tuple[str | None, int] | None:
     """One line (None: already reported by the rank) and an exit code for a distributed failure behind ``err``."""
     from torch.multiprocessing import ProcessExitedException
 
-    from src import distributed
+    from src import launch
 
     seen = set()
     while err is not None and id(err) not in seen:
@@ -151,7 +152,7 @@ def explain(err: BaseException) -> tuple[str | None, int] | None:
             return (f"rank {err.error_index} (pid {err.error_pid}) died: {how_it_ended(code)}; "
                     "stopped the other ranks"), EXIT_RANK_FAILED
         if _is_broken_connection(err):
-            failure = distributed.launched_failure()
+            failure = launch.launched_failure()
             if failure is not None:
                 return f"{failure}; stopped the other ranks", EXIT_RANK_FAILED
             gone = launcher_gone()
@@ -170,6 +171,8 @@ def _first_sentence(err: BaseException) -> str:
 
 
 def _is_broken_connection(err: BaseException) -> bool:
+    import torch
+
     if isinstance(err, (torch.distributed.DistBackendError, torch.distributed.DistNetworkError)):
         return True
     text = str(err)

@@ -19,7 +19,7 @@ from hydra.core.utils import JobReturn
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from src.distributed import reap_launched
+from src.launch import reap_launched
 from src.errors import FAILURE_FILE
 
 log = logging.getLogger(__name__)

@@ -1,26 +1,30 @@
-"""``python -m src.train [overrides]``: compose the config, build the parts, fit, test.
+"""``python -m src.train [overrides]``: compose the config, start the local ranks, build the parts, fit, test.
 
-Every process of a run executes this file (DDP re-enters it for local ranks 1..N-1; srun starts
-one per task); Lightning decides which rank does what.
+Every process of a run executes this file (the local ranks of ``strategy=ddp`` re-enter it; srun
+starts one per task); Lightning decides which rank does what. Lightning and the model code load
+inside ``main``, after this process has started its local ranks, so they load theirs meanwhile.
 """
 
 from __future__ import annotations
 
 import hydra
-import lightning as L
-from hydra.utils import instantiate
 from omegaconf import DictConfig
 
-from src.checkpoints import check_compatible, read_checkpoint, resume_path
-from src.distributed import is_launch_rank_zero
 from src.errors import handle_errors, run
-from src.trainer import build_trainer, record_config
+from src.launch import is_launch_rank_zero, start_local_ranks
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="train")
 @handle_errors
 def main(cfg: DictConfig) -> float | None:
     """Train; return the best validation accuracy (what a Hydra sweeper would optimise)."""
+    start_local_ranks(cfg.strategy)
+    import lightning as L
+    from hydra.utils import instantiate
+
+    from src.checkpoints import check_compatible, read_checkpoint, resume_path
+    from src.trainer import build_trainer, record_config
+
     L.seed_everything(cfg.seed, workers=True)
     datamodule = instantiate(cfg.data)
     model = instantiate(cfg.model)
@@ -30,7 +34,7 @@ def main(cfg: DictConfig) -> float | None:
     trainer = build_trainer(cfg)
     record_config(cfg, trainer)
     if is_launch_rank_zero():
-        datamodule.prepare_data()  # missing or bad data fails here, before any other process is started
+        datamodule.prepare_data()  # missing or bad data fails here, before the ranks meet
     trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=not cfg.ckpt_trusted)
     best = getattr(trainer.checkpoint_callback, "best_model_path", None) or None
     if cfg.test:  # the best epoch's weights, or the last ones when no best checkpoint is kept

@@ -12,7 +12,7 @@ from lightning.fabric.plugins.environments import SLURMEnvironment
 from omegaconf import DictConfig, OmegaConf
 
 from src.checkpoints import AtomicCheckpointIO
-from src.distributed import is_launch_rank_zero, uses_cuda
+from src.launch import is_launch_rank_zero, uses_cuda
 from src.errors import UserError
 
 ACCELERATORS = ("auto", "cpu", "gpu", "cuda", "mps")

@@ -66,6 +66,8 @@ CASES = {
                                env={"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "{port}"}),
     "master-port-not-a-port": Case([*FAST, *DDP2], ["MASTER_PORT=abc is not a port", "1-65535"],
                                    env={"MASTER_PORT": "abc"}),
+    "two-nodes-by-hand-without-master": Case([*FAST, "strategy=ddp", "trainer.num_nodes=2"],
+                                             ["trainer.num_nodes=2", "MASTER_ADDR and MASTER_PORT", "node 0"]),
     "max-epochs-negative": Case([*FAST, "trainer.max_epochs=-1"], ["trainer.max_epochs=-1", ">= 1"]),
     "unknown-arch": Case([*FAST, "model.arch=resnet7"], ["model.arch=resnet7", "choose one of"]),
     # files: data, checkpoints, the run dir

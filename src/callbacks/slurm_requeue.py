@@ -1,11 +1,10 @@
 """Requeue a Slurm job on SIGUSR1 (``#SBATCH --signal=SIGUSR1@90``); the restart resumes from ``last.ckpt``.
 
 This replaces Lightning's own SIGUSR1 handler (``SLURMEnvironment(auto_requeue=True)``), the one
-requeue owner being this callback. Lightning's handler also saves ``hpc_ckpt_N.ckpt`` from inside the
-signal handler, in the middle of a training step; with Lightning 2.6.6 a run resumed from such a
-checkpoint finished its interrupted epoch and then ran every remaining epoch with no batches (seen
-here: 21 of 63 steps). Resuming from the last epoch-end checkpoint repeats the interrupted epoch's
-steps instead, and the run ends with exactly the epochs and steps it was asked for.
+requeue owner being this callback. Lightning's handler saves ``hpc_ckpt_N.ckpt`` from inside the signal
+handler, in the middle of a training step. Here ``scontrol requeue`` makes Slurm send SIGTERM to every
+task, src/callbacks/graceful_stop.py stops all ranks at the same step with ``last.ckpt`` written, and
+the restarted job (same run dir, ``ckpt_path=auto``) continues from that step.
 """
 
 from __future__ import annotations

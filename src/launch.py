@@ -1,0 +1,271 @@
+"""Which processes a run has, and how the local ones start: decided from the config before Lightning loads.
+
+``strategy=ddp`` runs one process per device. The process the user started is local rank 0; it starts
+local ranks 1..N-1 as ``python -m <entry> <this job's overrides>`` as soon as the config is checked, so
+they load torch and Lightning while it does. Lightning's launcher would start them only inside
+``trainer.fit``, after this process had loaded and built everything: two start-ups one after the other.
+Lightning's own command line would also replay ``sys.argv``, which under ``-m`` starts a whole sweep in
+every child (Lightning issue #11300); the job's own overrides start just this job.
+
+Nothing here imports Lightning, and torch only where a GPU count is needed.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import subprocess
+import sys
+import time
+from typing import Any
+
+from src import supervision
+from src.errors import UserError
+
+log = logging.getLogger(__name__)
+
+BACKENDS = ("auto", "nccl", "gloo")
+STRATEGIES = ("auto", "ddp", "ddp_spawn")
+# Environments whose launcher (srun, torchrun, mpirun, jsrun, a Kubeflow job) starts every rank itself.
+_EXTERNAL_LAUNCHERS = ("SLURM_NTASKS", "TORCHELASTIC_RUN_ID", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "LSB_JOBID")
+
+
+def _torch():  # noqa: ANN202 - the module
+    import torch
+
+    return torch
+
+
+def check_strategy(name: str, backend: str, timeout_s: Any, accelerator: str, devices: Any, num_nodes: Any
+                   ) -> tuple[str, int]:
+    """The strategy a run resolves to (auto -> ddp for more than one process) and its processes per node.
+
+    Every impossible value is a UserError naming its key, raised before any process starts.
+    """
+    if name not in STRATEGIES:
+        raise UserError(f"strategy={name} is not known: choose one of {', '.join(STRATEGIES)}")
+    if backend not in BACKENDS:
+        raise UserError(f"backend={backend} is not known: choose one of {', '.join(BACKENDS)}")
+    if backend == "nccl" and not uses_cuda(accelerator):
+        raise UserError(
+            "backend=nccl needs CUDA GPUs, but this run is on the CPU "
+            f"(trainer.accelerator={accelerator}, CUDA available: {_torch().cuda.is_available()}); "
+            "use backend=gloo (or backend=auto) on CPUs"
+        )
+    local = world_size(accelerator, devices, num_nodes) // num_nodes
+    if name == "auto":
+        if local * num_nodes == 1:
+            return "auto", 1
+        name = "ddp"
+    check_launch(accelerator, local, timeout_s, num_nodes)
+    return name, local
+
+
+def start_local_ranks(strategy: Any) -> None:
+    """In the process the user started, start this node's other ranks now, if this run has any (ddp, >1 device).
+
+    ``strategy`` is the composed ``cfg.strategy``. LOCAL_RANK=0 in this process then tells Lightning the ranks
+    exist already (its launcher starts none). Under srun, torchrun and the like, their launcher starts them.
+    """
+    if "LOCAL_RANK" in os.environ or any(key in os.environ for key in _EXTERNAL_LAUNCHERS):
+        return
+    name, local = check_strategy(strategy.name, strategy.backend, strategy.timeout_s, strategy.accelerator,
+                                 strategy.devices, strategy.num_nodes)
+    if name != "ddp" or local == 1:
+        return
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    os.environ.setdefault("NODE_RANK", "0")
+    os.environ["LOCAL_RANK"] = "0"
+    os.environ["WORLD_SIZE"] = str(local * strategy.num_nodes)
+    spawn_local_ranks(local, int(os.environ["NODE_RANK"]))
+
+
+def spawn_local_ranks(local_processes: int, node_rank: int) -> list[subprocess.Popen]:
+    """Start local ranks 1..N-1 of this node with this job's command line and environment; watch them."""
+    from src.errors import in_sweep
+
+    command, cwd = child_command()
+    procs = []
+    for local_rank in range(1, local_processes):
+        env = {**os.environ, "LOCAL_RANK": str(local_rank), _LAUNCHER_PID: str(os.getpid())}
+        procs.append(subprocess.Popen(command, env=env, cwd=cwd))
+        LAUNCHED.append(procs[-1])
+        LAUNCHED_RANKS.append(node_rank * local_processes + local_rank)
+    # in a sweep this process runs the next jobs too: a dead rank fails its job, not the sweep
+    supervision.watch_children(procs, LAUNCHED_RANKS[-len(procs):], exit_process=not in_sweep())
+    return procs
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def uses_cuda(accelerator: str) -> bool:
+    """Whether ``trainer.accelerator`` resolves to CUDA GPUs on this machine."""
+    if accelerator in ("gpu", "cuda"):
+        return True
+    return accelerator == "auto" and _torch().cuda.is_available()
+
+
+def world_size(accelerator: str, devices: Any, num_nodes: Any) -> int:
+    """Number of processes a run asks for, from the same keys Lightning's Trainer reads."""
+    if isinstance(num_nodes, bool) or not isinstance(num_nodes, int) or num_nodes < 1:
+        raise UserError(f"trainer.num_nodes={num_nodes} must be a whole number >= 1")
+    return num_nodes * local_device_count(accelerator, devices)
+
+
+def local_device_count(accelerator: str, devices: Any) -> int:
+    """Devices per node as Lightning will resolve them; impossible values are a UserError naming the key."""
+    torch = _torch()
+    if accelerator in ("gpu", "cuda") and not torch.cuda.is_available():
+        raise UserError(f"trainer.accelerator={accelerator} but no CUDA GPU is visible here: "
+                        "use trainer.accelerator=cpu (or auto)")
+    if isinstance(devices, str) and "," in devices:
+        devices = [d for d in devices.split(",") if d.strip()]
+    if isinstance(devices, (list, tuple)):
+        count = len(devices)  # explicit GPU ids
+    elif devices in ("auto", -1, "-1"):
+        count = torch.cuda.device_count() if uses_cuda(accelerator) else 1
+    else:
+        try:
+            count = int(devices)
+        except (TypeError, ValueError):
+            raise UserError(f"trainer.devices={devices} is not a number: give a count >= 1, "
+                            "-1 or auto for all devices, or a list of GPU ids") from None
+        if count < 1 or isinstance(devices, bool):
+            raise UserError(f"trainer.devices={devices} must be >= 1 (or -1/auto for all devices)")
+    if uses_cuda(accelerator) and count > torch.cuda.device_count():
+        raise UserError(f"trainer.devices={devices} asks for {count} GPUs but this node has "
+                        f"{torch.cuda.device_count()}: lower trainer.devices, or use trainer.devices=auto")
+    return count
+
+
+
+def check_launch(accelerator: str, local_processes: int, timeout_s: Any, num_nodes: int = 1) -> None:
+    """What a DDP run needs from this node, checked before any other process starts, each a one-line UserError.
+
+    CPU processes beyond the cores thrash (and each holds a model copy in memory); a timeout of 0 fails every
+    rendezvous; and a MASTER_PORT that is not a port, or one already taken where this process will host the
+    rendezvous, fails only once the ranks try to meet, after the others have started.
+    """
+    cores = len(os.sched_getaffinity(0))
+    if not uses_cuda(accelerator) and local_processes > cores:
+        raise UserError(f"trainer.devices={local_processes} starts {local_processes} CPU processes but this node has "
+                        f"{cores} CPU core(s) for this run: use trainer.devices={cores} or fewer")
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+        raise UserError(f"strategy.timeout_s={timeout_s} must be a number of seconds > 0: how long ranks wait for "
+                        "each other (default 300)")
+    port = os.environ.get("MASTER_PORT")
+    external = any(key in os.environ for key in _EXTERNAL_LAUNCHERS)
+    if num_nodes > 1 and not external and (port is None or "MASTER_ADDR" not in os.environ):
+        raise UserError(f"trainer.num_nodes={num_nodes} started by hand needs MASTER_ADDR and MASTER_PORT: set both, "
+                        "on every node, to node 0's address and a free port there (see README, Multi-node by hand)")
+    if port is None:
+        return  # Lightning picks a free one
+    if not port.strip().isdigit() or not 1 <= int(port) <= 65535:
+        raise UserError(f"MASTER_PORT={port} is not a port: set a number in 1-65535, or unset MASTER_PORT and "
+                        "Lightning picks a free one")
+    if not is_launch_rank_zero() or "TORCHELASTIC_RUN_ID" in os.environ:
+        return  # another process hosts the rendezvous (under torchrun, its agent already holds the port)
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the rendezvous store binds it
+        try:
+            probe.bind(("", int(port)))
+        except OSError as err:
+            raise UserError(f"MASTER_PORT={port} cannot be used on this node ({err.strerror}): pick a free port, or "
+                            "unset MASTER_PORT and Lightning picks a free one") from err
+
+
+_LAUNCHER_PID = "CIFAR10_DDP_LAUNCHER_PID"  # set for the local ranks start_local_ranks starts
+
+
+def launcher_pid() -> int | None:
+    """The pid of the process that started this rank with start_local_ranks, if one did (ddp_spawn's ranks
+    are watched from src/distributed.py's HydraSpawnLauncher)."""
+    pid = os.environ.get(_LAUNCHER_PID)
+    return int(pid) if pid is not None and int(pid) == os.getppid() else None
+
+
+# Local ranks started by this process, so a job can wait for (or stop) its own before the next one starts.
+LAUNCHED: list[subprocess.Popen] = []
+LAUNCHED_RANKS: list[int] = []
+
+
+def launched_failure() -> str | None:
+    """'rank 1 (pid 123) died: killed by SIGKILL' if a local rank this process started ended badly."""
+    return supervision.failed_child(LAUNCHED, LAUNCHED_RANKS)
+
+
+def reap_launched(grace_s: float) -> str | None:
+    """Wait up to ``grace_s`` for the local ranks this process started, kill what is left, forget them all.
+
+    Returns how the first one that ended badly ended ('rank 1 (pid 123) died: exited with code 2'), or None.
+    """
+    deadline = time.monotonic() + grace_s
+    for proc in LAUNCHED:
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            log.warning("local rank pid %s still running %.0f s after this one finished: killing it", proc.pid, grace_s)
+            proc.kill()
+            proc.wait()
+    failure = launched_failure()
+    LAUNCHED.clear()
+    LAUNCHED_RANKS.clear()
+    return failure
+
+
+def child_command() -> tuple[list[str], str]:
+    """The command line (and cwd) that re-enters this Hydra job as another local rank."""
+    from hydra.core.hydra_config import HydraConfig
+
+    import __main__
+
+    hydra_cfg = HydraConfig.get()
+    if __main__.__spec__ is not None:
+        entry = [sys.executable, "-m", __main__.__spec__.name]
+    else:
+        entry = [sys.executable, os.path.abspath(sys.argv[0])]
+    overrides = list(hydra_cfg.overrides.task)
+    overrides += [
+        f'hydra.run.dir="{hydra_cfg.runtime.output_dir}"',
+        "hydra.output_subdir=null",  # rank zero already saved the config
+        f"hydra.job.name={hydra_cfg.job.name}",
+    ]
+    return entry + overrides, hydra_cfg.runtime.cwd
+
+
+def _rank_from_env() -> str | None:
+    """Global rank set by a launcher (torchrun's RANK, srun's SLURM_PROCID), if any."""
+    if "RANK" in os.environ:
+        return os.environ["RANK"]
+    if "SLURM_STEP_ID" in os.environ:  # inside srun, not the batch script
+        return os.environ.get("SLURM_PROCID")
+    return None
+
+
+def is_launch_rank_zero() -> bool:
+    """True in the process that owns the run dir, judged before any process group exists."""
+    rank = _rank_from_env()
+    if rank is not None:
+        return rank == "0"
+    return os.environ.get("NODE_RANK", "0") == "0" and os.environ.get("LOCAL_RANK", "0") == "0"
+
+
+def rank_zero_only(value: str) -> str | None:
+    """``value`` on rank zero, else None: lets conf/hydra/default.yaml keep ``.hydra/`` a rank-zero file."""
+    return value if is_launch_rank_zero() else None
+
+
+def rank_log_suffix() -> str:
+    """'' on rank zero, else a suffix that keeps each process's log file its own."""
+    if is_launch_rank_zero():
+        return ""
+    rank = _rank_from_env()
+    if rank is not None:
+        return f"_rank{rank}"
+    return f"_node{os.environ.get('NODE_RANK', 0)}_local{os.environ.get('LOCAL_RANK', 0)}"
