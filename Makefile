@@ -47,9 +47,10 @@ demo: install
 eval: install
 	$(PY) -m src.eval ckpt_path=$(CKPT) $(ARGS)
 
-## TensorBoard over every run, on 127.0.0.1 only
+## TensorBoard over every run, on 127.0.0.1 only (reach it from elsewhere through an SSH tunnel)
+TB_PORT ?= 6006
 tensorboard: install
-	$(VENV)/bin/tensorboard --logdir outputs --host 127.0.0.1
+	$(VENV)/bin/tensorboard --logdir outputs --host 127.0.0.1 --port $(TB_PORT)
 
 ## the project against a bare torch.distributed DDP loop: same model, batch, data and steps (~4 min on 2 cores)
 BENCH_ARGS ?=

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
@@ -31,18 +30,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def hardware() -> tuple[bool, str]:
-    """(CUDA available, 'NVIDIA H100 80GB HBM3' or 'AMD EPYC 7B13 (2 cores)')."""
+    """(CUDA available, 'NVIDIA H100 80GB HBM3' or 'AMD EPYC 7B13 (2 cores)'), named as throughput.json names it."""
     import torch
 
-    if torch.cuda.is_available():
-        return True, torch.cuda.get_device_name(0)
-    model = platform.processor() or "CPU"
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
-    except OSError:
-        pass
-    return False, f"{model} ({len(os.sched_getaffinity(0))} cores)"
+    from src.callbacks.throughput import device_name
+
+    cuda = torch.cuda.is_available()
+    return cuda, device_name(torch.device("cuda" if cuda else "cpu"))
 
 
 def run(command: list[str], log: Path, timeout: float) -> float:
