@@ -144,7 +144,6 @@ def local_device_count(accelerator: str, devices: Any) -> int:
     return count
 
 
-
 def check_launch(accelerator: str, local_processes: int, timeout_s: Any, num_nodes: int = 1) -> None:
     """What a DDP run needs from this node, checked before any other process starts, each a one-line UserError.
 
