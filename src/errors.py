@@ -33,6 +33,14 @@ def user_error_in(err: BaseException) -> BaseException | None:
     while err is not None and id(err) not in seen:
         if isinstance(err, known):
             return err
+        if _is_interpolation_error(err):  # data.batch_size='${nope}', or a resolver that fails
+            key = getattr(err, "full_key", None) or "an interpolation"
+            return UserError(f"{key}: {str(err).splitlines()[0]}: fix or remove the ${{...}} in its value "
+                             f"(`python -m {_entry_module()} --cfg job --resolve` shows every resolved value)")
+        invalid = _INVALID_VALUE.search(str(err))
+        if invalid:  # trainer.precision=15: the class the node builds rejected one of its values
+            target, message, node = invalid.groups()
+            return UserError(f"{node}: {message.strip()} (raised by {target}): change the offending {node}.* value")
         unknown = _UNKNOWN_ARGUMENT.search(str(err))
         if unknown:  # +model.foo=1: a key the config may gain, but the class it builds has no such argument
             target, name, node = unknown.groups()
@@ -46,6 +54,16 @@ def user_error_in(err: BaseException) -> BaseException | None:
 # How hydra.utils.instantiate reports a keyword argument the target does not take.
 _UNKNOWN_ARGUMENT = re.compile(r"^Error in call to target '([^']+)':\n\w+Error\(.*unexpected keyword argument "
                                r"'(\w+)'.*\nfull_key: (\S+)$", re.S)
+
+
+# How it reports a ValueError raised by the target itself: a value of the node that it rejects.
+_INVALID_VALUE = re.compile(r"^Error in call to target '([^']+)':\nValueError\((?:\"|')(.*)(?:\"|')\)\nfull_key: (\S+)$",
+                            re.S)
+
+
+def _is_interpolation_error(err: BaseException) -> bool:
+    errors = sys.modules.get("omegaconf.errors")
+    return errors is not None and isinstance(err, errors.InterpolationResolutionError)
 
 
 def handle_errors(task: Callable[..., Any]) -> Callable[..., Any]:
@@ -65,6 +83,7 @@ def handle_errors(task: Callable[..., Any]) -> Callable[..., Any]:
         _task_started = True
         try:
             check_group_choices()
+            _resolve_all(cfg)
             result = task(cfg)
         except Exception as err:
             from src.callbacks.graceful_stop import Terminated  # here, not at the top: it loads Lightning
@@ -196,6 +215,15 @@ def check_group_choices() -> None:
         if option not in options:
             raise UserError(f"{group}={option} is not an option of config group {group}: "
                             f"choose one of {', '.join(options)}")
+
+
+def _resolve_all(cfg: Any) -> None:
+    """Resolve every interpolation once, up front, so a broken one is reported with its key (instantiate
+    resolves a detached copy, and its error no longer knows where the value came from)."""
+    from omegaconf import DictConfig, OmegaConf
+
+    if isinstance(cfg, DictConfig):
+        OmegaConf.to_container(cfg, resolve=True)
 
 
 def in_sweep() -> bool:

@@ -50,6 +50,10 @@ CASES = {
                            ["trainer.max_epoch is not a key", "did you mean trainer.max_epochs", "+trainer.max_epoch=3"]),
     "unknown-argument": Case([*FAST, "+model.dropout=0.5"], ["model.dropout", "ImageClassifier", "remove it"]),
     "unparsable-override": Case([*FAST, "trainer.devices=[1,"], ["trainer.devices=[1,", "quote"]),
+    "broken-interpolation": Case([*FAST, "data.batch_size=${{nope}}"],
+                                 ["data.batch_size: Interpolation key 'nope' not found", "--cfg job --resolve"]),
+    "value-the-trainer-rejects": Case([*FAST, "trainer.precision=15"],
+                                      ["trainer: Precision 15 is invalid", "bf16-mixed", "trainer.* value"]),
     # processes and devices
     "devices-zero": Case([*FAST, "trainer.devices=0"], ["trainer.devices=0", ">= 1"]),
     "devices-negative": Case([*FAST, "trainer.devices=-3"], ["trainer.devices=-3", ">= 1"]),
