@@ -108,8 +108,8 @@ def main() -> int:
     pipelines = args.pipelines.split(",")
     results: dict[tuple[int, str], list[dict[str, float]]] = {}
     for repeat in range(args.repeats):  # interleaved, so a slow minute of the machine hits both sides alike
+        out = args.out / f"run{repeat}"
         for i, processes in enumerate(int(p) for p in args.processes.split(",")):
-            out = args.out / f"run{repeat}"
             runs = [("bare", lambda: bare(args, processes, cuda, out))]
             runs += [(pipeline, lambda pipeline=pipeline: project(args, processes, cuda, out, pipeline))
                      for pipeline in pipelines]

@@ -37,28 +37,25 @@ def user_error_in(err: BaseException) -> BaseException | None:
             key = getattr(err, "full_key", None) or "an interpolation"
             return UserError(f"{key}: {str(err).splitlines()[0]}: fix or remove the ${{...}} in its value "
                              f"(`python -m {_entry_module()} --cfg job --resolve` shows every resolved value)")
-        invalid = _INVALID_VALUE.search(str(err))
-        if invalid:  # trainer.precision=15: the class the node builds rejected one of its values
-            target, message, node = invalid.groups()
-            return UserError(f"{node}: {message.strip()} (raised by {target}): change the offending {node}.* value")
-        unknown = _UNKNOWN_ARGUMENT.search(str(err))
-        if unknown:  # +model.foo=1: a key the config may gain, but the class it builds has no such argument
-            target, name, node = unknown.groups()
-            return UserError(f"{node}.{name} is not an argument of {target}: remove it, or check its spelling "
-                             f"(`python -m {_entry_module()} --cfg job` lists the keys)")
+        call = _TARGET_CALL.search(str(err))
+        if call:
+            target, kind, detail, node = call.groups()
+            unknown = re.search(r"unexpected keyword argument '(\w+)'", detail)
+            if kind.endswith("Error") and unknown:  # +model.foo=1: the class the node builds has no such argument
+                return UserError(f"{node}.{unknown.group(1)} is not an argument of {target}: remove it, or check its "
+                                 f"spelling (`python -m {_entry_module()} --cfg job` lists the keys)")
+            quoted = len(detail) >= 2 and detail[0] in "'\"" and detail[-1] in "'\""
+            if kind == "ValueError" and quoted:  # trainer.precision=15: the class rejected one of the node's values
+                return UserError(f"{node}: {detail[1:-1].strip()} (raised by {target}): "
+                                 f"change the offending {node}.* value")
         seen.add(id(err))
         err = err.__cause__ or err.__context__
     return None
 
 
-# How hydra.utils.instantiate reports a keyword argument the target does not take.
-_UNKNOWN_ARGUMENT = re.compile(r"^Error in call to target '([^']+)':\n\w+Error\(.*unexpected keyword argument "
-                               r"'(\w+)'.*\nfull_key: (\S+)$", re.S)
-
-
-# How it reports a ValueError raised by the target itself: a value of the node that it rejects.
-_INVALID_VALUE = re.compile(r"^Error in call to target '([^']+)':\nValueError\((?:\"|')(.*)(?:\"|')\)\nfull_key: (\S+)$",
-                            re.S)
+# How hydra.utils.instantiate reports an exception raised by the target it calls: its class, its repr'd
+# arguments, the config node.
+_TARGET_CALL = re.compile(r"^Error in call to target '([^']+)':\n(\w+)\((.*)\)\nfull_key: (\S+)$", re.S)
 
 
 def _is_interpolation_error(err: BaseException) -> bool:
