@@ -3,13 +3,18 @@
 Lightning writes checkpoints and restores the loops, optimizer, scheduler and callbacks from them; this
 module adds what it lacks: a ``last.ckpt`` that is always the newest state (Lightning 2.6's
 ``save_last`` refreshes it only when a top-k file is saved too), a write that a kill cannot leave half
-done, and one-line errors for a checkpoint this run cannot resume from.
+done, the generation before it (``last.prev.ckpt``) for when ``last.ckpt`` cannot be read, one line for a
+write the filesystem refuses, and one-line errors for a checkpoint this run cannot resume from.
 """
 
 from __future__ import annotations
 
+import errno
+import logging
 import os
 import pickle
+import shutil
+import sys
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -19,9 +24,12 @@ import torch
 from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.pytorch.callbacks import Checkpoint
 
-from src.errors import UserError
+from src.errors import StorageError, UserError, storage_error_in
+
+log = logging.getLogger(__name__)
 
 LAST = "last.ckpt"
+PREVIOUS = "last.prev.ckpt"  # the last.ckpt before the current one
 _TMP_MARK = ".tmp-"
 
 
@@ -31,23 +39,105 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     Lightning's own save goes through a temp file in the system temp dir, then a move: across filesystems
     (node-local /tmp, tmpfs) that move is a copy into the final name, which a kill leaves half written.
     A rename within one directory is atomic: the final name holds the old file or the new, never a part.
+    ``last.ckpt``'s previous generation becomes ``last.prev.ckpt`` (deleted first, so a run needs room for two
+    checkpoints and the one being written, as before). A write the filesystem refuses (full, read-only, a
+    folder removed under the run) leaves no temp file and raises one StorageError saying what is intact.
     """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._made: set[Path] = set()
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
         if "://" in str(path):  # remote storage: fsspec's transaction is the best there is
             return super().save_checkpoint(checkpoint, path, storage_options)
         final = Path(path)
-        final.parent.mkdir(parents=True, exist_ok=True)
         tmp = final.with_name(f".{final.name}{_TMP_MARK}{os.getpid()}")
+        previous = final.with_name(PREVIOUS) if final.name == LAST else None
         try:
+            self._make_dir(final.parent)
+            if previous is not None:
+                previous.unlink(missing_ok=True)
             with open(tmp, "wb") as f:
                 torch.save(checkpoint, f)
                 f.flush()
                 os.fsync(f.fileno())
+            if previous is not None and final.exists():
+                _keep_as(final, previous)
             os.replace(tmp, final)
+            _fsync_dir(final.parent)  # the rename itself survives a power cut only once the directory is synced
+        except Exception as err:
+            tmp.unlink(missing_ok=True)
+            refused = storage_error_in(err)
+            if refused is None:
+                raise
+            raise StorageError(refused_write(refused, final, final.parent, _tensor_bytes(checkpoint))) from err
         finally:
             tmp.unlink(missing_ok=True)
-        _fsync_dir(final.parent)  # the rename itself survives a power cut only once the directory is synced
+
+    def _make_dir(self, directory: Path) -> None:
+        """Create the checkpoint folder once; if it is gone later, something removed it under the run."""
+        if directory not in self._made:
+            directory.mkdir(parents=True, exist_ok=True)
+            self._made.add(directory)
+        elif not directory.is_dir():
+            raise FileNotFoundError(errno.ENOENT, "vanished during the run", str(directory))
+
+
+def _keep_as(current: Path, previous: Path) -> None:
+    """Make ``previous`` a second name of ``current`` (a hard link, staged and renamed: never half there)."""
+    staged = previous.with_name(f".{previous.name}{_TMP_MARK}{os.getpid()}")
+    try:
+        os.link(current, staged)
+        os.replace(staged, previous)
+    except OSError as err:
+        staged.unlink(missing_ok=True)
+        if storage_error_in(err) is not None and err.errno != errno.EPERM:
+            raise
+        os.replace(current, previous)  # no hard links here: moved instead (resume falls back to it meanwhile)
+
+
+def refused_write(err: OSError, target: Path | None, checkpoints: Path | None, needed: int | None = None) -> str:
+    """One line for a write the filesystem refused (full, read-only, removed under the run): what happened, which
+    ``last.ckpt`` in ``checkpoints`` is intact, and what to do."""
+    target = target or Path(os.fsdecode(err.filename or "the run dir"))
+    folder = target.parent
+    if err.errno == errno.ENOENT and not folder.is_dir():
+        gone = folder
+        while not gone.parent.is_dir() and gone.parent != gone:
+            gone = gone.parent
+        return (f"{gone} vanished during the run (it was removed while the run was writing {target.name}): "
+                "its checkpoints and logs went with it; restore it and resume with ckpt_path=last, or start again")
+    step = _step_of(checkpoints / LAST) if checkpoints is not None else None
+    intact = f"the previous {LAST} (step {step}) is intact" if step is not None else f"there is no intact {LAST} yet"
+    if err.errno in (errno.ENOSPC, errno.EDQUOT):
+        free = _megabytes(shutil.disk_usage(folder).free) if folder.is_dir() else "?"
+        sizes = f"{_megabytes(needed)} MB needed, {free} MB free" if needed else f"{free} MB free"
+        return (f"no space left on device writing {target} ({sizes}): {intact}; free space and resume with "
+                "ckpt_path=last")
+    return f"cannot write {target} ({err.strerror}): {intact}; make {folder} writable and resume with ckpt_path=last"
+
+
+def _step_of(path: Path) -> int | None:
+    """The global step of an intact checkpoint at ``path``, else None."""
+    try:
+        return int(read_checkpoint(path)["global_step"])
+    except (UserError, KeyError, TypeError, ValueError):
+        return None
+
+
+def _tensor_bytes(value: Any) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, dict):
+        return sum(_tensor_bytes(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in value)
+    return 0
+
+
+def _megabytes(size: int) -> str:
+    return f"{size / 2**20:.0f}" if size >= 2**20 else f"{size / 2**20:.1f}"
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -110,22 +200,62 @@ class LastCheckpoint(Checkpoint):
         return {"dirpath": str(self.dirpath), "every_n_train_steps": self.every_n_train_steps}
 
 
-def resume_path(ckpt_path: str | None, run_dir: str) -> str | None:
-    """The checkpoint a run starts from: a path, ``last`` (this run dir's, required), ``auto`` (if any), or none.
+class UnreadableCheckpoint(UserError):
+    """A checkpoint file that is missing, cut off, corrupt or unreadable (not one that is merely untrusted)."""
+
+
+def resume_from(ckpt_path: str | None, run_dir: str, trusted: bool = False) -> tuple[str | None, dict | None]:
+    """The checkpoint a run starts from, loaded: a path, ``last`` (this run dir's, required), ``auto`` (this run
+    dir's, if any), or none.
 
     ``auto`` is what a requeued Slurm job (same run dir) passes: resume when there is something to resume.
+    With ``last`` or ``auto``, an unreadable ``last.ckpt`` (a node lost while the filesystem held it half
+    written) is passed over for the newest intact checkpoint of the run dir, with one warning naming both;
+    an explicit path is taken as it is, or refused.
     """
     if ckpt_path in (None, ""):
-        return None
-    if ckpt_path in ("last", "auto"):
-        last = Path(run_dir) / "checkpoints" / LAST
-        if last.is_file():
-            return str(last)
-        if ckpt_path == "auto":
-            return None
+        return None, None
+    if ckpt_path not in ("last", "auto"):
+        return str(ckpt_path), read_checkpoint(ckpt_path, trusted=trusted)
+    folder = Path(run_dir) / "checkpoints"
+    last = folder / LAST
+    others = [folder / PREVIOUS, *sorted(folder.glob("best-*.ckpt"))] if folder.is_dir() else []
+    try:
+        return str(last), read_checkpoint(last, trusted=trusted)
+    except UnreadableCheckpoint as err:
+        unreadable = err
+    intact = []
+    for path in others:
+        try:
+            intact.append((path, read_checkpoint(path, trusted=trusted)))
+        except UnreadableCheckpoint:
+            continue
+    if intact:
+        path, checkpoint = max(intact, key=lambda found: found[1].get("global_step", -1))
+        if last.exists():
+            _warn(f"{last} cannot be read ({_reason(unreadable)}): resuming from {path} (step "
+                  f"{checkpoint.get('global_step')}), the newest intact checkpoint of the run dir")
+        return str(path), checkpoint
+    if ckpt_path == "auto" and not last.exists():
+        return None, None
+    if not last.exists():
         raise UserError(f"ckpt_path=last but {last} does not exist: pass the run dir that holds it "
                         "(hydra.run.dir=DIR) or the checkpoint's path (ckpt_path=PATH)")
-    return str(ckpt_path)
+    raise unreadable
+
+
+def _reason(err: UserError) -> str:
+    text = str(err)
+    return text[text.find("(") + 1:text.find(")")] if "(" in text and ")" in text else "corrupt"
+
+
+def _warn(message: str) -> None:
+    """One ``warning:`` line from the process that owns the run dir (every rank makes the same choice)."""
+    from src.launch import is_launch_rank_zero
+
+    log.warning(message)
+    if is_launch_rank_zero():
+        print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
 def read_checkpoint(path: str | Path, key: str = "ckpt_path", trusted: bool = False) -> dict[str, Any]:
@@ -136,16 +266,16 @@ def read_checkpoint(path: str | Path, key: str = "ckpt_path", trusted: bool = Fa
     """
     path = Path(path)
     if not path.is_file():
-        raise UserError(f"{key}={path} does not exist: pass the path of a .ckpt file written by src.train")
+        raise UnreadableCheckpoint(f"{key}={path} does not exist: pass the path of a .ckpt file written by src.train")
     try:
         with open(path, "rb") as f:
             intact = zipfile.is_zipfile(f)  # torch.save writes a zip archive: a cut-off one lacks its directory
     except OSError as err:
-        raise UserError(f"{key}={path} cannot be read ({err.strerror}): fix its permissions, or pass another "
-                        "checkpoint") from err
+        raise UnreadableCheckpoint(f"{key}={path} cannot be read ({err.strerror}): fix its permissions, or pass "
+                                   "another checkpoint") from err
     if not intact:
-        raise UserError(f"{key}={path} is not a checkpoint: truncated, corrupt or in another format (not the zip "
-                        "archive torch.save writes); pass an intact .ckpt written by src.train")
+        raise UnreadableCheckpoint(f"{key}={path} is not a checkpoint: truncated, corrupt or in another format (not "
+                                   "the zip archive torch.save writes); pass an intact .ckpt written by src.train")
     try:
         return torch.load(path, map_location="cpu", weights_only=not trusted, mmap=True)  # mmap: no tensor is read yet
     except pickle.UnpicklingError as err:
@@ -154,10 +284,10 @@ def read_checkpoint(path: str | Path, key: str = "ckpt_path", trusted: bool = Fa
                 f"{key}={path} holds Python objects beyond tensors and numbers, and unpickling them can run code: "
                 "if you trust the file, pass ckpt_trusted=true to load it in full"
             ) from err
-        raise UserError(f"{key}={path} is not a readable checkpoint (corrupt or truncated: {err})") from err
+        raise UnreadableCheckpoint(f"{key}={path} is not a readable checkpoint (corrupt or truncated: {err})") from err
     except (RuntimeError, EOFError, OSError, zipfile.BadZipFile, ValueError) as err:
-        raise UserError(f"{key}={path} is not a readable checkpoint (corrupt or truncated: "
-                        f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})") from err
+        raise UnreadableCheckpoint(f"{key}={path} is not a readable checkpoint (corrupt or truncated: "
+                                   f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})") from err
 
 
 def check_compatible(checkpoint: dict[str, Any], path: str | Path, model_hparams: dict[str, Any],

@@ -9,6 +9,7 @@ ranks that stop together when one of them or their launcher dies (src/supervisio
 from __future__ import annotations
 
 import ctypes
+import logging
 import multiprocessing
 import os
 import signal
@@ -23,6 +24,7 @@ from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcess
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
 from src import launch, supervision
+from src.entry import describe
 from src.errors import UserError
 
 _START_METHODS = {"ddp": "popen", "ddp_spawn": "spawn"}
@@ -93,6 +95,9 @@ class HydraDDPStrategy(DDPStrategy):
             supervision.watch_launcher(self.node_rank * self.num_processes + self.local_rank, launcher_pid)
         try:
             super().setup_distributed()
+            # from here on, a failure of any rank stops every rank of the run, on every node
+            supervision.watch_failures(self.global_rank, self.node_rank, self.local_rank, self.world_size,
+                                       in_sweep=launch.in_sweep())
         except torch.distributed.DistError as err:
             env = self.cluster_environment
             raise UserError(
@@ -127,6 +132,9 @@ class HydraSpawnLauncher(_MultiProcessingLauncher):
     that stopped on request exits with ``128 + signal`` instead of multiprocessing's 1."""
 
     def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+        # torch warns "Terminating process N via signal SIGTERM" for every rank it stops after one failed; the
+        # failed rank (or, for a death, src/supervision.py) has said what happened
+        logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
         if threading.current_thread() is not threading.main_thread():
             return super().launch(function, *args, trainer=trainer, **kwargs)
         previous = signal.signal(signal.SIGTERM, lambda signum, frame: self.kill(signum))
@@ -144,11 +152,17 @@ class HydraSpawnLauncher(_MultiProcessingLauncher):
         rank = self._strategy.node_rank * self._strategy.num_processes + process_idx
         supervision.watch_launcher(rank, multiprocessing.parent_process().pid)
         try:
-            return super()._wrapping_function(process_idx, *args, **kwargs)
+            result = super()._wrapping_function(process_idx, *args, **kwargs)
         except Terminated as stop:
+            supervision.stop_watching_failures()
             if self._strategy.global_rank == 0:
                 print(f"stopped: {stop}", file=sys.stderr, flush=True)
             sys.exit(stop.exit_code)
+        except Exception as err:  # noqa: BLE001 - any failure of a rank ends the run, told once
+            trainer = args[0] if args else None
+            supervision.end_run(*describe(err, log_dir=getattr(trainer, "default_root_dir", None)))
+        supervision.stop_watching_failures()
+        return result
 
 
 def _clear_parent_death_signal() -> None:

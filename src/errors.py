@@ -1,28 +1,58 @@
-"""Errors a user can cause, and how an entry point reports them: one line, non-zero exit."""
+"""Errors a user can cause, and the words that tell them what to change: the bottom of the project's imports.
+
+This module imports nothing of the project. How an entry point ends on an error (one line, the other ranks
+stopped, the exit status) is src/entry.py's; how the processes of a run stop together is src/supervision.py's.
+"""
 
 from __future__ import annotations
 
 import difflib
-import functools
-import json
-import logging
+import errno
 import os
 import re
 import sys
-from pathlib import Path
-from typing import Any, Callable, NoReturn
+from typing import NoReturn
 
-log = logging.getLogger(__name__)
-
-EXIT_USER_ERROR = 2
+EXIT_FAILED = 1  # the run failed: a rank died or raised, the run dir could not be written
+EXIT_USER_ERROR = 2  # a mistake in the command line, config, data or environment, found before training
 FAILURE_FILE = "failure.json"
 # The user's own HYDRA_FULL_ERROR, recorded before run() sets it for Hydra; DDP's local ranks inherit both.
 USER_FULL_ERROR = "CIFAR10_DDP_USER_HYDRA_FULL_ERROR"
-_task_started = False  # an OSError before any task ran is Hydra's: the run dir or its log file
 
 
 class UserError(Exception):
     """A mistake in the command line, config, data or environment that the user can fix."""
+
+    exit_code = EXIT_USER_ERROR
+
+
+class StorageError(UserError):
+    """The run dir stopped taking writes mid-run (full, read-only, removed): the run stops, its files say where
+    to resume."""
+
+    exit_code = EXIT_FAILED
+
+
+# errno values that mean the filesystem, not the program, refused a write
+STORAGE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOENT, errno.EIO}
+
+
+def storage_error_in(err: BaseException | None) -> OSError | None:
+    """The OSError behind ``err`` (torch.save buries it under its zip writer's RuntimeError) that a filesystem
+    raised, if any."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        if isinstance(err, OSError) and err.errno in STORAGE_ERRNOS:
+            return err
+        seen.add(id(err))
+        err = err.__cause__ or err.__context__
+    return None
+
+
+def unwritable_run_dir(err: OSError) -> str:
+    """What to say when the run dir cannot be created or written before the run starts."""
+    return (f"cannot write the run dir: {err.filename}: {err.strerror}: pass hydra.run.dir=DIR "
+            "(hydra.sweep.dir=DIR with -m) somewhere you can write, or fix its permissions")
 
 
 def user_error_in(err: BaseException) -> BaseException | None:
@@ -63,57 +93,6 @@ def _is_interpolation_error(err: BaseException) -> bool:
     return errors is not None and isinstance(err, errors.InterpolationResolutionError)
 
 
-def handle_errors(task: Callable[..., Any]) -> Callable[..., Any]:
-    """Report a failed task in one line.
-
-    A single run prints ``error: ...`` and exits 2 for a user's mistake (HYDRA_FULL_ERROR=1 keeps the
-    traceback), 1 for a rank that died, ``128 + signal`` when stopped by a signal. A job of a sweep records
-    ``failure.json`` in its dir and returns, so the sweep goes on to the next job and the scaling report
-    lists the failure; a signal stops the whole sweep.
-    """
-
-    @functools.wraps(task)
-    def wrapper(cfg: Any) -> Any:
-        from src import launch, supervision
-
-        global _task_started
-        _task_started = True
-        try:
-            check_group_choices()
-            _resolve_all(cfg)
-            result = task(cfg)
-        except Exception as err:
-            from src.callbacks.graceful_stop import Terminated  # here, not at the top: it loads Lightning
-
-            if isinstance(err, Terminated):
-                if launch.is_launch_rank_zero():
-                    print(f"stopped: {err}", file=sys.stderr, flush=True)
-                launch.reap_launched(grace_s=60)  # they stop at the same batch; let them finish writing
-                sys.exit(err.exit_code)
-            failure = supervision.explain(err)
-            if in_sweep():
-                return _record_failure(err, UserError(failure[0]) if failure and failure[0] else user_error_in(err))
-            if failure is not None and not wants_traceback():
-                message, code = failure
-                if message:
-                    supervision.report_once(message)
-                supervision.stop_processes(launch.LAUNCHED, grace_s=2.0)
-                sys.exit(code)
-            cause = user_error_in(err)
-            if cause is None or wants_traceback():
-                raise
-            supervision.stop_processes(launch.LAUNCHED, grace_s=2.0)  # ranks started early, still loading
-            report(str(cause))
-        if not in_sweep():  # a sweep's JobIsolation waits for each job's ranks itself
-            failure = launch.reap_launched(grace_s=120)
-            if failure is not None:
-                supervision.report_once(failure)
-                sys.exit(supervision.EXIT_RANK_FAILED)
-        return result
-
-    return wrapper
-
-
 def wants_traceback() -> bool:
     """Whether the user asked for tracebacks (HYDRA_FULL_ERROR=1), whatever run() set for Hydra."""
     return os.environ.get(USER_FULL_ERROR, os.environ.get("HYDRA_FULL_ERROR", "")) == "1"
@@ -126,27 +105,7 @@ def report(message: str) -> NoReturn:
     sys.exit(EXIT_USER_ERROR)
 
 
-def run(main: Callable[[], Any]) -> Any:
-    """Call a ``@hydra.main`` entry point so that what Hydra rejects before the task runs is one line too.
-
-    Hydra prints its own errors (an unknown group option, a misspelled key, an override it cannot
-    parse, a run dir it cannot create) in several lines, and offers ``+key=value`` for any key it does
-    not know, typos included. With HYDRA_FULL_ERROR=1 it raises them instead, and they are reported here.
-    """
-    os.environ.setdefault(USER_FULL_ERROR, os.environ.get("HYDRA_FULL_ERROR", ""))  # a local rank keeps its parent's
-    if wants_traceback():
-        return main()
-    os.environ["HYDRA_FULL_ERROR"] = "1"
-    try:
-        return main()
-    except Exception as err:  # noqa: BLE001 - what is not a user's mistake is raised again below
-        message = hydra_error_message(err)
-        if message is None:
-            raise  # a bug: its whole traceback
-        report(message)
-
-
-def hydra_error_message(err: Exception) -> str | None:
+def hydra_error_message(err: Exception, task_started: bool = False) -> str | None:
     """What to tell the user about an error Hydra raised around the task, or None for a bug."""
     from hydra.errors import CompactHydraException, MissingConfigException, OverrideParseException
     from omegaconf.errors import OmegaConfBaseException
@@ -166,9 +125,8 @@ def hydra_error_message(err: Exception) -> str | None:
     if isinstance(err, CompactHydraException):  # Hydra prints these without a traceback too, with OmegaConf's cause
         detail = str(err.__cause__).splitlines()[0] if isinstance(err.__cause__, OmegaConfBaseException) else ""
         return f"{str(err).strip()} ({detail})" if detail else str(err)
-    if isinstance(err, OSError) and not _task_started:
-        return (f"cannot write the run dir: {err.filename}: {err.strerror}: pass hydra.run.dir=DIR "
-                "(hydra.sweep.dir=DIR with -m) somewhere you can write, or fix its permissions")
+    if isinstance(err, OSError) and not task_started:  # Hydra's own writes: the run dir, its log file
+        return unwritable_run_dir(err)
     return None
 
 
@@ -195,51 +153,3 @@ def _unknown_key_message(err: Exception) -> str | None:
 def _entry_module() -> str:
     spec = getattr(sys.modules.get("__main__"), "__spec__", None)
     return spec.name if spec is not None else "src.train"
-
-
-def check_group_choices() -> None:
-    """Refuse an option of an ``optional`` group that does not exist: Hydra skips it and runs the defaults."""
-    from hydra.core.global_hydra import GlobalHydra
-    from hydra.core.hydra_config import HydraConfig
-
-    if not (HydraConfig.initialized() and GlobalHydra.instance().is_initialized()):
-        return
-    loader = GlobalHydra.instance().config_loader()
-    for group, option in HydraConfig.get().runtime.choices.items():
-        if not isinstance(option, str) or group.startswith("hydra/"):  # unset, or several options at once
-            continue
-        options = loader.get_group_options(group)
-        if option not in options:
-            raise UserError(f"{group}={option} is not an option of config group {group}: "
-                            f"choose one of {', '.join(options)}")
-
-
-def _resolve_all(cfg: Any) -> None:
-    """Resolve every interpolation once, up front, so a broken one is reported with its key (instantiate
-    resolves a detached copy, and its error no longer knows where the value came from)."""
-    from omegaconf import DictConfig, OmegaConf
-
-    if isinstance(cfg, DictConfig):
-        OmegaConf.to_container(cfg, resolve=True)
-
-
-def in_sweep() -> bool:
-    """Whether this process runs a job of a Hydra multirun."""
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
-
-    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
-
-
-def _record_failure(err: Exception, cause: BaseException | None) -> None:
-    from hydra.core.hydra_config import HydraConfig
-
-    message = str(cause) if cause is not None else f"{type(err).__name__}: {err}"
-    if cause is None:
-        log.exception("job failed")  # an unexpected error keeps its traceback, in the job's log file
-    job = HydraConfig.get().job
-    print(f"error: job {job.num} ({' '.join(HydraConfig.get().overrides.task)}): {message}", file=sys.stderr,
-          flush=True)
-    out = Path(HydraConfig.get().runtime.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / FAILURE_FILE).write_text(json.dumps({"job": job.num, "error": message}, indent=2) + "\n")

@@ -10,7 +10,8 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from src.checkpoints import read_checkpoint
-from src.errors import UserError, handle_errors, run
+from src.entry import handle_errors, run
+from src.errors import UserError
 from src.models.classifier import ImageClassifier
 from src.trainer import build_trainer, record_config
 

@@ -12,18 +12,14 @@ Nothing here imports Lightning, and torch only where a GPU count is needed.
 
 from __future__ import annotations
 
-import logging
 import os
 import socket
 import subprocess
 import sys
-import time
 from typing import Any
 
 from src import supervision
 from src.errors import UserError
-
-log = logging.getLogger(__name__)
 
 BACKENDS = ("auto", "nccl", "gloo")
 STRATEGIES = ("auto", "ddp", "ddp_spawn")
@@ -84,18 +80,23 @@ def start_local_ranks(strategy: Any) -> None:
 
 def spawn_local_ranks(local_processes: int, node_rank: int) -> list[subprocess.Popen]:
     """Start local ranks 1..N-1 of this node with this job's command line and environment; watch them."""
-    from src.errors import in_sweep
-
     command, cwd = child_command()
-    procs = []
+    procs, ranks = [], []
     for local_rank in range(1, local_processes):
         env = {**os.environ, "LOCAL_RANK": str(local_rank), _LAUNCHER_PID: str(os.getpid())}
         procs.append(subprocess.Popen(command, env=env, cwd=cwd))
-        LAUNCHED.append(procs[-1])
-        LAUNCHED_RANKS.append(node_rank * local_processes + local_rank)
+        ranks.append(node_rank * local_processes + local_rank)
     # in a sweep this process runs the next jobs too: a dead rank fails its job, not the sweep
-    supervision.watch_children(procs, LAUNCHED_RANKS[-len(procs):], exit_process=not in_sweep())
+    supervision.track(procs, ranks, exit_process=not in_sweep())
     return procs
+
+
+def in_sweep() -> bool:
+    """Whether this process runs a job of a Hydra multirun."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
 
 
 def _free_port() -> int:
@@ -187,35 +188,6 @@ def launcher_pid() -> int | None:
     are watched from src/distributed.py's HydraSpawnLauncher)."""
     pid = os.environ.get(_LAUNCHER_PID)
     return int(pid) if pid is not None and int(pid) == os.getppid() else None
-
-
-# Local ranks started by this process, so a job can wait for (or stop) its own before the next one starts.
-LAUNCHED: list[subprocess.Popen] = []
-LAUNCHED_RANKS: list[int] = []
-
-
-def launched_failure() -> str | None:
-    """'rank 1 (pid 123) died: killed by SIGKILL' if a local rank this process started ended badly."""
-    return supervision.failed_child(LAUNCHED, LAUNCHED_RANKS)
-
-
-def reap_launched(grace_s: float) -> str | None:
-    """Wait up to ``grace_s`` for the local ranks this process started, kill what is left, forget them all.
-
-    Returns how the first one that ended badly ended ('rank 1 (pid 123) died: exited with code 2'), or None.
-    """
-    deadline = time.monotonic() + grace_s
-    for proc in LAUNCHED:
-        try:
-            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            log.warning("local rank pid %s still running %.0f s after this one finished: killing it", proc.pid, grace_s)
-            proc.kill()
-            proc.wait()
-    failure = launched_failure()
-    LAUNCHED.clear()
-    LAUNCHED_RANKS.clear()
-    return failure
 
 
 def child_command() -> tuple[list[str], str]:

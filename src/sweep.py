@@ -17,9 +17,10 @@ from typing import Any
 import torch
 from hydra.core.utils import JobReturn
 from hydra.experimental.callback import Callback
+from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from src.launch import reap_launched
+from src import supervision
 from src.errors import FAILURE_FILE
 
 log = logging.getLogger(__name__)
@@ -28,25 +29,33 @@ CHILD_EXIT_GRACE_S = 120  # local ranks finish their own teardown (test, last lo
 
 
 class JobIsolation(Callback):
-    """Snapshot the environment when a job starts; when it ends, reap its ranks, drop its process group,
-    restore the environment."""
+    """In a sweep: snapshot the environment when a job starts; when it ends, reap its ranks, drop its process
+    group, restore the environment. A single run has nothing to isolate (and no job number)."""
 
     def __init__(self) -> None:
         self._environ: dict[str, str] | None = None
 
     def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
-        self._environ = dict(os.environ)
+        if _in_sweep(config):
+            self._environ = dict(os.environ)
 
     def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs: Any) -> None:
+        if not _in_sweep(config):
+            return
         failed = (Path(config.hydra.runtime.output_dir) / FAILURE_FILE).exists()
-        failure = reap_launched(grace_s=0 if failed else CHILD_EXIT_GRACE_S)
-        if failure is not None:
-            log.warning("job %s: %s", config.hydra.job.num, failure)
+        supervision.stop_watching_failures(wait=not failed)
+        failure = supervision.reap_started(grace_s=0 if failed else CHILD_EXIT_GRACE_S)
+        if failure is not None and not supervision.said_why(failure[1]):
+            log.warning("job %s: %s", config.hydra.job.num, failure[0])
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
         if self._environ is not None:
             os.environ.clear()
             os.environ.update(self._environ)
+
+
+def _in_sweep(config: DictConfig) -> bool:
+    return config.hydra.get("mode") == RunMode.MULTIRUN
 
 
 class ScalingReport(Callback):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import hydra
 from omegaconf import DictConfig
 
-from src.errors import handle_errors, run
+from src.entry import handle_errors, run
 from src.launch import is_launch_rank_zero, start_local_ranks
 
 
@@ -22,15 +22,16 @@ def main(cfg: DictConfig) -> float | None:
     import lightning as L
     from hydra.utils import instantiate
 
-    from src.checkpoints import check_compatible, read_checkpoint, resume_path
+    from src.checkpoints import check_compatible, resume_from
     from src.trainer import build_trainer, record_config
 
     L.seed_everything(cfg.seed, workers=True)
     datamodule = instantiate(cfg.data)
     model = instantiate(cfg.model)
-    ckpt_path = resume_path(cfg.ckpt_path, cfg.paths.output_dir)
-    if ckpt_path is not None:  # a wrong file fails here in one line, before any other process starts
-        check_compatible(read_checkpoint(ckpt_path, trusted=cfg.ckpt_trusted), ckpt_path, model.hparams)
+    ckpt_path, checkpoint = resume_from(cfg.ckpt_path, cfg.paths.output_dir, trusted=cfg.ckpt_trusted)
+    if checkpoint is not None:  # a wrong file fails here in one line, before the ranks meet
+        check_compatible(checkpoint, ckpt_path, model.hparams)
+        del checkpoint  # Lightning loads it again on every rank
     trainer = build_trainer(cfg)
     record_config(cfg, trainer)
     if is_launch_rank_zero():

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
+import shutil
 import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -13,8 +16,8 @@ import pytest
 import torch
 
 from src.checkpoints import AtomicCheckpointIO, remove_stale_temp_files
-from tests.conftest import FAST, output, train
-from tests.test_supervision import finish, last_step, start_and_wait_for_step
+from tests.conftest import FAST, descendants, output, running, train
+from tests.test_supervision import LONG, error_lines, finish, last_step, start_and_wait_for_step
 
 # Deterministic CPU training, 3 epochs of 12 steps, last.ckpt every 2 steps.
 EXACT = [*FAST, "data.num_train=200", "trainer.limit_train_batches=12", "trainer.max_epochs=3", "trainer.deterministic=true",
@@ -96,6 +99,104 @@ def test_the_atomic_writer_leaves_only_the_final_file(tmp_path):
     AtomicCheckpointIO().save_checkpoint({"weights": torch.zeros(3)}, tmp_path / "sub" / "a.ckpt")  # replaces it
     assert [p.name for p in (tmp_path / "sub").iterdir()] == ["a.ckpt"]
     assert torch.equal(load(tmp_path / "sub" / "a.ckpt")["weights"], torch.zeros(3))
+
+
+def test_last_ckpt_keeps_its_previous_generation_beside_it(tmp_path):
+    io = AtomicCheckpointIO()
+    for step in (1, 2, 3):
+        io.save_checkpoint({"global_step": step}, tmp_path / "last.ckpt")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt", "last.prev.ckpt"]  # no temp file either
+    assert load(tmp_path / "last.ckpt")["global_step"] == 3 and load(tmp_path / "last.prev.ckpt")["global_step"] == 2
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 150 MB tmpfs of the test's own: room for one resnet18 checkpoint (~90 MB), not for writing a second."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=150m", "tmpfs", str(mount)], capture_output=True,
+                             text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def stop_by_itself(proc: subprocess.Popen, limit_s: float) -> tuple[str, float, list[int]]:
+    """Wait for a run that is expected to fail by itself; return its output, the seconds it took, what is left."""
+    everyone = [proc.pid, *descendants(proc.pid)]
+    out, seconds = finish(proc, everyone, limit_s=limit_s)
+    return out, seconds, [p for p in everyone if running(p)]
+
+
+def test_a_full_disk_while_writing_last_ckpt_stops_every_rank_with_one_line_and_keeps_the_previous_file(small_disk):
+    run_dir = small_disk / "run"
+    started = time.monotonic()
+    proc = start_and_wait_for_step(run_dir, 2, *LONG, "strategy=ddp", "trainer.devices=2", ranks=2)
+    out, _, left = stop_by_itself(proc, limit_s=60)
+    assert time.monotonic() - started < 90 and proc.returncode == 1 and not left, out[-3000:]
+    errors = error_lines(out)
+    assert len(errors) == 1 and re.fullmatch(
+        rf"error: rank 0: no space left on device writing {run_dir}/checkpoints/last.ckpt \(\d+ MB needed, \d+ MB "
+        r"free\): the previous last.ckpt \(step 2\) is intact; free space and resume with ckpt_path=last",
+        errors[0]), out[-3000:]
+    assert "Traceback" not in out and "Callback" not in out
+    assert load(run_dir / "checkpoints" / "last.ckpt")["global_step"] == 2  # whole, weights-only
+    assert not list((run_dir / "checkpoints").glob(".*tmp*"))
+
+
+@pytest.mark.parametrize("how", ["read-only", "vanished"])
+def test_a_run_dir_that_turns_read_only_or_vanishes_mid_run_stops_the_run_with_one_line(how, tmp_path):
+    if how == "read-only" and os.geteuid() != 0:
+        pytest.skip("making the run dir read-only under a running process needs root (a read-only bind mount)")
+    run_dir = tmp_path / "run"
+    proc = start_and_wait_for_step(run_dir, 2, *LONG, "strategy=ddp", "trainer.devices=2",
+                                   "callbacks.last_checkpoint.every_n_train_steps=4", ranks=2)
+    if how == "read-only":  # files the run holds open stay writable, as on a filesystem remounted read-only
+        subprocess.run(["mount", "--bind", str(run_dir), str(run_dir)], check=True)
+        try:
+            subprocess.run(["mount", "-o", "remount,bind,ro", str(run_dir)], check=True)
+            out, seconds, left = stop_by_itself(proc, limit_s=60)
+        finally:
+            subprocess.run(["umount", "-l", str(run_dir)], check=False)
+    else:
+        shutil.rmtree(run_dir)
+        out, seconds, left = stop_by_itself(proc, limit_s=60)
+    assert proc.returncode == 1 and seconds < 30 and not left, out[-3000:]
+    errors = error_lines(out)
+    assert len(errors) == 1, out[-3000:]
+    if how == "read-only":
+        # the next last.ckpt, or TensorBoard's next flush (it opens its file again each time), whichever comes first
+        assert re.fullmatch(rf"error: rank 0: cannot write {run_dir}/(checkpoints/last.ckpt|tensorboard/events\S+) "
+                            r"\(Read-only file system\): the previous last.ckpt \(step 4\) is intact; "
+                            rf"make {run_dir}/\w+ writable and resume with ckpt_path=last", errors[0]), errors[0]
+        assert load(run_dir / "checkpoints" / "last.ckpt")["global_step"] == 4
+        assert not list((run_dir / "checkpoints").glob(".*tmp*"))
+    else:
+        assert errors[0].startswith(f"error: rank 0: {run_dir} vanished during the run"), errors[0]
+    assert "Traceback" not in out
+
+
+def test_ckpt_path_auto_passes_over_an_unreadable_last_ckpt_for_the_newest_intact_one(tmp_path):
+    run = [*FAST, "trainer.limit_train_batches=4", "callbacks.last_checkpoint.every_n_train_steps=2",
+           "callbacks.model_checkpoint=null", "test=false", f"hydra.run.dir={tmp_path}"]
+    assert train(*run).returncode == 0
+    last, previous = tmp_path / "checkpoints" / "last.ckpt", tmp_path / "checkpoints" / "last.prev.ckpt"
+    assert load(last)["global_step"] == 4 and load(previous)["global_step"] == 2
+    with open(last, "r+b") as f:  # what a node lost mid-write on a filesystem without ordered writes leaves
+        f.truncate(last.stat().st_size // 2)
+
+    strict = train(*run, "trainer.max_epochs=2", f"ckpt_path={last}")  # a path given: that file or nothing
+    assert strict.returncode == 2 and f"ckpt_path={last} is not a checkpoint" in strict.stderr, output(strict)[-2000:]
+
+    resumed = train(*run, "trainer.max_epochs=2", "ckpt_path=auto")
+    assert resumed.returncode == 0, output(resumed)[-3000:]
+    warnings = [line for line in resumed.stderr.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and warnings[0].startswith(f"warning: {last} cannot be read (") and \
+        warnings[0].endswith(f"resuming from {previous} (step 2), the newest intact checkpoint of the run dir"), warnings
+    assert load(last)["global_step"] == 8  # step 2 to the end of epoch 2: 6 steps, none skipped
 
 
 def test_a_checkpoint_that_needs_full_unpickling_loads_only_with_ckpt_trusted(tmp_path):

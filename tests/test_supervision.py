@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import FAST, cmdline, descendants, running, train
+from tests.conftest import FAST, cmdline, descendants, free_port, running, train
 
 # Long enough that a signal always lands mid-training: 2,000 images, batch 4 per rank.
 LONG = [*FAST, "data.num_train=2000", "trainer.limit_train_batches=null", "callbacks.last_checkpoint.every_n_train_steps=2",
@@ -103,3 +103,48 @@ def test_sigterm_stops_every_rank_at_one_step_with_a_checkpoint_and_exit_code_14
     assert last["epoch"] == 0 and last["SyntheticDataModule"]["train_position"] == {"epoch": 0, "consumed": step}
     assert f"resume with ckpt_path={tmp_path}/checkpoints/last.ckpt" in stopped[0]
     assert "Traceback" not in out
+
+
+# A test-only callback that raises on one rank at step 3, before that step's all-reduce (tests/faults.py).
+RAISE = ["+callbacks.fault._target_=tests.faults.RaiseAt", "+callbacks.fault.step=3"]
+
+
+def error_lines(out: str) -> list[str]:
+    return [line for line in out.splitlines() if line.startswith("error:")]
+
+
+@pytest.mark.parametrize("strategy, rank", [("ddp", 0), ("ddp", 1), ("ddp_spawn", 1)])
+def test_an_exception_on_any_rank_stops_every_process_within_seconds_with_one_line_naming_it(strategy, rank, tmp_path):
+    proc = train(*LONG, *RAISE, f"+callbacks.fault.rank={rank}", f"strategy={strategy}", "trainer.devices=2",
+                 f"hydra.run.dir={tmp_path}", background=True)
+    deadline = time.monotonic() + 180
+    while len(rank_pids(proc.pid)) < 2 and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    everyone = [proc.pid, *descendants(proc.pid)]
+    out, seconds = finish(proc, everyone, limit_s=120)
+    assert proc.returncode == 1, out[-3000:]
+    assert not [p for p in everyone if running(p)], "processes were left behind"
+    errors = error_lines(out)
+    assert len(errors) == 1 and re.fullmatch(
+        rf"error: rank {rank}: RuntimeError: injected failure at step 3 \(traceback in \S+\.log\)", errors[0]), out[-3000:]
+    logged = Path(errors[0].rsplit("traceback in ", 1)[1].rstrip(")"))
+    assert "tests/faults.py" in logged.read_text()  # the traceback went to that rank's log, not the console
+    assert "Traceback" not in out and "Callback" not in out  # nor a Hydra callback's complaint
+    assert last_step(tmp_path) == -1 or last_step(tmp_path) <= 3
+
+
+def test_a_failure_on_another_node_stops_this_node_too_and_both_say_which_rank(tmp_path):
+    port = free_port()
+    args = [*LONG, *RAISE, "+callbacks.fault.rank=1", "strategy=ddp", "trainer.devices=1", "trainer.num_nodes=2",
+            f"hydra.run.dir={tmp_path}"]
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    node1 = train(*args, env={**env, "NODE_RANK": "1"}, background=True)
+    node0 = train(*args, env={**env, "NODE_RANK": "0"}, background=True)
+    out0, _ = finish(node0, [node0.pid], limit_s=120)
+    out1, _ = finish(node1, [node1.pid], limit_s=30)  # it had failed first
+    assert node0.returncode == node1.returncode == 1, (out0[-2000:], out1[-2000:])
+    failure = "error: rank 1: RuntimeError: injected failure at step 3"
+    assert len(error_lines(out1)) == 1 and error_lines(out1)[0].startswith(failure), out1[-3000:]
+    assert len(error_lines(out0)) == 1 and error_lines(out0)[0].startswith(failure), out0[-3000:]
+    assert error_lines(out0)[0].endswith("; this node's ranks stopped too")
+    assert "Traceback" not in out0 + out1

@@ -1,0 +1,211 @@
+"""How an entry point (src.train, src.eval) runs its task and ends.
+
+A good end waits for the local ranks this process started. A failure ends as one line: ``error: ...`` on
+stderr, every process of the run stopped (src/supervision.py), and an exit status that says which kind —
+2 for a mistake found before training (the README's table), 1 for a run that failed under way (a rank that
+died or raised, a run dir that stopped taking writes), ``128 + signal`` for a run stopped on request. A job
+of a sweep records ``failure.json`` instead and the sweep goes on. HYDRA_FULL_ERROR=1 keeps tracebacks.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+import sys
+import threading
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+from src import launch, supervision
+from src.errors import (EXIT_FAILED, EXIT_USER_ERROR, FAILURE_FILE, USER_FULL_ERROR, UserError, hydra_error_message,
+                        report, storage_error_in, user_error_in, wants_traceback)
+
+log = logging.getLogger(__name__)
+_task_started = False  # an OSError before any task ran is Hydra's: the run dir or its log file
+
+
+def run(main: Callable[[], Any]) -> Any:
+    """Call a ``@hydra.main`` entry point so that what Hydra rejects before the task runs is one line too.
+
+    Hydra prints its own errors (an unknown group option, a misspelled key, an override it cannot
+    parse, a run dir it cannot create) in several lines, and offers ``+key=value`` for any key it does
+    not know, typos included. With HYDRA_FULL_ERROR=1 it raises them instead, and they are reported here.
+    """
+    os.environ.setdefault(USER_FULL_ERROR, os.environ.get("HYDRA_FULL_ERROR", ""))  # a local rank keeps its parent's
+    if wants_traceback():
+        return main()
+    os.environ["HYDRA_FULL_ERROR"] = "1"
+    try:
+        return main()
+    except Exception as err:  # noqa: BLE001 - what is not a user's mistake is raised again below
+        message = hydra_error_message(err, _task_started)
+        if message is None:
+            raise  # a bug outside the task: its whole traceback
+        report(message)
+
+
+def handle_errors(task: Callable[..., Any]) -> Callable[..., Any]:
+    """Run the task; end a failure of it as described in this module's docstring."""
+
+    @functools.wraps(task)
+    def wrapper(cfg: Any) -> Any:
+        global _task_started
+        _task_started = True
+        # a log file on a full or read-only disk would print a traceback per record, TensorBoard's writer thread
+        # one when its write fails (it raises the error again in the training loop, where it becomes one line)
+        logging.raiseExceptions = False
+        threading.excepthook = _quiet_storage_errors
+        try:
+            check_group_choices()
+            _resolve_all(cfg)
+            result = task(cfg)
+        except Exception as err:  # noqa: BLE001 - every failure ends the run the same way
+            return _failed(err)
+        supervision.stop_watching_failures()
+        if not launch.in_sweep():  # a sweep's JobIsolation waits for each job's ranks itself
+            failure = supervision.reap_started(grace_s=120)
+            if failure is not None:
+                message, code = failure
+                supervision.end_run(None if supervision.said_why(code) else message, EXIT_FAILED)
+        return result
+
+    return wrapper
+
+
+def _quiet_storage_errors(args: threading.ExceptHookArgs) -> None:
+    if args.exc_value is not None and storage_error_in(args.exc_value) is not None:
+        log.debug("thread %s: %s", args.thread.name if args.thread else "?", args.exc_value)
+        return
+    threading.__excepthook__(args)
+
+
+def _failed(err: Exception) -> None:
+    stopping = sys.modules.get("src.callbacks.graceful_stop")  # not loaded yet: nothing raised Terminated
+    if stopping is not None and isinstance(err, stopping.Terminated):
+        supervision.stop_watching_failures()  # every rank stops at this very step: a good end of sorts
+        if launch.is_launch_rank_zero():
+            print(f"stopped: {err}", file=sys.stderr, flush=True)
+        supervision.reap_started(grace_s=60)  # they stop at the same batch; let them finish writing
+        sys.exit(err.exit_code)
+    line, code = describe(err)
+    if launch.in_sweep():
+        _record_failure(line, code)
+        return None
+    if wants_traceback():
+        traceback.print_exception(err)
+    supervision.end_run(line, code)
+
+
+def describe(err: BaseException, log_dir: str | None = None) -> tuple[str | None, int]:
+    """The run's one error line for ``err`` (None when another process tells it) and the exit status.
+
+    An unexpected exception keeps its traceback in this process's log file (``log_dir``: where to write one
+    when logging has no file), and the line says where.
+    """
+    distributed = supervision.explain(err)
+    if distributed is not None:
+        return distributed
+    cause = user_error_in(err)
+    if cause is not None:
+        code = getattr(cause, "exit_code", EXIT_USER_ERROR)  # Lightning's MisconfigurationException: the user's
+        mid_run = supervision.FAILURES is not None or code != EXIT_USER_ERROR
+        return _named(_one_line(str(cause)), mid_run), code
+    reported = supervision.reported_failure()
+    if reported is not None:  # another rank failed first; this one's error is most likely its echo
+        return reported
+    storage = storage_error_in(err)
+    if storage is not None:
+        return _named(_storage_line(storage), True), EXIT_FAILED
+    logged = _log_traceback(err, log_dir)
+    where = f" (traceback in {logged})" if logged else ""
+    first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    return _named(f"{type(err).__name__}: {first}{where}", True), EXIT_FAILED
+
+
+def _named(line: str, mid_run: bool) -> str:
+    """Prefix the rank in a run of several processes, for a failure under way."""
+    return f"{supervision.rank_label()}: {line}" if mid_run and supervision.in_distributed_run() else line
+
+
+def _one_line(message: str) -> str:
+    return " ".join(line.strip() for line in message.splitlines() if line.strip())
+
+
+def _storage_line(err: OSError) -> str:
+    """A write outside the checkpoints (TensorBoard's events, a log) refused: the same line a checkpoint's gets."""
+    from hydra.core.hydra_config import HydraConfig
+
+    from src.checkpoints import refused_write  # loads Lightning: only once a run is under way
+
+    run_dir = HydraConfig.get().runtime.output_dir if HydraConfig.initialized() else None
+    return refused_write(err, None, Path(run_dir, "checkpoints") if run_dir else None)
+
+
+def _log_traceback(err: BaseException, log_dir: str | None) -> str | None:
+    """Write ``err``'s traceback to this process's log file only (not the console); return the file."""
+    root = logging.getLogger()
+    files = [h for h in root.handlers if isinstance(h, logging.FileHandler)]
+    if not files and log_dir is not None:
+        try:
+            files = [logging.FileHandler(Path(log_dir) / f"traceback_{supervision.rank_label().replace(' ', '')}.log")]
+        except OSError:
+            files = []
+    if not files:
+        traceback.print_exception(err)  # nowhere else to keep it
+        return None
+    record = logging.LogRecord(log.name, logging.ERROR, __file__, 0, "the run failed:", None,
+                               (type(err), err, err.__traceback__))
+    for handler in files:
+        handler.handle(record)
+        handler.flush()
+    path = files[0].baseFilename
+    relative = os.path.relpath(path)
+    return relative if not relative.startswith("..") else path
+
+
+def check_group_choices() -> None:
+    """Refuse an option of an ``optional`` group that does not exist: Hydra skips it and runs the defaults."""
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.hydra_config import HydraConfig
+
+    if not (HydraConfig.initialized() and GlobalHydra.instance().is_initialized()):
+        return
+    loader = GlobalHydra.instance().config_loader()
+    for group, option in HydraConfig.get().runtime.choices.items():
+        if not isinstance(option, str) or group.startswith("hydra/"):  # unset, or several options at once
+            continue
+        options = loader.get_group_options(group)
+        if option not in options:
+            raise UserError(f"{group}={option} is not an option of config group {group}: "
+                            f"choose one of {', '.join(options)}")
+
+
+def _resolve_all(cfg: Any) -> None:
+    """Resolve every interpolation once, up front, so a broken one is reported with its key (instantiate
+    resolves a detached copy, and its error no longer knows where the value came from)."""
+    from omegaconf import DictConfig, OmegaConf
+
+    if isinstance(cfg, DictConfig):
+        OmegaConf.to_container(cfg, resolve=True)
+
+
+def _record_failure(line: str | None, code: int) -> None:
+    """A sweep's job failed: stop its other ranks, print and record its line; the sweep goes on."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if supervision.FAILURES is not None:
+        record = supervision.FAILURES.read()
+        if line is None and record is not None:
+            line = record["line"]  # a rank of this job said it, on its own stderr
+        supervision.FAILURES.publish(line, code)  # the job's ranks on other nodes stop too
+    supervision.stop_processes(supervision.STARTED, grace_s=2.0)
+    message = line or "a rank of this job failed: see its log"
+    job = HydraConfig.get().job
+    print(f"error: job {job.num} ({' '.join(HydraConfig.get().overrides.task)}): {message}", file=sys.stderr,
+          flush=True)
+    out = Path(HydraConfig.get().runtime.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / FAILURE_FILE).write_text(json.dumps({"job": job.num, "error": message, "exit_code": code}, indent=2) + "\n")

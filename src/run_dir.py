@@ -1,0 +1,140 @@
+"""One run per run dir: the process that owns a run holds a lock on its dir for as long as it lives.
+
+Two runs writing one dir overwrite each other's ``last.ckpt``, ``config.yaml`` and ``throughput.json`` and
+interleave their logs without a word. Here the run's owner (the command the user started, srun's task 0,
+torchrun's rank 0, node 0 by hand) takes an fcntl lock on ``DIR/.lock`` before Hydra writes anything
+there. The kernel (the lock manager, on NFS) drops it when that process ends, however it ends — ``kill -9``
+too — so a crashed run's dir is free for ``ckpt_path=last`` at once. The other ranks of the run never
+lock, so they are never refused. A second run pointed at a held dir stops before it writes anything,
+naming the host and pid that hold it. A timestamped dir (the default ``outputs/runs/<date>/<time>``) is
+claimed instead: a run that finds its timestamp taken takes ``<time>_2``, ``<time>_3``, ...
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import logging
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig, OmegaConf, read_write
+
+from src.errors import report, unwritable_run_dir
+from src.launch import is_launch_rank_zero
+
+log = logging.getLogger(__name__)
+
+LOCK_FILE = ".lock"
+_held: list[int] = []  # open for the life of the process: closing the file would drop the lock
+
+
+class RunDirLock(Callback):
+    """Hydra callback: hold ``hydra.run.dir`` (``hydra.sweep.dir`` for ``-m``) before the run writes into it."""
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        if is_launch_rank_zero():
+            hold(config, "run")
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        hold(config, "sweep")
+
+
+def hold(config: DictConfig, kind: str) -> Path:
+    """Create (or claim, if timestamped) the ``hydra.<kind>.dir`` and lock it; refuse it if another run holds it."""
+    node = config.hydra[kind]
+    path = Path(str(node.dir))
+    if "${now:" in str(OmegaConf.to_container(node, resolve=False)["dir"]):
+        path = _claim_fresh(path)
+        with read_write(config.hydra):
+            node.dir = str(path)
+            if kind == "sweep":  # each job's config is composed again from these overrides
+                config.hydra.overrides.hydra.append(f'hydra.sweep.dir="{path}"')
+    else:
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            report(unwritable_run_dir(err))
+    lock_run_dir(path, kind)
+    return path
+
+
+def _claim_fresh(path: Path) -> Path:
+    """``path``, or the first of ``path_2``, ``path_3``, ... that no other run has created: mkdir is the claim."""
+    for n in range(1, 10_000):
+        candidate = path if n == 1 else path.with_name(f"{path.name}_{n}")
+        try:
+            candidate.parent.mkdir(parents=True, exist_ok=True)
+            candidate.mkdir()
+            return candidate
+        except FileExistsError:
+            continue
+        except OSError as err:
+            report(unwritable_run_dir(err))
+    report(f"cannot find a free run dir next to {path}: pass hydra.run.dir=DIR")
+
+
+def lock_run_dir(path: Path, kind: str = "run") -> None:
+    """Hold ``path`` for as long as this process lives, or refuse it (one line, exit 2) if another run holds it."""
+    lock_path = path / LOCK_FILE
+    try:
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except OSError as err:
+        report(unwritable_run_dir(err))
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as err:
+        if err.errno not in (errno.EACCES, errno.EAGAIN):  # a filesystem without locks (Lustre without -o flock)
+            os.close(fd)
+            _warn(f"cannot lock {lock_path} ({err.strerror}): a second run pointed at this dir would not be refused")
+            return
+        holder = _holder(fd)
+        os.close(fd)
+        if _earlier_run_of_this_slurm_job(holder):
+            _warn(f"{lock_path} is still locked by an earlier run of Slurm job {holder['slurm_job']} "
+                  f"(pid {holder['pid']} on {holder['host']}), which Slurm has ended: continuing in its run dir")
+            return
+        held_by = (f"pid {holder['pid']} on host {holder['host']} holds it (since {holder['started']})" if holder
+                   else f"another process holds {lock_path}")
+        resume = " (to continue that run once it has ended: ckpt_path=last)" if kind == "run" else ""
+        report(f"hydra.{kind}.dir={path} is in use by another run: {held_by}; wait for it to end, or pass another "
+               f"hydra.{kind}.dir=DIR{resume}")
+    holder = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+              "slurm_job": os.environ.get("SLURM_JOB_ID"), "slurm_restart": os.environ.get("SLURM_RESTART_COUNT", "0")}
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, (json.dumps(holder) + "\n").encode(), 0)
+    except OSError:
+        pass  # a full disk: the lock holds all the same, only the holder's name is missing
+    _held.append(fd)
+
+
+def _holder(fd: int) -> dict[str, Any] | None:
+    """Who holds the lock, as its holder wrote it (it writes just after locking: wait a moment for it)."""
+    deadline = time.monotonic() + 1.0
+    while True:
+        try:
+            return json.loads(os.pread(fd, 4096, 0))
+        except (OSError, ValueError):
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(0.05)
+
+
+def _earlier_run_of_this_slurm_job(holder: dict[str, Any] | None) -> bool:
+    """A requeued Slurm job restarts only after every process of its earlier run has ended, yet a lock held
+    from a node that went down can outlive them on a shared filesystem until the lock manager notices."""
+    job = os.environ.get("SLURM_JOB_ID")
+    return (holder is not None and job is not None and holder.get("slurm_job") == job
+            and holder.get("slurm_restart") != os.environ.get("SLURM_RESTART_COUNT", "0"))
+
+
+def _warn(message: str) -> None:
+    log.warning(message)
+    print(f"warning: {message}", file=sys.stderr, flush=True)

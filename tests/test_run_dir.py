@@ -1,0 +1,87 @@
+"""One run per run dir: a second run pointed at a held dir is refused at once, naming who holds it; the hold goes
+with its process, however it ends; timestamped run dirs never collide."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from tests.conftest import FAST, ROOT, output, train
+
+
+def timed(*overrides: str):
+    start = time.monotonic()
+    result = train(*overrides)
+    return result, time.monotonic() - start
+
+
+def test_a_second_run_in_a_held_run_dir_is_refused_at_once_naming_the_dir_host_and_pid(tmp_path):
+    run_dir = tmp_path / "run"
+    with ThreadPoolExecutor(2) as pool:  # started together, as a script or a job array would
+        runs = dict(zip((1, 2), pool.map(lambda seed: timed(*FAST, "strategy=ddp", "trainer.devices=2", f"seed={seed}",
+                                                            f"hydra.run.dir={run_dir}"), (1, 2))))
+    refused = [seed for seed, (result, _) in runs.items() if result.returncode != 0]
+    assert len(refused) == 1, {seed: output(result)[-2000:] for seed, (result, _) in runs.items()}
+    loser, winner = refused[0], 3 - refused[0]
+    result, seconds = runs[loser]
+    holder = json.loads((run_dir / ".lock").read_text())
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert result.returncode == 2 and seconds < 30 and errors == [
+        f"error: hydra.run.dir={run_dir} is in use by another run: pid {holder['pid']} on host {socket.gethostname()} "
+        f"holds it (since {holder['started']}); wait for it to end, or pass another hydra.run.dir=DIR (to continue "
+        "that run once it has ended: ckpt_path=last)"], output(result)[-3000:]
+    assert "Run:" not in output(result)  # refused before any training
+
+    ok, _ = runs[winner]
+    assert ok.returncode == 0, output(ok)[-3000:]
+    assert f"seed: {winner}" in (run_dir / "config.yaml").read_text()  # its own files, none of the other's
+    assert f"seed={winner}" in (run_dir / ".hydra" / "overrides.yaml").read_text()
+    assert "error" not in (run_dir / "train.log").read_text().lower()
+    assert (run_dir / "throughput.json").is_file() and (run_dir / "checkpoints" / "last.ckpt").is_file()
+
+
+HOLD = """
+import sys, time
+from pathlib import Path
+from src.run_dir import lock_run_dir
+lock_run_dir(Path(sys.argv[1]))
+print("holding", flush=True)
+time.sleep(float(sys.argv[2]))
+"""
+
+
+def hold(path: Path, seconds: float, **kwargs):
+    return subprocess.Popen([sys.executable, "-c", HOLD, str(path), str(seconds)], cwd=ROOT, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kwargs)
+
+
+def test_the_hold_goes_with_its_process_even_after_kill_9(tmp_path):
+    holder = hold(tmp_path, 600)
+    assert holder.stdout.readline() == "holding\n", holder.stderr.read()
+    second = hold(tmp_path, 0)
+    _, err = second.communicate(timeout=30)
+    assert second.returncode == 2 and f"pid {holder.pid} on host {socket.gethostname()} holds it" in err, err
+    holder.kill()  # SIGKILL: no handler, no cleanup
+    holder.wait()
+    third = hold(tmp_path, 0)
+    out, err = third.communicate(timeout=30)
+    assert third.returncode == 0 and out == "holding\n", err  # what ckpt_path=last after a crash needs
+    assert json.loads((tmp_path / ".lock").read_text())["pid"] == third.pid
+
+
+def test_runs_started_in_the_same_second_get_a_run_dir_each(tmp_path):
+    timestamped = f"hydra.run.dir={tmp_path}/runs/${{now:%Y}}"  # the default is ${now:%H-%M-%S}: this one never ticks
+    with ThreadPoolExecutor(2) as pool:  # each stops with a mistake right after its run dir is made
+        results = list(pool.map(lambda _: train(*FAST, "data.batch_size=0", timestamped), range(2)))
+    assert [r.returncode for r in results] == [2, 2], [output(r)[-2000:] for r in results]
+    year = time.strftime("%Y")
+    runs = tmp_path / "runs"
+    assert sorted(p.name for p in runs.iterdir()) == [year, f"{year}_2"]
+    for run in runs.iterdir():  # each its own config and log
+        assert (run / ".hydra" / "config.yaml").is_file() and (run / "train.log").is_file()
+    assert "${now:" in (ROOT / "conf" / "hydra" / "default.yaml").read_text().split("run:")[1].split("sweep:")[0]
