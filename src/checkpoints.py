@@ -109,7 +109,8 @@ def refused_write(err: OSError, target: Path | None, checkpoints: Path | None, n
         return (f"{gone} vanished during the run (it was removed while the run was writing {target.name}): "
                 "its checkpoints and logs went with it; restore it and resume with ckpt_path=last, or start again")
     step = _step_of(checkpoints / LAST) if checkpoints is not None else None
-    intact = f"the previous {LAST} (step {step}) is intact" if step is not None else f"there is no intact {LAST} yet"
+    previous = "the previous " if target.name == LAST else ""
+    intact = f"{previous}{LAST} (step {step}) is intact" if step is not None else f"there is no intact {LAST} yet"
     if err.errno in (errno.ENOSPC, errno.EDQUOT):
         free = _megabytes(shutil.disk_usage(folder).free) if folder.is_dir() else "?"
         sizes = f"{_megabytes(needed)} MB needed, {free} MB free" if needed else f"{free} MB free"

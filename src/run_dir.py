@@ -7,7 +7,7 @@ there. The kernel (the lock manager, on NFS) drops it when that process ends, ho
 too — so a crashed run's dir is free for ``ckpt_path=last`` at once. The other ranks of the run never
 lock, so they are never refused. A second run pointed at a held dir stops before it writes anything,
 naming the host and pid that hold it. A timestamped dir (the default ``outputs/runs/<date>/<time>``) is
-claimed instead: a run that finds its timestamp taken takes ``<time>_2``, ``<time>_3``, ...
+claimed instead: a run that finds its timestamp owned by another run takes ``<time>_2``, ``<time>_3``, ...
 """
 
 from __future__ import annotations
@@ -66,12 +66,14 @@ def hold(config: DictConfig, kind: str) -> Path:
 
 
 def _claim_fresh(path: Path) -> Path:
-    """``path``, or the first of ``path_2``, ``path_3``, ... that no other run has created: mkdir is the claim."""
+    """``path``, or the first of ``path_2``, ``path_3``, ... that no run has owned: creating its lock file is the
+    claim. (Another rank of this run may have made the folder already, as a torchrun worker does; it has no
+    lock file.)"""
     for n in range(1, 10_000):
         candidate = path if n == 1 else path.with_name(f"{path.name}_{n}")
         try:
-            candidate.parent.mkdir(parents=True, exist_ok=True)
-            candidate.mkdir()
+            candidate.mkdir(parents=True, exist_ok=True)
+            os.close(os.open(candidate / LOCK_FILE, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
             return candidate
         except FileExistsError:
             continue

@@ -148,17 +148,22 @@ def test_a_rank_whose_peers_never_arrive_fails_after_the_timeout_naming_the_rend
 
 
 def test_ckpt_path_auto_means_the_run_dirs_last_checkpoint_if_there_is_one(tmp_path):
-    from src.checkpoints import resume_path
+    from src.checkpoints import UnreadableCheckpoint, resume_from
     from src.errors import UserError
 
-    assert resume_path("auto", str(tmp_path)) is None  # nothing yet: start fresh
+    assert resume_from("auto", str(tmp_path)) == (None, None)  # nothing yet: start fresh
     with pytest.raises(UserError, match="ckpt_path=last but .* does not exist"):
-        resume_path("last", str(tmp_path))  # last, though, must exist
-    (tmp_path / "checkpoints").mkdir()
-    (tmp_path / "checkpoints" / "last.ckpt").write_bytes(b"x")
-    assert resume_path("auto", str(tmp_path)) == str(tmp_path / "checkpoints" / "last.ckpt")
-    assert resume_path("last", str(tmp_path)) == str(tmp_path / "checkpoints" / "last.ckpt")
-    assert resume_path("some.ckpt", str(tmp_path)) == "some.ckpt" and resume_path(None, str(tmp_path)) is None
+        resume_from("last", str(tmp_path))  # last, though, must exist
+    last = tmp_path / "checkpoints" / "last.ckpt"
+    last.parent.mkdir()
+    torch.save({"global_step": 7}, last)
+    for given in ("auto", "last", str(last)):
+        path, checkpoint = resume_from(given, str(tmp_path))
+        assert path == str(last) and checkpoint["global_step"] == 7
+    assert resume_from(None, str(tmp_path)) == (None, None)
+    last.write_bytes(b"x")  # broken, and nothing intact beside it: no silent fresh start
+    with pytest.raises(UnreadableCheckpoint, match="is not a checkpoint"):
+        resume_from("auto", str(tmp_path))
 
 
 def test_resume_with_ckpt_path_last_in_the_same_run_dir(single_run, tmp_path):

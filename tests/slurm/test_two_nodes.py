@@ -29,3 +29,19 @@ def test_two_nodes_one_task_each_train_one_world_of_two(cluster):
     assert record["hosts"] == ["node1", "node2"]
     assert [p.relative_to(run_dir) for p in run_dir.rglob("last.ckpt")] == [Path("checkpoints/last.ckpt")]
     assert "Run: 2 node(s) x 1 device(s) = world size 2" in cluster.log(job)
+
+
+def test_an_exception_on_the_second_nodes_rank_fails_the_job_at_once_with_one_line(cluster):
+    job = cluster.sbatch("--nodes=2", "--ntasks-per-node=1", "--gpus-per-node=0", "slurm/train.sbatch", *FAST,
+                         "test=false", "data.num_train=2000", "trainer.limit_train_batches=null",
+                         "+callbacks.fault._target_=tests.faults.RaiseAt", "+callbacks.fault.rank=1",
+                         "+callbacks.fault.step=3")
+    info = cluster.wait(job, timeout=180)
+    log = cluster.log(job)
+    assert info["JobState"] == "FAILED", log
+    errors = [line for line in log.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith("error: rank 1: RuntimeError: injected failure at step 3"), log
+    assert "Traceback" not in log
+    days, _, clock = info["RunTime"].rpartition("-")  # [d-]hh:mm:ss
+    hours, minutes, seconds = (int(part) for part in clock.split(":"))
+    assert not days and hours * 3600 + minutes * 60 + seconds < 90, info["RunTime"]  # at the failure, not epoch's end
