@@ -99,12 +99,6 @@ def track(procs: Sequence[subprocess.Popen], ranks: Sequence[int], exit_process:
     watch_children(procs, ranks, exit_process)
 
 
-def started_failure() -> str | None:
-    """How a local rank this process started ended badly, unless it said so itself."""
-    failure = failed_child(STARTED, STARTED_RANKS)
-    return None if failure is None or said_why(failure[1]) else failure[0]
-
-
 def reap_started(grace_s: float) -> tuple[str, int] | None:
     """Wait up to ``grace_s`` for the local ranks this process started, kill what is left, forget them all.
 
