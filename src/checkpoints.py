@@ -39,8 +39,8 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     Lightning's own save goes through a temp file in the system temp dir, then a move: across filesystems
     (node-local /tmp, tmpfs) that move is a copy into the final name, which a kill leaves half written.
     A rename within one directory is atomic: the final name holds the old file or the new, never a part.
-    ``last.ckpt``'s previous generation becomes ``last.prev.ckpt`` (deleted first, so a run needs room for two
-    checkpoints and the one being written, as before). A write the filesystem refuses (full, read-only, a
+    ``last.ckpt``'s previous generation becomes ``last.prev.ckpt``, deleted just before the next ``last.ckpt``
+    is written: between writes it takes one checkpoint's worth of disk more. A write the filesystem refuses (full, read-only, a
     folder removed under the run) leaves no temp file and raises one StorageError saying what is intact.
     """
 

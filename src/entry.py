@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 from src import launch, supervision
 from src.errors import (EXIT_FAILED, EXIT_USER_ERROR, FAILURE_FILE, USER_FULL_ERROR, UserError, hydra_error_message,
-                        report, storage_error_in, user_error_in, wants_traceback)
+                        one_line, report, storage_error_in, user_error_in, wants_traceback)
 
 log = logging.getLogger(__name__)
 _task_started = False  # an OSError before any task ran is Hydra's: the run dir or its log file
@@ -112,7 +112,7 @@ def describe(err: BaseException, log_dir: str | None = None) -> tuple[str | None
     if cause is not None:
         code = getattr(cause, "exit_code", EXIT_USER_ERROR)  # Lightning's MisconfigurationException: the user's
         mid_run = supervision.FAILURES is not None or code != EXIT_USER_ERROR
-        return _named(_one_line(str(cause)), mid_run), code
+        return _named(one_line(str(cause)), mid_run), code
     reported = supervision.reported_failure()
     if reported is not None:  # another rank failed first; this one's error is most likely its echo
         return reported
@@ -128,10 +128,6 @@ def describe(err: BaseException, log_dir: str | None = None) -> tuple[str | None
 def _named(line: str, mid_run: bool) -> str:
     """Prefix the rank in a run of several processes, for a failure under way."""
     return f"{supervision.rank_label()}: {line}" if mid_run and supervision.in_distributed_run() else line
-
-
-def _one_line(message: str) -> str:
-    return " ".join(line.strip() for line in message.splitlines() if line.strip())
 
 
 def _storage_line(err: OSError) -> str:

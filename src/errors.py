@@ -98,10 +98,14 @@ def wants_traceback() -> bool:
     return os.environ.get(USER_FULL_ERROR, os.environ.get("HYDRA_FULL_ERROR", "")) == "1"
 
 
+def one_line(message: str) -> str:
+    """A message of several lines (Hydra's, OmegaConf's) as one."""
+    return " ".join(line.strip() for line in message.splitlines() if line.strip())
+
+
 def report(message: str) -> NoReturn:
     """Print ``error: message`` as one line and exit 2."""
-    print("error: " + " ".join(line.strip() for line in message.splitlines() if line.strip()), file=sys.stderr,
-          flush=True)
+    print("error: " + one_line(message), file=sys.stderr, flush=True)
     sys.exit(EXIT_USER_ERROR)
 
 

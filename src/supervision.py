@@ -220,8 +220,15 @@ class FailureRecord:
         value = self._call("get", self._prefix + "failure")
         return None if value is None else json.loads(value)
 
-    def acknowledge(self) -> None:
+    def follow(self) -> tuple[str | None, int] | None:
+        """If another rank has failed the run: acknowledge it, and return what this rank should print (mostly
+        nothing) and the exit code. From then on this rank only echoes that failure: it never claims the run's."""
+        record = self.read()
+        if record is None or record["rank"] == self.rank:  # its own: this rank is ending already
+            return None
         self._call("add", self._prefix + "seen", 1)
+        self.echoing = True
+        return self.line_for_this_rank(record), record["code"]
 
     def wait_for(self, key: str, seconds: float) -> None:
         """Wait until every rank has added itself to ``key`` (the store host must not go before they have)."""
@@ -247,13 +254,12 @@ class FailureRecord:
             while not self._closed:
                 if launcher_gone() is not None:  # the launcher may host the store: its watch takes over
                     return
-                record = self.read()
-                if record is not None and record["rank"] != self.rank:  # its own: this rank is ending already
-                    self.acknowledge()
+                failure = self.follow()
+                if failure is not None:
                     if self.in_sweep:  # a sweep's process runs the next job: stop this job's ranks only
                         stop_processes(STARTED, grace_s=2.0)
                         return
-                    end_run(self.line_for_this_rank(record), record["code"], publish=False)
+                    end_run(*failure, publish=False)
                 time.sleep(POLL_S)
 
         thread = threading.Thread(target=loop, name="failure-watch", daemon=True)
@@ -290,14 +296,7 @@ def stop_watching_failures(wait: bool = True) -> None:
 
 def reported_failure() -> tuple[str | None, int] | None:
     """If another rank has already failed the run: what this rank should print (mostly nothing) and the code."""
-    if FAILURES is None:
-        return None
-    record = FAILURES.read()
-    if record is None:
-        return None
-    FAILURES.acknowledge()
-    FAILURES.echoing = True  # whatever this rank says from now on follows that failure: it must not claim the run's
-    return FAILURES.line_for_this_rank(record), record["code"]
+    return None if FAILURES is None else FAILURES.follow()
 
 
 def in_distributed_run() -> bool:

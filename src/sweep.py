@@ -17,11 +17,11 @@ from typing import Any
 import torch
 from hydra.core.utils import JobReturn
 from hydra.experimental.callback import Callback
-from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from src import supervision
 from src.errors import FAILURE_FILE
+from src.launch import in_sweep
 
 log = logging.getLogger(__name__)
 
@@ -36,11 +36,11 @@ class JobIsolation(Callback):
         self._environ: dict[str, str] | None = None
 
     def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
-        if _in_sweep(config):
+        if in_sweep():
             self._environ = dict(os.environ)
 
     def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs: Any) -> None:
-        if not _in_sweep(config):
+        if not in_sweep():
             return
         failed = (Path(config.hydra.runtime.output_dir) / FAILURE_FILE).exists()
         supervision.stop_watching_failures(wait=not failed)
@@ -52,10 +52,6 @@ class JobIsolation(Callback):
         if self._environ is not None:
             os.environ.clear()
             os.environ.update(self._environ)
-
-
-def _in_sweep(config: DictConfig) -> bool:
-    return config.hydra.get("mode") == RunMode.MULTIRUN
 
 
 class ScalingReport(Callback):
