@@ -12,20 +12,15 @@ from lightning.fabric.plugins.environments import SLURMEnvironment
 from omegaconf import DictConfig, OmegaConf
 
 from src.checkpoints import AtomicCheckpointIO
+from src.console import quiet_console, quiet_dependencies
+from src.fast_path import fast_path
 from src.launch import is_launch_rank_zero, uses_cuda
 from src.errors import UserError
 
 ACCELERATORS = ("auto", "cpu", "gpu", "cuda", "mps")
 
 
-class _NoAdvertising(logging.Filter):
-    """Lightning prints a cloud-product tip at every start; a training log is no place for it."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith("💡 Tip")
-
-
-logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(_NoAdvertising())
+quiet_dependencies()
 
 
 def route_lightning_logs() -> None:
@@ -33,29 +28,34 @@ def route_lightning_logs() -> None:
 
     Lightning gives its logger a console handler of its own when it is imported, before Hydra has
     configured logging, and stops it propagating; the run's log files then miss every Lightning line.
+    The console keeps only what asks something of the user (src/console.py).
     """
-    if not logging.getLogger().handlers:  # no Hydra logging (a spawned child): keep Lightning's own
-        return
-    for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
-        logging.getLogger(name).handlers.clear()
-        logging.getLogger(name).propagate = True
+    if logging.getLogger().handlers:  # Hydra's logging; a spawned child without it keeps Lightning's own
+        for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
+            logging.getLogger(name).handlers.clear()
+            logging.getLogger(name).propagate = True
+    quiet_console()
 
 
 def hardware_defaults(trainer_cfg: DictConfig) -> dict:
-    """``precision`` and ``benchmark`` left at ``auto``, resolved for the hardware found.
+    """``precision`` and ``benchmark`` left at ``auto``, resolved for the hardware found (src/fast_path.py).
 
-    On CUDA: bf16 autocast where the GPU has bf16 (Ampere and later; else 32-bit with TF32 matmuls) and
-    cuDNN autotuning (CIFAR's shapes never change). On a CPU: 32-bit, as bf16 autocast there is slower.
+    On CUDA also cuDNN autotuning (CIFAR's shapes never change) and TF32 matmuls.
     """
     cuda = uses_cuda(trainer_cfg.accelerator)
     resolved = {}
     if trainer_cfg.precision == "auto":
-        resolved["precision"] = "bf16-mixed" if cuda and torch.cuda.is_bf16_supported() else "32-true"
+        resolved["precision"] = fast_path("cuda" if cuda else device_type(trainer_cfg.accelerator)).precision
     if trainer_cfg.benchmark == "auto":
         resolved["benchmark"] = cuda and not trainer_cfg.deterministic
     if cuda:
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     return resolved
+
+
+def device_type(accelerator: str) -> str:
+    """The torch device type a non-CUDA ``trainer.accelerator`` trains on."""
+    return "mps" if accelerator == "mps" else "cpu"
 
 
 def check_trainer_settings(trainer_cfg: DictConfig) -> None:
@@ -92,3 +92,25 @@ def record_config(cfg: DictConfig, trainer: L.Trainer) -> None:
     (out / "config.yaml").write_text(OmegaConf.to_yaml(resolved))
     for logger in trainer.loggers:
         logger.log_hyperparams(resolved)
+
+
+def test_summary(metrics: dict[str, float], weights: str, datamodule: L.LightningDataModule) -> str:
+    """The one line a test ends with, from src.train and src.eval alike: what accuracy, which weights, which images."""
+    test_set = getattr(datamodule, "test_set", None)
+    images = f"{len(test_set)} test images" if test_set is not None else "the test set"
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        images += f" of data={HydraConfig.get().runtime.choices['data']}"
+    except (ValueError, KeyError):  # no Hydra run (a spawned child, a test calling this directly)
+        pass
+    return (f"test accuracy {metrics['test/acc']:.4f} | test loss {metrics['test/loss']:.4f} | {weights} "
+            f"| {images}")
+
+
+def describe_checkpoint(path: str | Path, checkpoint: dict | None = None) -> str:
+    """'DIR/checkpoints/best-epoch001-acc0.7031.ckpt (epoch 1, step 28)'."""
+    if checkpoint is None:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    return f"{path} (epoch {checkpoint.get('epoch', '?')}, step {checkpoint.get('global_step', '?')})"
+

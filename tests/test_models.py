@@ -9,6 +9,7 @@ from torch import nn
 
 from src.data.synthetic import SyntheticDataModule
 from src.errors import UserError
+from src.fast_path import fast_path
 from src.models.classifier import ImageClassifier, scaled_lr, warmup_then_decay
 from src.models.resnet import build_resnet, resnet_names
 
@@ -142,9 +143,14 @@ def test_channels_last_and_compile_are_switches(tmp_path):
     model.setup("fit")
     assert model.net.conv1.weight.is_contiguous(memory_format=torch.channels_last)
     assert model.net._compiled_call_impl is not None  # compiled lazily, at the first forward
-    plain = ImageClassifier(arch="resnet18")  # auto: off on a CPU
+    plain = ImageClassifier(arch="resnet18", channels_last=False)
     plain.trainer = trainer
     plain.setup("fit")
     assert plain.memory_format == torch.contiguous_format and plain.net._compiled_call_impl is None
+    auto = ImageClassifier(arch="resnet18")  # auto: what src/fast_path.py found faster on this CPU
+    auto.trainer = trainer
+    auto.setup("fit")
+    expected = torch.channels_last if fast_path("cpu").channels_last else torch.contiguous_format
+    assert auto.memory_format == expected and auto.net.conv1.weight.is_contiguous(memory_format=expected)
     with pytest.raises(UserError, match="model.channels_last"):
         ImageClassifier(arch="resnet18", channels_last="yes")

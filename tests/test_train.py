@@ -10,6 +10,7 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from src.fast_path import fast_path
 from tests.conftest import FAST, FAST_RUN, free_port, output, run_module, train
 
 
@@ -45,6 +46,12 @@ def single_run(tmp_path_factory) -> Path:
                    f"hydra.run.dir={run_dir}")
     assert_ok(result)
     assert "Run: 1 node(s) x 1 device(s) = world size 1 | strategy single-device" in output(result)
+    chosen = fast_path("cpu")  # what auto resolves to on this machine's CPU, and the run line says why
+    layout = "channels-last" if chosen.channels_last else "contiguous"
+    assert f"| precision {chosen.precision}, {layout} (auto: {chosen.why}) |" in output(result)
+    record = json.loads((run_dir / "throughput.json").read_text())
+    assert (record["precision"], record["channels_last"], record["arch"]) == (chosen.precision, chosen.channels_last,
+                                                                               "resnet18")
     return run_dir
 
 
@@ -64,6 +71,9 @@ def test_tensorboard_holds_step_and_epoch_scalars_lr_throughput_and_hyperparamet
     found = scalars(single_run)
     assert [e.step for e in found["train/loss"]] == list(range(24))  # one per step
     assert len(found["train/acc"]) == 24
+    epoch_loss = found["train/loss_epoch"]  # one per epoch: the mean of the epoch's steps
+    assert len(epoch_loss) == 2 and len(found["train/acc_epoch"]) == 2
+    assert epoch_loss[0].value == pytest.approx(sum(e.value for e in found["train/loss"][:12]) / 12, rel=1e-4)
     assert len(found["val/loss"]) == 2 and len(found["val/acc"]) == 2  # one per epoch
     assert len(found["test/loss"]) == 1 and 0 <= found["test/acc"][0].value <= 1
     lrs = [e.value for e in found["lr-SGD/pg1"]]  # pg1: decayed weights; pg2: norms and biases, same rate
@@ -95,14 +105,21 @@ def test_eval_reports_test_loss_and_accuracy_of_a_checkpoint(single_run, tmp_pat
 @pytest.mark.parametrize("strategy", ["ddp", "ddp_spawn"])
 def test_two_processes_train_into_one_run_dir_and_rank_zero_writes_the_one_checkpoint(strategy, tmp_path):
     run_dir = tmp_path / "run"
-    result = train(*FAST, f"strategy={strategy}", "trainer.devices=2", f"hydra.run.dir={run_dir}")
+    # an epoch shorter than log_every_n_steps (Lightning's 50): no value per step, yet the epoch's loss is there
+    result = train(*FAST, f"strategy={strategy}", "trainer.devices=2", "trainer.log_every_n_steps=50",
+                   f"hydra.run.dir={run_dir}")
     assert_ok(result)
     assert f"world size 2 | strategy {strategy} | backend gloo" in output(result)
+    for noise in ("`weights_only` was not set", "The `srun` command is available", "LeafSpec", "GPU available",
+                  "Initializing distributed", "Seed set to"):  # nothing a user can act on reaches the console
+        assert noise not in output(result), output(result)[-4000:]
+    assert "Seed set to 42" in (run_dir / "train.log").read_text()  # ... the log file keeps Lightning's lines
     assert "global batch 8 (4 per process)" in output(result)
     assert checkpoint(only_last_ckpt(run_dir))["saved_by"] == {"global_rank": 0, "world_size": 2}
     assert [p.name for p in tmp_path.iterdir()] == ["run"]  # no rank made a dir of its own
     assert len(list((run_dir / "tensorboard").glob("events.*"))) >= 1
-    assert [e.step for e in scalars(run_dir)["train/loss"]] == [0, 1]
+    found = scalars(run_dir)
+    assert "train/loss" not in found and len(found["train/loss_epoch"]) == 1 and found["train/loss_epoch"][0].value > 0
     if strategy == "ddp":  # local rank 1 re-entered src.train and logged into the same dir
         assert (run_dir / "train_node0_local1.log").is_file()
 

@@ -1,11 +1,16 @@
-"""The line every run starts with: who trains, how they talk, and the batch the optimizer really sees."""
+"""The line every run starts with: who trains, how they talk, the number format, and the batch the optimizer sees."""
 
 from __future__ import annotations
 
+import logging
 
 import lightning as L
 import torch
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+
+from src.fast_path import fast_path
+
+log = logging.getLogger(__name__)
 
 
 def strategy_name(strategy: L.pytorch.strategies.Strategy) -> str:
@@ -22,18 +27,35 @@ def peak_lr(trainer: L.Trainer) -> float:
     return group.get("initial_lr", group["lr"])
 
 
+def number_format(trainer: L.Trainer, pl_module: L.LightningModule, precision: str) -> str:
+    """'precision bf16-mixed, channels-last (auto: the CPU has native bf16 (AVX512_BF16))'."""
+    layout = "channels-last" if getattr(pl_module, "memory_format", None) == torch.channels_last else "contiguous"
+    asked = [precision == "auto", getattr(pl_module, "hparams", {}).get("channels_last") == "auto"]
+    why = ""
+    if any(asked):
+        what = "auto" if all(asked) else ("precision auto" if asked[0] else "channels_last auto")
+        why = f" ({what}: {fast_path(trainer.strategy.root_device.type).why})"
+    return f"precision {trainer.precision}, {layout}{why}"
+
+
 class RunSummary(L.Callback):
-    """Prints, on rank zero when fitting starts, nodes x devices, strategy, backend, precision and global batch."""
+    """Prints, on rank zero when fitting starts, nodes x devices, strategy, backend, precision and global batch.
+
+    ``precision`` is the configured ``trainer.precision``, so the line can say why ``auto`` became what it did.
+    """
+
+    def __init__(self, precision: str = "auto") -> None:
+        self.precision = str(precision)
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         backend = torch.distributed.get_backend() if torch.distributed.is_initialized() else "none"
         per_process = getattr(trainer.datamodule, "batch_size", None)
         accumulate = trainer.accumulate_grad_batches
         global_batch = per_process * trainer.world_size * accumulate if per_process else "unknown"
-        rank_zero_info(
+        rank_zero_only(log.info)(
             f"Run: {trainer.num_nodes} node(s) x {trainer.num_devices} device(s) = world size {trainer.world_size}"
             f" | strategy {strategy_name(trainer.strategy)} | backend {backend}"
-            f" | device {trainer.strategy.root_device.type} | precision {trainer.precision}"
+            f" | device {trainer.strategy.root_device.type} | {number_format(trainer, pl_module, self.precision)}"
             f" | global batch {global_batch} ({per_process} per process"
             f"{f' x {accumulate} accumulated' if accumulate > 1 else ''})"
             + (f" | peak lr {peak_lr(trainer):.4g}" if trainer.optimizers else "")

@@ -13,6 +13,7 @@ from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
 from src.errors import UserError
+from src.fast_path import fast_path
 from src.models.resnet import build_resnet
 
 DECAYS = ("cosine", "linear", "none")
@@ -60,13 +61,13 @@ class ImageClassifier(L.LightningModule):
         # torchmetrics keeps sums and counts, so epoch values are exact across ranks and uneven batches.
         self.train_acc, self.val_acc, self.test_acc = (
             MulticlassAccuracy(num_classes, average="micro") for _ in range(3))
-        self.val_loss, self.test_loss = MeanMetric(), MeanMetric()
+        self.train_loss, self.val_loss, self.test_loss = MeanMetric(), MeanMetric(), MeanMetric()
         self.memory_format = torch.contiguous_format
 
     def setup(self, stage: str) -> None:
         channels_last = self.hparams.channels_last
-        if channels_last == "auto":  # tensor cores run convolutions fastest in NHWC; CPUs gain little
-            channels_last = self.trainer.strategy.root_device.type == "cuda"
+        if channels_last == "auto":  # what the hardware found runs faster: src/fast_path.py
+            channels_last = fast_path(self.trainer.strategy.root_device.type).channels_last
         if channels_last:
             self.memory_format = torch.channels_last
             self.net.to(memory_format=self.memory_format)
@@ -81,8 +82,13 @@ class ImageClassifier(L.LightningModule):
         logits = self(images)
         loss = self.criterion(logits, labels)
         self.train_acc(logits, labels)
+        self.train_loss.update(loss.detach(), weight=labels.numel())
+        # Per step, this rank's values (no sync); per epoch, the whole world's, synced once at the epoch's end.
+        # The epoch values are there however short the epoch: per-step values wait for log_every_n_steps.
         self.log("train/loss", loss, prog_bar=True)
         self.log("train/acc", self.train_acc)
+        self.log("train/loss_epoch", self.train_loss, on_step=False, on_epoch=True)
+        self.log("train/acc_epoch", self.train_acc, on_step=False, on_epoch=True)
         return loss
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
