@@ -194,7 +194,7 @@ class LastCheckpoint(Checkpoint):
         """Write the trainer's whole state to ``last.ckpt`` (rank zero writes; every rank must call this)."""
         if trainer.sanity_checking or trainer.fast_dev_run or trainer.global_step == self._saved_at_step:
             return
-        trainer.save_checkpoint(self.path)
+        trainer.save_checkpoint(self.path, weights_only=False)  # the whole state: a resume needs it
         self._saved_at_step = trainer.global_step
 
     def state_dict(self) -> dict[str, Any]:

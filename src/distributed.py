@@ -145,7 +145,9 @@ class HydraSpawnLauncher(_MultiProcessingLauncher):
 
     def _wrapping_function(self, process_idx: int, *args: Any, **kwargs: Any) -> Any:
         from src.callbacks.graceful_stop import Terminated
+        from src.console import spawned_rank_console
 
+        spawned_rank_console()
         # torch makes a spawned rank get SIGINT when its parent dies; that KeyboardInterrupt races the watch
         # below and ends the rank without a word. One owner: the watch, which says what happened.
         _clear_parent_death_signal()

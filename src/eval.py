@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import hydra
@@ -13,7 +14,9 @@ from src.checkpoints import read_checkpoint
 from src.entry import handle_errors, run
 from src.errors import UserError
 from src.models.classifier import ImageClassifier
-from src.trainer import build_trainer, record_config
+from src.trainer import build_trainer, describe_checkpoint, record_config, test_summary
+
+log = logging.getLogger("src.eval")
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="eval")
@@ -37,8 +40,7 @@ def main(cfg: DictConfig) -> dict[str, float]:
     metrics = {k: float(v) for k, v in trainer.test(model, datamodule=datamodule, verbose=False)[0].items()}
     if trainer.is_global_zero:
         Path(cfg.paths.output_dir, "test_metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
-        print(f"test loss {metrics['test/loss']:.4f} | test accuracy {metrics['test/acc']:.4f} "
-              f"| {path} ({model.hparams.arch}, {len(datamodule.test_set)} images)", flush=True)
+        log.info(test_summary(metrics, f"{describe_checkpoint(path, checkpoint)}, {model.hparams.arch}", datamodule))
     return metrics
 
 

@@ -7,11 +7,15 @@ inside ``main``, after this process has started its local ranks, so they load th
 
 from __future__ import annotations
 
+import logging
+
 import hydra
 from omegaconf import DictConfig
 
 from src.entry import handle_errors, run
 from src.launch import is_launch_rank_zero, start_local_ranks
+
+log = logging.getLogger("src.train")
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="train")
@@ -23,8 +27,9 @@ def main(cfg: DictConfig) -> float | None:
     from hydra.utils import instantiate
 
     from src.checkpoints import check_compatible, resume_from
-    from src.trainer import build_trainer, record_config
+    from src.trainer import build_trainer, describe_checkpoint, record_config, route_lightning_logs, test_summary
 
+    route_lightning_logs()
     L.seed_everything(cfg.seed, workers=True)
     datamodule = instantiate(cfg.data)
     model = instantiate(cfg.model)
@@ -39,7 +44,10 @@ def main(cfg: DictConfig) -> float | None:
     trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=not cfg.ckpt_trusted)
     best = getattr(trainer.checkpoint_callback, "best_model_path", None) or None
     if cfg.test:  # the best epoch's weights, or the last ones when no best checkpoint is kept
-        trainer.test(model, datamodule=datamodule, ckpt_path=best, weights_only=True)
+        metrics = trainer.test(model, datamodule=datamodule, ckpt_path=best, weights_only=True, verbose=False)[0]
+        if trainer.is_global_zero:
+            weights = describe_checkpoint(best) if best else "the final weights (no best checkpoint kept)"
+            log.info(test_summary(metrics, weights, datamodule))
     score = getattr(trainer.checkpoint_callback, "best_model_score", None)
     return None if score is None else float(score)
 

@@ -99,7 +99,7 @@ class GracefulStop(L.Callback):
             last.save(trainer)
             return last.path
         path = Path(trainer.default_root_dir) / "checkpoints" / LAST
-        trainer.save_checkpoint(path)
+        trainer.save_checkpoint(path, weights_only=False)
         return path
 
     def _signal_or_sigterm(self) -> int:
