@@ -36,7 +36,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3, help="steps run before the clock starts")
     parser.add_argument("--images", type=int, default=2560, help="synthetic training images")
     parser.add_argument("--channels-last", action="store_true")
-    parser.add_argument("--bf16", action="store_true", help="bf16 autocast (GPU)")
+    parser.add_argument("--bf16", action="store_true", help="bf16 autocast (GPU, or CPU)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 

@@ -7,16 +7,20 @@ For each world size it runs, one after the other, ``--repeats`` times over (in a
 so a slow minute of the machine does not land on one side only; each side's best run counts, as timeit
 takes the fastest: on a shared machine the slower runs measure the neighbours):
   project  ``python -m src.train`` as a user runs it: Hydra, Lightning, the default callbacks (checkpoints,
-           LR and throughput logging, progress bar, SIGTERM handling) and the default data pipeline;
-           the rate is throughput.json's, over the steps after the warm-up.
-  bare     ``torchrun benchmarks/bare_ddp.py``: DistributedSampler + DataLoader, DDP, SGD, nothing else.
+           LR and throughput logging, progress bar, SIGTERM handling), the default data pipeline and the
+           default number format (``auto``: what src/fast_path.py picks for this hardware); the rate is
+           throughput.json's, over the steps after the warm-up.
+  bare     ``torchrun benchmarks/bare_ddp.py``: DistributedSampler + DataLoader, DDP, SGD, nothing else,
+           given the number format the project's ``auto`` picked (bf16 autocast, channels-last), so the
+           two differ only in the machinery around the loop.
 Both train the same ResNet (CIFAR stem) on the same synthetic images with the same crop/flip, and both
 time the steps after the same warm-up. The project runs once per data pipeline (``--pipelines``: the
 device-resident default; on a GPU also the DataLoader + per-image transforms the bare loop uses).
 It prints a table (throughput, and launch overhead: seconds from the command to the first training
-step) and, last, the throughput ratio of the default pipeline at the world size where the project
-does worst. On a CPU it compares 1 and 2 processes over gloo; on a GPU one process over nccl with
-the fast path (bf16, channels-last; --compile adds torch.compile).
+step), the throughput ratio at equal settings at the world size where the project does worst, and,
+last, what a user gets: the project's defaults against the bare loop's own defaults (fp32,
+contiguous; measured at the first world size, where they differ from the project's choice). On a CPU
+it compares 1 and 2 processes over gloo; on a GPU one process over nccl (--compile adds torch.compile).
 """
 
 from __future__ import annotations
@@ -64,22 +68,36 @@ def project(args: argparse.Namespace, processes: int, cuda: bool, out: Path, pip
                "trainer.limit_val_batches=1", "trainer.num_sanity_val_steps=0", "test=false",
                f"callbacks.throughput_record.warmup_steps={args.warmup}", f"data.pipeline={pipeline}",
                f"hydra.run.dir={run_dir}"]
-    command += ["trainer.precision=bf16-mixed", "model.channels_last=true"] if cuda else ["trainer.accelerator=cpu"]
+    command += [] if cuda else ["trainer.accelerator=cpu"]  # precision, channels_last: the defaults (auto)
     command += ["model.compile=true"] if args.compile else []
     started = run(command, out / f"project-{processes}-{pipeline}.log", args.timeout)
     record = json.loads((run_dir / "throughput.json").read_text())
     assert record["steps_measured"] == args.steps, record
+    chosen = auto_choice(cuda)
+    assert (record["precision"], record["channels_last"]) == (chosen.precision, chosen.channels_last), record
     return {"images_per_second": record["samples_per_second"], "launch_s": record["first_step_at"] - started}
 
 
-def bare(args: argparse.Namespace, processes: int, cuda: bool, out: Path) -> dict[str, float]:
-    result = out / f"bare-{processes}.json"
+def auto_choice(cuda: bool):
+    """What the project's trainer.precision=auto and model.channels_last=auto pick on this machine."""
+    from src.fast_path import fast_path
+
+    return fast_path("cuda" if cuda else "cpu")
+
+
+def bare(args: argparse.Namespace, processes: int, cuda: bool, out: Path, defaults: bool = False) -> dict[str, float]:
+    """The bare loop with the project's number format, or (``defaults``) with its own: fp32, contiguous."""
+    name = f"bare-{processes}{'-defaults' if defaults else ''}"
+    result = out / f"{name}.json"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}",
                str(ROOT / "benchmarks" / "bare_ddp.py"), f"--arch={args.arch}", f"--batch-size={args.batch_size}",
                f"--steps={args.steps}", f"--warmup={args.warmup}", f"--images={images_needed(args, processes)}",
                f"--out={result}"]
-    command += ["--bf16", "--channels-last"] if cuda else []
-    started = run(command, out / f"bare-{processes}.log", args.timeout)
+    chosen = auto_choice(cuda)
+    if not defaults:
+        command += ["--bf16"] if chosen.precision == "bf16-mixed" else []
+        command += ["--channels-last"] if chosen.channels_last else []
+    started = run(command, out / f"{name}.log", args.timeout)
     record = json.loads(result.read_text())
     return {"images_per_second": record["images_per_second"], "launch_s": record["first_step_at"] - started}
 
@@ -106,6 +124,10 @@ def main() -> int:
     args = parser.parse_args()
     backend = "nccl" if cuda else "gloo"
     pipelines = args.pipelines.split(",")
+    chosen = auto_choice(cuda)
+    # the bare loop's own defaults differ from the project's choice: measure them too, at the first world size
+    bare_defaults_differ = chosen.precision != "32-true" or chosen.channels_last
+    first = int(args.processes.split(",")[0])
     results: dict[tuple[int, str], list[dict[str, float]]] = {}
     for repeat in range(args.repeats):  # interleaved, so a slow minute of the machine hits both sides alike
         out = args.out / f"run{repeat}"
@@ -113,16 +135,22 @@ def main() -> int:
             runs = [("bare", lambda: bare(args, processes, cuda, out))]
             runs += [(pipeline, lambda pipeline=pipeline: project(args, processes, cuda, out, pipeline))
                      for pipeline in pipelines]
+            if bare_defaults_differ and processes == first:
+                runs.append(("bare-defaults", lambda: bare(args, processes, cuda, out, defaults=True)))
             for name, measure in runs if (i + repeat) % 2 == 0 else runs[::-1]:
                 results.setdefault((processes, name), []).append(measure())
     best = {key: max(r["images_per_second"] for r in runs) for key, runs in results.items()}
 
+    fmt = f"{chosen.precision}, {'channels-last' if chosen.channels_last else 'contiguous'}"
     print(f"\n{args.arch} (CIFAR stem), batch {args.batch_size} per process, {args.steps} steps timed after "
-          f"{args.warmup} warm-up steps, best of {args.repeats} interleaved runs, {backend}, {device}\n")
+          f"{args.warmup} warm-up steps, best of {args.repeats} interleaved runs, {backend}, {device}; "
+          f"number format: {fmt} ({chosen.why})\n")
     print("| processes | run | img/s (best) | img/s (all runs) | vs bare | launch s (best) |")
     print("|---:|---|---:|---|---:|---:|")
     for (processes, name), runs in results.items():
-        label = "bare DDP loop (DataLoader)" if name == "bare" else f"project, data.pipeline={name}"
+        label = {"bare": f"bare DDP loop (DataLoader), {fmt}",
+                 "bare-defaults": "bare DDP loop (DataLoader), its defaults: 32-true, contiguous"}.get(
+            name, f"project, data.pipeline={name}, defaults")
         every = ", ".join(f"{r['images_per_second']:.1f}" for r in runs)
         print(f"| {processes} | {label} | {best[processes, name]:.1f} | {every} "
               f"| {best[processes, name] / best[processes, 'bare']:.3f} | {min(r['launch_s'] for r in runs):.1f} |")
@@ -130,7 +158,11 @@ def main() -> int:
     processes = min(ratios, key=ratios.get)
     mine, theirs = best[processes, pipelines[0]], best[processes, "bare"]
     print(f"\nproject/bare throughput ratio: {ratios[processes]:.3f} (project {mine:.1f} img/s, bare {theirs:.1f} img/s, "
-          f"{device}, {processes} process{'es' if processes > 1 else ''}, {backend})")
+          f"both {fmt}, {device}, {processes} process{'es' if processes > 1 else ''}, {backend})")
+    theirs_own = best[first, "bare-defaults" if bare_defaults_differ else "bare"]
+    print(f"what a user gets: project defaults / bare loop defaults: {best[first, pipelines[0]] / theirs_own:.3f} "
+          f"(project {best[first, pipelines[0]]:.1f} img/s with {fmt}, bare {theirs_own:.1f} img/s with 32-true, "
+          f"contiguous, {device}, {first} process{'es' if first > 1 else ''}, {backend})")
     return 0
 
 

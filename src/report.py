@@ -150,6 +150,29 @@ def _markdown(jobs: list[Job], series: dict[str, list[Job]]) -> str:
     return "\n".join(lines)
 
 
+def plot_title(finished: list[Job]) -> str:
+    """What every plotted job shared: network, devices and their count, backend, precision, per-device batch.
+
+    A setting the jobs differ in is left out here: the series (the legend) are named by it.
+    """
+    def common(key: str) -> str | None:
+        values = {str(j.record[key]) for j in finished if j.record.get(key) is not None}
+        return values.pop() if len(values) == 1 else None
+
+    if not finished:
+        return "no job finished"
+    worlds = sorted({j.record["world_size"] for j in finished})
+    nodes = sorted({j.record["num_nodes"] for j in finished})
+    span = "–".join(str(w) for w in dict.fromkeys((worlds[0], worlds[-1])))
+    device = common("device_name") or "mixed devices"
+    where = f"{span} x {device}" if common("accelerator") == "cuda" else f"{span} processes on {device}"
+    if nodes[-1] > 1:
+        where += f", {'–'.join(str(n) for n in dict.fromkeys((nodes[0], nodes[-1])))} nodes"
+    batch = common("per_device_batch_size")
+    parts = [common("arch"), where, common("backend"), common("precision"), batch and f"batch {batch} per device"]
+    return " · ".join(p for p in parts if p)
+
+
 def _plot(series: dict[str, list[Job]], path: Path) -> None:
     import matplotlib
 
@@ -160,10 +183,13 @@ def _plot(series: dict[str, list[Job]], path: Path) -> None:
     for name, members in series.items():
         ws = [j.record["world_size"] for j in members]
         tp = [j.record["samples_per_second"] for j in members]
-        line, = ax_tp.plot(ws, tp, "o-", label=name)
+        label = "measured" if len(series) == 1 else name  # one series: nothing but the world size differs
+        line, = ax_tp.plot(ws, tp, "o-", label=label)
         ax_tp.plot(ws, [tp[0] * w / ws[0] for w in ws], "--", color=line.get_color(), alpha=0.5,
-                   label=f"ideal linear ({name})")
-        ax_eff.plot(ws, [100 * j.derived["efficiency"] for j in members], "o-", color=line.get_color(), label=name)
+                   label="ideal linear" if len(series) == 1 else f"ideal linear ({name})")
+        ax_eff.plot(ws, [100 * j.derived["efficiency"] for j in members], "o-", color=line.get_color(), label=label)
+    title = plot_title([j for members in series.values() for j in members])
+    fig.suptitle(title, fontsize=10)
     ax_tp.set(xlabel="world size (processes)", ylabel="samples/s (global)", title="Throughput")
     ax_eff.set(xlabel="world size (processes)", ylabel="efficiency (%)", title="Scaling efficiency", ylim=(0, 110))
     ax_eff.axhline(100, ls="--", color="grey", alpha=0.5)
@@ -173,7 +199,8 @@ def _plot(series: dict[str, list[Job]], path: Path) -> None:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    legend = [text.get_text() for text in ax_tp.get_legend().get_texts()] if ax_tp.get_legend() else []
+    fig.savefig(path, dpi=110, metadata={"Title": title, "Description": "series: " + "; ".join(legend)})
     plt.close(fig)
 
 

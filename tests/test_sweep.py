@@ -9,6 +9,7 @@ from pathlib import Path
 
 import matplotlib.image
 import pytest
+from PIL import Image
 
 from src.report import load_jobs, scaling_mode, write_report
 from tests.conftest import FAST, ROOT, output, run_module, train
@@ -50,6 +51,11 @@ def test_device_sweep_runs_each_job_with_exactly_its_processes_and_reports(strat
     assert float(rows[0]["speedup"]) == 1.0 and float(rows[1]["speedup"]) > 0
     assert "weak scaling" in (sweep_dir / "scaling.md").read_text()
     assert matplotlib.image.imread(sweep_dir / "scaling.png").shape[2] in (3, 4)
+    picture = Image.open(sweep_dir / "scaling.png").text  # the title and legend, as the PNG carries them
+    precision = json.loads((job_dirs(sweep_dir)[0] / "throughput.json").read_text())["precision"]
+    assert picture["Title"].startswith("resnet18 · 1–2 processes on ")
+    assert picture["Title"].endswith(f" · gloo · {precision} · batch 4 per device")
+    assert picture["Description"] == "series: measured; ideal linear"
     assert_no_process_mentions(str(sweep_dir))
 
 
@@ -86,7 +92,7 @@ def fake_job(sweep: Path, num: int, overrides: list[str], world: int, per_device
     (job / ".hydra").mkdir(parents=True)
     (job / ".hydra" / "overrides.yaml").write_text("".join(f"- {o}\n" for o in overrides))
     record = {"num_nodes": 1, "devices": world, "world_size": world, "strategy": "ddp", "backend": "nccl",
-              "precision": "bf16-mixed", "device_name": "GPU", "hosts": ["n1"], "per_device_batch_size": per_device,
+              "precision": "bf16-mixed", "device_name": "GPU", "accelerator": "cuda", "arch": "resnet50", "hosts": ["n1"], "per_device_batch_size": per_device,
               "global_batch_size": per_device * world, "samples_per_second": rate,
               "samples_per_second_per_device": rate / world, "step_time_s": 0.1, "epoch_time_s": 1.0,
               "peak_memory_mb": 1.0, "pids": list(range(world))}
@@ -105,6 +111,10 @@ def test_report_computes_speedup_and_efficiency_per_series_and_names_the_scaling
     assert rows["1"]["series"] == "data.batch_size=64"
     md = (tmp_path / "scaling.md").read_text()
     assert "## data.batch_size=64: weak scaling" in md and "| 1 | 1 | 4 | 4 | 256 | 3,000.0 | 750.0 | 3.00x | 75% |" in md
+    picture = Image.open(tmp_path / "scaling.png").text
+    assert picture["Title"] == "resnet50 · 1–4 x GPU · nccl · bf16-mixed"  # the batch differs: the legend names it
+    assert picture["Description"] == ("series: data.batch_size=64; ideal linear (data.batch_size=64); "
+                                      "data.batch_size=128; ideal linear (data.batch_size=128)")
 
 
 def test_report_recognises_strong_scaling(tmp_path):
