@@ -40,7 +40,8 @@ def main(cfg: DictConfig) -> dict[str, float]:
     metrics = {k: float(v) for k, v in trainer.test(model, datamodule=datamodule, verbose=False)[0].items()}
     if trainer.is_global_zero:
         Path(cfg.paths.output_dir, "test_metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
-        log.info(test_summary(metrics, f"{describe_checkpoint(path, checkpoint)}, {model.hparams.arch}", datamodule))
+        log.info(test_summary(metrics, f"{describe_checkpoint(path, checkpoint)}, {model.hparams.arch}", trainer,
+                              datamodule))
     return metrics
 
 

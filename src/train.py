@@ -47,7 +47,7 @@ def main(cfg: DictConfig) -> float | None:
         metrics = trainer.test(model, datamodule=datamodule, ckpt_path=best, weights_only=True, verbose=False)[0]
         if trainer.is_global_zero:
             weights = describe_checkpoint(best) if best else "the final weights (no best checkpoint kept)"
-            log.info(test_summary(metrics, weights, datamodule))
+            log.info(test_summary(metrics, weights, trainer, datamodule))
     score = getattr(trainer.checkpoint_callback, "best_model_score", None)
     return None if score is None else float(score)
 

@@ -94,10 +94,16 @@ def record_config(cfg: DictConfig, trainer: L.Trainer) -> None:
         logger.log_hyperparams(resolved)
 
 
-def test_summary(metrics: dict[str, float], weights: str, datamodule: L.LightningDataModule) -> str:
+def test_summary(metrics: dict[str, float], weights: str, trainer: L.Trainer,
+                 datamodule: L.LightningDataModule) -> str:
     """The one line a test ends with, from src.train and src.eval alike: what accuracy, which weights, which images."""
     test_set = getattr(datamodule, "test_set", None)
-    images = f"{len(test_set)} test images" if test_set is not None else "the test set"
+    images = "the test set"
+    if test_set is not None:
+        # trainer.limit_test_batches may have cut the test short: count the images the ranks' batches held
+        tested = sum(trainer.num_test_batches) * getattr(datamodule, "batch_size", len(test_set)) * trainer.world_size
+        images = f"{min(tested, len(test_set))} test images"
+        images += "" if tested >= len(test_set) else f" (of {len(test_set)}: trainer.limit_test_batches)"
     try:
         from hydra.core.hydra_config import HydraConfig
 

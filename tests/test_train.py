@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import json
 import time
 from pathlib import Path
@@ -106,8 +107,9 @@ def test_eval_reports_test_loss_and_accuracy_of_a_checkpoint(single_run, tmp_pat
 def test_two_processes_train_into_one_run_dir_and_rank_zero_writes_the_one_checkpoint(strategy, tmp_path):
     run_dir = tmp_path / "run"
     # an epoch shorter than log_every_n_steps (Lightning's 50): no value per step, yet the epoch's loss is there
+    logger = "many" if strategy == "ddp" else "tensorboard"  # many: TensorBoard and metrics.csv
     result = train(*FAST, f"strategy={strategy}", "trainer.devices=2", "trainer.log_every_n_steps=50",
-                   f"hydra.run.dir={run_dir}")
+                   f"logger={logger}", f"hydra.run.dir={run_dir}")
     assert_ok(result)
     assert f"world size 2 | strategy {strategy} | backend gloo" in output(result)
     for noise in ("`weights_only` was not set", "The `srun` command is available", "LeafSpec", "GPU available",
@@ -122,6 +124,18 @@ def test_two_processes_train_into_one_run_dir_and_rank_zero_writes_the_one_check
     assert "train/loss" not in found and len(found["train/loss_epoch"]) == 1 and found["train/loss_epoch"][0].value > 0
     if strategy == "ddp":  # local rank 1 re-entered src.train and logged into the same dir
         assert (run_dir / "train_node0_local1.log").is_file()
+        rows = list(csv.DictReader((run_dir / "metrics.csv").open()))  # only rank zero wrote it
+        assert [float(r["train/loss_epoch"]) for r in rows if r.get("train/loss_epoch")] == pytest.approx(
+            [found["train/loss_epoch"][0].value])
+
+
+def test_logger_csv_writes_metrics_csv_in_the_run_dir_with_every_epochs_training_loss(tmp_path):
+    result = train(*FAST, "trainer.max_epochs=2", "logger=csv", f"hydra.run.dir={tmp_path}")
+    assert_ok(result)
+    rows = list(csv.DictReader((tmp_path / "metrics.csv").open()))
+    assert [int(r["epoch"]) for r in rows if r["train/loss_epoch"]] == [0, 1]
+    assert [int(r["step"]) for r in rows if r["train/loss"]] == [0, 1, 2, 3]  # log_every_n_steps=1: each step
+    assert any(r["test/acc"] for r in rows) and not (tmp_path / "tensorboard").exists()
 
 
 def test_two_nodes_of_one_process_each_over_loopback(tmp_path):
