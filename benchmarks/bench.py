@@ -141,7 +141,7 @@ def main() -> int:
                 results.setdefault((processes, name), []).append(measure())
     best = {key: max(r["images_per_second"] for r in runs) for key, runs in results.items()}
 
-    fmt = f"{chosen.precision}, {'channels-last' if chosen.channels_last else 'contiguous'}"
+    fmt = chosen.label
     print(f"\n{args.arch} (CIFAR stem), batch {args.batch_size} per process, {args.steps} steps timed after "
           f"{args.warmup} warm-up steps, best of {args.repeats} interleaved runs, {backend}, {device}; "
           f"number format: {fmt} ({chosen.why})\n")

@@ -91,7 +91,7 @@ def main() -> int:
         print(f"| {variant} | {record['precision']} | {layout} | {best[variant]:.1f} | {every} "
               f"| {best[variant] / best['fp32']:.2f} |")
     if "defaults" in best:
-        print(f"\ndefaults ({auto.precision}, {'channels-last' if auto.channels_last else 'contiguous'}: {auto.why}) "
+        print(f"\ndefaults ({auto.label}: {auto.why}) "
               f"/ fp32 contiguous: {best['defaults'] / best['fp32']:.2f}x "
               f"({best['defaults']:.1f} vs {best['fp32']:.1f} img/s, {device_name(torch.device('cpu'))})")
     return 0

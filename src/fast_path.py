@@ -26,6 +26,11 @@ class FastPath:
     channels_last: bool
     why: str              # one clause for the run line
 
+    @property
+    def label(self) -> str:
+        """'bf16-mixed, channels-last': how the run lines, benchmarks and reports name this choice."""
+        return f"{self.precision}, {'channels-last' if self.channels_last else 'contiguous'}"
+
 
 def cpu_bf16_isa() -> str | None:
     """'AMX' or 'AVX512_BF16' where the CPU computes in bf16 natively, else None."""

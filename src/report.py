@@ -161,13 +161,16 @@ def plot_title(finished: list[Job]) -> str:
 
     if not finished:
         return "no job finished"
-    worlds = sorted({j.record["world_size"] for j in finished})
-    nodes = sorted({j.record["num_nodes"] for j in finished})
-    span = "–".join(str(w) for w in dict.fromkeys((worlds[0], worlds[-1])))
+    def span(key: str) -> tuple[str, int]:  # ('1–8', 8), or ('2', 2) where every job had the same
+        values = sorted({j.record[key] for j in finished})
+        return "–".join(str(v) for v in dict.fromkeys((values[0], values[-1]))), values[-1]
+
+    worlds, _ = span("world_size")
+    nodes, most_nodes = span("num_nodes")
     device = common("device_name") or "mixed devices"
-    where = f"{span} x {device}" if common("accelerator") == "cuda" else f"{span} processes on {device}"
-    if nodes[-1] > 1:
-        where += f", {'–'.join(str(n) for n in dict.fromkeys((nodes[0], nodes[-1])))} nodes"
+    where = f"{worlds} x {device}" if common("accelerator") == "cuda" else f"{worlds} processes on {device}"
+    if most_nodes > 1:
+        where += f", {nodes} nodes"
     batch = common("per_device_batch_size")
     parts = [common("arch"), where, common("backend"), common("precision"), batch and f"batch {batch} per device"]
     return " · ".join(p for p in parts if p)

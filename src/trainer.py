@@ -11,7 +11,7 @@ from hydra.utils import instantiate
 from lightning.fabric.plugins.environments import SLURMEnvironment
 from omegaconf import DictConfig, OmegaConf
 
-from src.checkpoints import AtomicCheckpointIO
+from src.checkpoints import AtomicCheckpointIO, read_checkpoint
 from src.console import quiet_console, quiet_dependencies
 from src.fast_path import fast_path
 from src.launch import is_launch_rank_zero, uses_cuda
@@ -117,6 +117,6 @@ def test_summary(metrics: dict[str, float], weights: str, trainer: L.Trainer,
 def describe_checkpoint(path: str | Path, checkpoint: dict | None = None) -> str:
     """'DIR/checkpoints/best-epoch001-acc0.7031.ckpt (epoch 1, step 28)'."""
     if checkpoint is None:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        checkpoint = read_checkpoint(path)
     return f"{path} (epoch {checkpoint.get('epoch', '?')}, step {checkpoint.get('global_step', '?')})"
 

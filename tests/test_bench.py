@@ -20,7 +20,7 @@ def test_the_benchmark_compares_the_project_with_the_bare_loop_and_ends_with_the
     lines = result.stdout.strip().splitlines()
     rows = {line.split(" | ")[1]: line.strip("| ").split(" | ") for line in lines if line.startswith("| 1 |")}
     chosen = fast_path("cpu")  # the project's defaults here; the bare loop is given the same
-    fmt = f"{chosen.precision}, {'channels-last' if chosen.channels_last else 'contiguous'}"
+    fmt = chosen.label
     own_defaults = {"bare DDP loop (DataLoader), its defaults: 32-true, contiguous"} if fmt != "32-true, contiguous" else set()
     assert set(rows) == {f"bare DDP loop (DataLoader), {fmt}", "project, data.pipeline=device, defaults",
                          "project, data.pipeline=dataloader, defaults", *own_defaults}
