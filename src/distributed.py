@@ -19,11 +19,12 @@ from datetime import timedelta
 from typing import Any, Callable
 
 import torch
+from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
-from src import launch, supervision
+from src import launch, supervision, torchrun
 from src.entry import describe
 from src.errors import UserError
 
@@ -94,7 +95,9 @@ class HydraDDPStrategy(DDPStrategy):
         if launcher_pid is not None:  # a started rank: it must not outlive the process that started it
             supervision.watch_launcher(self.node_rank * self.num_processes + self.local_rank, launcher_pid)
         try:
-            super().setup_distributed()
+            if torchrun.active() and not torch.distributed.is_initialized():  # fit forms it; test reuses it
+                self._init_attempt_group()
+            super().setup_distributed()  # Lightning's own: it leaves a process group that exists as it is
             # from here on, a failure of any rank stops every rank of the run, on every node
             supervision.watch_failures(self.global_rank, self.node_rank, self.local_rank, self.world_size,
                                        in_sweep=launch.in_sweep())
@@ -107,6 +110,19 @@ class HydraDDPStrategy(DDPStrategy):
                 "MASTER_PORT and trainer.num_nodes, check the address is reachable, "
                 f"or raise strategy.timeout_s ({type(err).__name__})"
             ) from err
+
+
+    def _init_attempt_group(self) -> None:
+        """Under torchrun: form the process group on this attempt's own keys (src/torchrun.py says why)."""
+        self.set_world_ranks()
+        store = torchrun.attempt_store(self.global_rank, self.world_size, self._timeout)
+        if store is None:
+            return
+        backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
+        torch.distributed.init_process_group(backend, rank=self.global_rank, world_size=self.world_size, store=store,
+                                             timeout=self._timeout,
+                                             device_id=self.root_device if self.root_device.type != "cpu" else None)
+        torchrun.group_formed()
 
 
 class HydraJobLauncher(_SubprocessScriptLauncher):

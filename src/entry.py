@@ -19,7 +19,7 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable
 
-from src import launch, supervision
+from src import launch, supervision, torchrun
 from src.errors import (EXIT_FAILED, EXIT_USER_ERROR, FAILURE_FILE, USER_FULL_ERROR, UserError, hydra_error_message,
                         one_line, report, storage_error_in, user_error_in, wants_traceback)
 
@@ -60,6 +60,7 @@ def handle_errors(task: Callable[..., Any]) -> Callable[..., Any]:
         threading.excepthook = _quiet_storage_errors
         try:
             check_group_choices()
+            torchrun.adopt(cfg, overridden_keys())  # under torchrun: its process counts; a restart resumes
             _resolve_all(cfg)
             result = task(cfg)
         except Exception as err:  # noqa: BLE001 - every failure ends the run the same way
@@ -177,6 +178,15 @@ def check_group_choices() -> None:
         if option not in options:
             raise UserError(f"{group}={option} is not an option of config group {group}: "
                             f"choose one of {', '.join(options)}")
+
+
+def overridden_keys() -> set[str]:
+    """The config keys set on the command line (``trainer.devices=2``, ``+x=1``, ``~y``)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return set()
+    return {o.split("=", 1)[0].lstrip("+~") for o in HydraConfig.get().overrides.task}
 
 
 def _resolve_all(cfg: Any) -> None:

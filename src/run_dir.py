@@ -26,6 +26,7 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, read_write
 
+from src import torchrun
 from src.errors import report, unwritable_run_dir
 from src.launch import is_launch_rank_zero
 
@@ -39,6 +40,9 @@ class RunDirLock(Callback):
     """Hydra callback: hold ``hydra.run.dir`` (``hydra.sweep.dir`` for ``-m``) before the run writes into it."""
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        if torchrun.active() and _timestamped(config.hydra.run):  # every worker: one dir per rendezvous id
+            with read_write(config.hydra):
+                config.hydra.run.dir = str(torchrun.run_dir_for(Path(str(config.hydra.run.dir))))
         if is_launch_rank_zero():
             hold(config, "run")
 
@@ -50,7 +54,7 @@ def hold(config: DictConfig, kind: str) -> Path:
     """Create (or claim, if timestamped) the ``hydra.<kind>.dir`` and lock it; refuse it if another run holds it."""
     node = config.hydra[kind]
     path = Path(str(node.dir))
-    if "${now:" in str(OmegaConf.to_container(node, resolve=False)["dir"]):
+    if _timestamped(node):
         path = _claim_fresh(path)
         with read_write(config.hydra):
             node.dir = str(path)
@@ -63,6 +67,11 @@ def hold(config: DictConfig, kind: str) -> Path:
             report(unwritable_run_dir(err))
     lock_run_dir(path, kind)
     return path
+
+
+def _timestamped(node: DictConfig) -> bool:
+    """Whether ``hydra.run`` / ``hydra.sweep`` still has the default, timestamped dir."""
+    return "${now:" in str(OmegaConf.to_container(node, resolve=False)["dir"])
 
 
 def _claim_fresh(path: Path) -> Path:

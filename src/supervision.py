@@ -150,13 +150,13 @@ def watch_children(procs: Sequence[subprocess.Popen], ranks: Sequence[int], exit
     return thread
 
 
-_launcher: tuple[int, int] | None = None  # (this rank, the pid of the process that started it)
+_launcher: tuple[int, int, str] | None = None  # (this rank, the pid of the process that started it, what it is)
 
 
-def watch_launcher(rank: int, launcher_pid: int) -> threading.Thread:
+def watch_launcher(rank: int, launcher_pid: int, what: str = "the process that launched it") -> threading.Thread:
     """In a started rank: when the process that launched it is gone, report and exit."""
     global _launcher
-    _launcher = (rank, launcher_pid)
+    _launcher = (rank, launcher_pid, what)
 
     def watch() -> None:
         while os.getppid() == launcher_pid:
@@ -168,18 +168,23 @@ def watch_launcher(rank: int, launcher_pid: int) -> threading.Thread:
     return thread
 
 
+def external_launcher() -> bool:
+    """Whether torchrun's agent started this rank (it reports a dead worker in its own words, not ours)."""
+    return "TORCHELASTIC_RUN_ID" in os.environ
+
+
 def launcher_gone() -> str | None:
     """'rank 1: its launching process (pid 123) died; ...' once the process that started this rank is gone."""
     if _launcher is None or os.getppid() == _launcher[1]:
         return None
-    rank, pid = _launcher
-    return f"rank {rank}: the process that launched it (pid {pid}) died; this rank stopped too"
+    rank, pid, what = _launcher
+    return f"rank {rank}: {what} (pid {pid}) died; this rank stopped too"
 
 
 class FailureRecord:
     """The run's first failure, in its rendezvous store, where every rank of every node polls for it.
 
-    Keys are prefixed per torchrun attempt: its agent keeps one store across restarts.
+    Keys are prefixed per torchrun attempt (src/torchrun.py): its agent keeps one store across restarts.
     """
 
     def __init__(self, rank: int, node_rank: int, local_rank: int, world_size: int, in_sweep: bool) -> None:
@@ -187,7 +192,9 @@ class FailureRecord:
 
         self.rank, self.node_rank, self.local_rank, self.world_size = rank, node_rank, local_rank, world_size
         self.in_sweep = in_sweep
-        self._prefix = f"cifar10_ddp/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+        from src.torchrun import attempt_prefix
+
+        self._prefix = attempt_prefix() + "failure/"
         self._store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                                     timeout=timedelta(seconds=30), wait_for_workers=False)
         self._lock = threading.Lock()  # one store call at a time, and none once closed
@@ -365,10 +372,12 @@ def explain(err: BaseException) -> tuple[str | None, int] | None:
             gone = launcher_gone()
             if gone is not None:
                 return gone, EXIT_FAILED
-            if _launcher is not None:  # it watches every rank of this node and tells which one died
+            if _launcher is not None and not external_launcher():  # it watches this node's ranks and tells which died
                 return None, EXIT_FAILED
+            then = ("torchrun restarts the group from last.ckpt while --max-restarts allows" if external_launcher()
+                    else "see its log, then resume with ckpt_path=last")
             return (f"the process group broke ({_first_sentence(err)}): another rank has probably died or lost "
-                    "the network; see its log, then resume with ckpt_path=last"), EXIT_FAILED
+                    f"the network; {then}"), EXIT_FAILED
         err = err.__cause__ or err.__context__
     return None
 

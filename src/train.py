@@ -8,10 +8,12 @@ inside ``main``, after this process has started its local ranks, so they load th
 from __future__ import annotations
 
 import logging
+import os
 
 import hydra
 from omegaconf import DictConfig
 
+from src import torchrun
 from src.entry import handle_errors, run
 from src.launch import is_launch_rank_zero, start_local_ranks
 
@@ -36,7 +38,13 @@ def main(cfg: DictConfig) -> float | None:
     ckpt_path, checkpoint = resume_from(cfg.ckpt_path, cfg.paths.output_dir, trusted=cfg.ckpt_trusted)
     if checkpoint is not None:  # a wrong file fails here in one line, before the ranks meet
         check_compatible(checkpoint, ckpt_path, model.hparams)
-        del checkpoint  # Lightning loads it again on every rank
+    if torchrun.active():  # a restart says where it resumes; at another world size, the global batch stays
+        for line in (torchrun.restart_line(ckpt_path, checkpoint, cfg.paths.output_dir),
+                     torchrun.keep_global_batch(checkpoint, datamodule, int(os.environ["WORLD_SIZE"]),
+                                                cfg.trainer.accumulate_grad_batches)):
+            if line and is_launch_rank_zero():
+                log.info(line)
+    del checkpoint  # Lightning loads it again on every rank
     trainer = build_trainer(cfg)
     record_config(cfg, trainer)
     if is_launch_rank_zero():

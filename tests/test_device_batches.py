@@ -124,3 +124,35 @@ def test_a_restored_position_continues_with_the_next_batch_of_the_same_epoch():
     assert len(rest) == len(full) - 3
     assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(rest, full[3:]))
     assert len(list(resumed)) == len(full)  # the next pass is a whole epoch again
+
+
+@pytest.mark.parametrize("before, after", [((2, 4), (1, 8)), ((1, 8), (2, 4)), ((2, 4), (1, 4))])
+def test_resumed_at_another_world_size_the_epoch_goes_on_with_the_images_not_yet_trained_on(before, after):
+    """torchrun --nnodes=MIN:MAX: an epoch begun by one world and finished by another trains every image once."""
+    images = torch.randint(0, 256, (96, 3, 8, 8), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    labels = torch.arange(96)  # the label names the image
+
+    def world(size: int, batch: int) -> list[DeviceBatches]:
+        return [DeviceBatches(images, labels, batch, device=CPU, rank=r, world_size=size, seed=3, shuffle=True,
+                              drop_last=True, epoch_of=lambda: 0) for r in range(size)]
+
+    (old_size, old_batch), (new_size, new_batch) = before, after
+    old, steps = world(old_size, old_batch), 5
+    trained = []
+    for ranks in old:
+        for _, (_, batch_labels) in zip(range(steps), ranks):
+            ranks.mark_consumed()
+            trained += batch_labels.tolist()
+    new = world(new_size, new_batch)
+    for ranks in new:
+        ranks.resume_from(old[0].position())  # every rank resumes from rank zero's checkpoint
+    rest = [list(ranks) for ranks in new]
+    assert len({len(r) for r in rest}) == 1  # the new ranks step together
+    trained += [label for r in rest for _, batch_labels in r for label in batch_labels.tolist()]
+    assert sorted(trained) == list(range(96))  # every image of the epoch once, none twice
+    if old_size * old_batch == new_size * new_batch:  # the global batch kept: the trainer's batch count goes on
+        assert new[0].consumed == steps and steps + len(rest[0]) == len(new[0])
+        position = new[0].position()
+        again = world(new_size, new_batch)[0]
+        again.resume_from(position)  # resumed once more, at the same world: the same continuation
+        assert [b.tolist() for _, b in again] == [b.tolist() for _, b in rest[0]]

@@ -101,7 +101,7 @@ def test_sigterm_stops_every_rank_at_one_step_with_a_checkpoint_and_exit_code_14
     step = int(stopped[0].split("after step ")[1].split(":")[0])
     last = torch.load(tmp_path / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
     assert last["global_step"] == step > 2  # the step every rank stopped at, mid-epoch
-    assert last["epoch"] == 0 and last["SyntheticDataModule"]["train_position"] == {"epoch": 0, "consumed": step}
+    assert last["epoch"] == 0 and last["SyntheticDataModule"]["train_position"].items() >= {"epoch": 0, "consumed": step}.items()
     assert f"resume with ckpt_path={tmp_path}/checkpoints/last.ckpt" in stopped[0]
     assert "Traceback" not in out
 

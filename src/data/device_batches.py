@@ -31,6 +31,21 @@ def shard_indices(n: int, rank: int, world_size: int, epoch: int, seed: int, shu
     return order[rank:total:world_size]
 
 
+def remaining_shard(n: int, trained: int, rank: int, world_size: int, epoch: int, seed: int, shuffle: bool
+                    ) -> torch.Tensor:
+    """This rank's share of the images of ``epoch`` after its first ``trained`` (in the epoch's order), for a run
+    that resumed at another world size: the order the sampler's interleaving gave every rank, cut after the
+    images trained on and split over the new world the same way."""
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch)) if shuffle else torch.arange(n)
+    rest = order[min(trained, n):]
+    if len(rest) == 0:
+        return rest
+    total = math.ceil(len(rest) / world_size) * world_size
+    if total > len(rest):
+        rest = torch.cat([rest] * math.ceil(total / len(rest)))[:total]
+    return rest[rank:total:world_size]
+
+
 def crop_and_flip_params(n: int, epoch: int, seed: int, padding: int) -> torch.Tensor:
     """Per image of the dataset: (row offset, column offset, flip) for ``epoch``; offsets in [0, 2*padding]."""
     g = torch.Generator().manual_seed(seed * 1_000_003 + epoch * 2 + 1)  # a stream apart from the shuffle's
@@ -64,26 +79,41 @@ class DeviceBatches:
         self.scale = (1.0 / (255.0 * std)).to(device)  # (x / 255 - mean) / std == x * scale + shift
         self.shift = (-mean / std).to(device)
         self.per_rank = math.ceil(self.num_images / world_size)
-        self.epoch, self.consumed, self._resume_at = -1, 0, None
+        self.epoch, self.consumed, self.base = -1, 0, 0
+        self._resume_at: dict[str, int] | None = None
 
     def __len__(self) -> int:
         return self.per_rank // self.batch_size if self.drop_last else math.ceil(self.per_rank / self.batch_size)
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         epoch = self.epoch_of()
-        start = 0
-        if self._resume_at is not None and self._resume_at[0] == epoch:
-            start = self._resume_at[1]
-        self._resume_at = None
-        self.epoch, self.consumed = epoch, start
-        indices = shard_indices(self.num_images, self.rank, self.world_size, epoch, self.seed, self.shuffle)
+        base, start = 0, 0  # images of the epoch trained on before this pass; the batch count it starts at
+        at, self._resume_at = self._resume_at, None
+        if at is not None and at["epoch"] == epoch:
+            base, start = self._continue_from(at)
+        self.epoch, self.consumed, self.base = epoch, start, base
+        if base == 0:
+            indices = shard_indices(self.num_images, self.rank, self.world_size, epoch, self.seed, self.shuffle)
+        else:
+            indices = remaining_shard(self.num_images, base, self.rank, self.world_size, epoch, self.seed, self.shuffle)
         indices = indices.to(self.device)
         params = None
         if self.augment:
             params = crop_and_flip_params(self.num_images, epoch, self.seed, self.padding).to(self.device)
-        for b in range(start, len(self)):
+        first = start - base // (self.batch_size * self.world_size)  # this pass's own batch numbering
+        available = len(indices) // self.batch_size if self.drop_last else math.ceil(len(indices) / self.batch_size)
+        for b in range(first, min(available, first + len(self) - start)):
             batch = indices[b * self.batch_size:(b + 1) * self.batch_size]
             yield self._gather(batch, params), self.labels[batch]
+
+    def _continue_from(self, at: dict[str, int]) -> tuple[int, int]:
+        """(base, first batch count) for resuming at ``at``: the same batches at the same world size and batch;
+        else the images not yet trained on, split over this world (the global batch count goes on)."""
+        world, batch, base = at.get("world_size", self.world_size), at.get("batch_size", self.batch_size), at.get("base", 0)
+        if (world, batch) == (self.world_size, self.batch_size):
+            return base, at["consumed"]
+        trained = base + (at["consumed"] - base // (batch * world)) * batch * world
+        return trained, trained // (self.batch_size * self.world_size)
 
     def _gather(self, batch: torch.Tensor, params: torch.Tensor | None) -> torch.Tensor:
         h, w = self.image_size
@@ -104,9 +134,11 @@ class DeviceBatches:
         self.consumed += 1
 
     def position(self) -> dict[str, int]:
-        """Epoch and batches trained on in it."""
-        return {"epoch": self.epoch, "consumed": self.consumed}
+        """Epoch, batches trained on in it (the trainer's count), and what they mean: the world size and batch
+        they were cut for, and the images trained on before this world took over (``base``)."""
+        return {"epoch": self.epoch, "consumed": self.consumed, "world_size": self.world_size,
+                "batch_size": self.batch_size, "base": self.base}
 
     def resume_from(self, position: dict[str, int]) -> None:
-        """Make the next pass over ``position["epoch"]`` start after its first ``consumed`` batches."""
-        self._resume_at = (position["epoch"], position["consumed"])
+        """Make the next pass over ``position["epoch"]`` continue after what ``position`` says was trained on."""
+        self._resume_at = dict(position)

@@ -143,7 +143,10 @@ class ImageClassifier(L.LightningModule):
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # Every rank builds this dict; only rank zero's reaches the disk, which the tests check.
-        checkpoint["saved_by"] = {"global_rank": self.global_rank, "world_size": self.trainer.world_size}
+        # world size and per-process batch: a run resumed at another world size keeps the global batch (src/torchrun.py)
+        checkpoint["saved_by"] = {"global_rank": self.global_rank, "world_size": self.trainer.world_size,
+                                  "batch_size": getattr(self.trainer.datamodule, "batch_size", None),
+                                  "accumulate": self.trainer.accumulate_grad_batches}
 
 
 def scaled_lr(lr: float, scaling: str, global_batch: int, reference_batch: int) -> float:

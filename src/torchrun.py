@@ -1,0 +1,220 @@
+"""What a run takes from torchrun (TorchElastic) when torchrun started its processes.
+
+torchrun's agent starts every worker of a node, restarts the whole group when one fails
+(``--max-restarts``), and re-forms it with the nodes that are left or have come back
+(``--nnodes=MIN:MAX``). Here, in each worker:
+
+- ``trainer.devices`` and ``trainer.num_nodes`` come from what the agent started (``LOCAL_WORLD_SIZE``,
+  ``WORLD_SIZE / LOCAL_WORLD_SIZE``); a value the user set that disagrees is one ``error:`` line;
+- the worker stops when its agent is gone, however it went (SIGKILL leaves workers running otherwise);
+- every worker of the run, on every node and across restarts, writes one run dir named after the
+  rendezvous id: ``outputs/runs/<date>/torchrun-<id>``;
+- a restart resumes from the run dir's newest intact ``last.ckpt`` (it implies ``ckpt_path=auto``);
+- a restart at another world size keeps the global batch (larger or smaller per-process batches) and so
+  the learning rate and its schedule, and the epoch in progress goes on with the images it has not
+  trained on yet (src/data/device_batches.py);
+- the process group of each attempt forms under a key prefix of its own (:func:`attempt_store`).
+
+Nothing here loads Lightning.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import uuid
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from src.errors import UserError
+
+log = logging.getLogger(__name__)
+
+RUN_ID = "TORCHELASTIC_RUN_ID"
+
+
+def active() -> bool:
+    """Whether torchrun (or another TorchElastic agent: TorchX, Kubeflow's PyTorchJob) started this process."""
+    return RUN_ID in os.environ
+
+
+def restart() -> tuple[int, int]:
+    """(this attempt's restart count, the agent's --max-restarts)."""
+    return (int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+            int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")))
+
+
+def launched_shape() -> tuple[int, int]:
+    """(processes on this node, nodes) as the agent started them."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return local, max(1, int(os.environ.get("WORLD_SIZE", str(local))) // local)
+
+
+def adopt(cfg: Any, overridden: set[str]) -> None:
+    """Under torchrun, make the config describe the processes the agent started; a restart resumes.
+
+    ``overridden``: the config keys the user set on the command line. Every mismatch is a UserError naming both
+    values; the agent started the processes, so its numbers are the ones that hold.
+    """
+    if not active():
+        return
+    from omegaconf import open_dict
+
+    from src import supervision
+
+    supervision.watch_launcher(int(os.environ.get("RANK", "0")), os.getppid(), what="its torchrun agent")
+    local, nodes = launched_shape()
+    trainer = cfg.trainer
+    if cfg.strategy.get("name") == "ddp_spawn":
+        raise UserError("strategy=ddp_spawn starts processes of its own, but torchrun has started them: "
+                        "use strategy=ddp (or leave strategy at auto)")
+    devices = trainer.devices
+    if devices not in ("auto", -1, "-1"):
+        count = len(devices) if not isinstance(devices, (int, str)) else (
+            len([d for d in devices.split(",") if d.strip()]) if isinstance(devices, str) and "," in devices
+            else _as_int(devices, "trainer.devices"))
+        if count != local:
+            raise UserError(f"trainer.devices={devices} but torchrun started {local} process(es) on this node "
+                            f"(--nproc-per-node={local}): leave trainer.devices out under torchrun, or make them equal")
+    else:
+        devices = local
+    if ("trainer.num_nodes" in overridden or trainer.num_nodes != 1) and trainer.num_nodes != nodes:
+        raise UserError(f"trainer.num_nodes={trainer.num_nodes} but torchrun formed a group of {nodes} node(s) "
+                        f"(WORLD_SIZE={os.environ.get('WORLD_SIZE')} / LOCAL_WORLD_SIZE={local}): leave "
+                        "trainer.num_nodes out under torchrun (with --nnodes=MIN:MAX it changes from attempt to attempt)")
+    with open_dict(cfg):
+        trainer.devices = devices
+        trainer.num_nodes = nodes
+        count, _ = restart()
+        if count > 0 and cfg.get("task_name") == "train" and cfg.ckpt_path not in ("last", "auto"):
+            last = Path(cfg.paths.output_dir, "checkpoints", "last.ckpt")
+            if cfg.ckpt_path is None or last.exists():  # a restart continues this run, not the file it began from
+                cfg.ckpt_path = "auto"
+
+
+def _as_int(value: Any, key: str) -> int:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise UserError(f"{key}={value} is not a number: leave it out under torchrun") from None
+
+
+def restart_line(ckpt_path: str | None, checkpoint: dict | None, run_dir: str) -> str | None:
+    """'restart 1 of 3: resuming from step 40 of DIR/checkpoints/last.ckpt', on a restart only."""
+    count, most = restart()
+    if not active() or count == 0:
+        return None
+    if checkpoint is None:
+        return (f"restart {count} of {most}: no checkpoint in {Path(run_dir, 'checkpoints')} yet: training from "
+                "the start")
+    return f"restart {count} of {most}: resuming from step {checkpoint.get('global_step', '?')} of {ckpt_path}"
+
+
+def keep_global_batch(checkpoint: dict | None, datamodule: Any, world_size: int, accumulate: int) -> str | None:
+    """Resumed at another world size than the checkpoint's: the same global batch from other per-process
+    batches, so the learning rate (scaled by the global batch) and the steps per epoch stay as they were.
+
+    Returns the line that says so, or None when nothing changed.
+    """
+    saved = (checkpoint or {}).get("saved_by") or {}
+    old_world, old_batch = saved.get("world_size"), saved.get("batch_size")
+    batch = getattr(datamodule, "batch_size", None)
+    if not old_world or not old_batch or not batch or old_world == world_size:
+        return None
+    global_batch = old_world * old_batch * saved.get("accumulate", accumulate)
+    per_process, rest = divmod(global_batch, world_size * accumulate)
+    per_process = max(1, per_process + (rest * 2 >= world_size * accumulate))
+    datamodule.batch_size = per_process
+    now = per_process * world_size * accumulate
+    kept = (f"global batch {global_batch} kept" if now == global_batch
+            else f"global batch {global_batch} cannot be split over {world_size} process(es): it is now {now}")
+    return (f"world size {old_world} -> {world_size}: {kept} (data.batch_size {old_batch} -> {per_process} per "
+            f"process); the learning rate and its schedule follow the global batch")
+
+
+def run_dir_for(default: Path) -> Path:
+    """The run dir of a torchrun run that did not pass ``hydra.run.dir``: ``<runs>/<date>/torchrun-<id>``.
+
+    ``default`` is the timestamped dir Hydra computed (``<runs>/<date>/<time>``). Every worker, on every node and
+    after every restart, finds the same dir: one that already exists for this rendezvous id (a restart after
+    midnight, a node started later), else today's.
+    """
+    name = f"torchrun-{os.environ[RUN_ID]}"
+    runs = default.parent.parent
+    found = sorted(runs.glob(f"*/{name}")) if runs.is_dir() else []
+    return found[-1] if found else default.parent / name
+
+
+# -- the process group of each attempt --------------------------------------------------------------------------
+
+_PREFIX: str | None = None  # this attempt's, once agreed
+
+
+def attempt_prefix() -> str:
+    """The key prefix of this attempt in the rendezvous store (also the failure record's, src/supervision.py)."""
+    return _PREFIX or f"cifar10_ddp/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+
+
+def attempt_store(rank: int, world_size: int, timeout: timedelta) -> Any:
+    """The store this attempt's process group forms on: the agent's store under a prefix of this attempt's own.
+
+    torch 2.14's env:// rendezvous hands every worker the agent's store as it is ("we create a new TCPStore for
+    every retry"), but the agent keeps one store across restarts: a restarted rank can read a peer's address
+    from the attempt before and fail to connect (gloo) or hang (nccl). Restart counts do not tell attempts apart
+    either: an agent that joins later counts from 0, and a scale-up restart does not count. So rank 0 picks a
+    fresh prefix and hands it to each rank under that rank's own random key, which no earlier attempt can
+    have written.
+    """
+    global _PREFIX
+    import torch.distributed as dist
+
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "False") != "True":
+        return None  # rank 0 hosts a new store on a new port each attempt: nothing stale to read
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size=world_size,
+                          is_master=False, timeout=timeout)
+    if rank == 0:
+        _PREFIX = f"cifar10_ddp/attempt/{uuid.uuid4().hex}/"
+        answering = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                                  timeout=timeout)  # a connection of its own for the thread
+        _answer(answering, world_size, _PREFIX, time.monotonic() + timeout.total_seconds())
+    else:
+        nonce = uuid.uuid4().hex
+        store.set(f"{_HELLO}{rank}", nonce)
+        store.wait([f"{_ANSWER}{nonce}"], timeout)
+        _PREFIX = store.get(f"{_ANSWER}{nonce}").decode()
+    return dist.PrefixStore(_PREFIX + "pg/", store)
+
+
+_HELLO = "cifar10_ddp/attempt/hello/"  # + rank: that rank's nonce for this attempt (an earlier attempt's, until rewritten)
+_ANSWER = "cifar10_ddp/attempt/answer/"  # + nonce: the prefix rank 0 chose
+_formed = threading.Event()
+
+
+def _answer(store: Any, world_size: int, prefix: str, deadline: float) -> None:
+    """In rank 0, until the process group has formed: answer every nonce the other ranks write with ``prefix``.
+
+    A nonce left by an earlier attempt is answered too, harmlessly: nobody waits for it any more.
+    """
+
+    def loop() -> None:
+        answered: set[str] = set()
+        while time.monotonic() < deadline and not _formed.is_set():
+            for other in range(1, world_size):
+                try:
+                    nonce = store.get(f"{_HELLO}{other}").decode() if store.check([f"{_HELLO}{other}"]) else None
+                    if nonce is not None and nonce not in answered:
+                        store.set(f"{_ANSWER}{nonce}", prefix)
+                        answered.add(nonce)
+                except Exception:  # noqa: BLE001 - the store is gone: so is this attempt
+                    return
+            time.sleep(0.05)
+
+    threading.Thread(target=loop, name="attempt-answer", daemon=True).start()
+
+
+def group_formed() -> None:
+    """Called once the process group exists: every rank had its answer (the group could not form otherwise)."""
+    _formed.set()

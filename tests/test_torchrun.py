@@ -1,0 +1,151 @@
+"""torchrun as a launcher: real torchrun agents and workers (gloo, CPU, synthetic data, resnet18)."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import FAST, ROOT, descendants, free_port, output, running
+
+RUNS = ROOT / "outputs" / "runs"
+
+
+def torchrun(*args: str, background: bool = False, timeout: float = 300, env: dict[str, str] | None = None):
+    """``torchrun ARGS`` from the project root, as a user types it (``python -m torch.distributed.run`` is torchrun)."""
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
+    for key in ("RANK", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        full_env.pop(key, None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", *args]
+    if background:
+        return subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, start_new_session=True)
+    return subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
+
+
+def torchrun_dirs() -> set[Path]:
+    return set(RUNS.glob("*/torchrun-*"))
+
+
+@pytest.fixture
+def new_run_dirs():
+    """The torchrun run dirs a test made (removed afterwards)."""
+    before = torchrun_dirs()
+    made: list[Path] = []
+    yield lambda: sorted(torchrun_dirs() - before)
+    for path in torchrun_dirs() - before:
+        shutil.rmtree(path, ignore_errors=True)
+    del made
+
+
+def workers(agent_pid: int) -> dict[int, int]:
+    """{global rank: pid} of the workers below a torchrun agent."""
+    found = {}
+    for pid in descendants(agent_pid):
+        try:
+            env = dict(item.split("=", 1) for item in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in item)
+        except OSError:
+            continue
+        if "TORCHELASTIC_RUN_ID" in env and "RANK" in env:
+            found[int(env["RANK"])] = pid
+    return found
+
+
+def wait_for(condition, timeout: float, what: str, proc: subprocess.Popen | None = None):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        if proc is not None and proc.poll() is not None:
+            pytest.fail(f"ended before {what}: {proc.stdout.read()[-3000:]}")
+        time.sleep(0.2)
+    pytest.fail(f"no {what} within {timeout:.0f} s")
+
+
+def test_two_workers_of_torchrun_train_one_ddp_world_with_the_launchers_counts(new_run_dirs):
+    """The command a torchrun user types first: no trainer.devices, no strategy, no hydra.run.dir."""
+    result = torchrun("--standalone", "--nproc-per-node=2", "-m", "src.train", *FAST, "test=false")
+    assert result.returncode == 0, output(result)[-3000:]
+    assert "world size 2 | strategy ddp | backend gloo" in result.stdout
+    (run_dir,) = new_run_dirs()
+    assert re.fullmatch(r"torchrun-[0-9a-f-]{36}", run_dir.name)  # the id --standalone makes
+    assert sorted(p.name for p in run_dir.glob("*.log")) == ["train.log", "train_rank1.log"]
+    last = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    assert last["saved_by"]["world_size"] == 2 and last["global_step"] == 2
+
+
+def test_a_count_that_disagrees_with_torchrun_is_one_line_naming_both(new_run_dirs):
+    result = torchrun("--standalone", "--nproc-per-node=2", "-m", "src.train", *FAST, "trainer.devices=3")
+    assert result.returncode != 0
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert errors and set(errors) == {"error: trainer.devices=3 but torchrun started 2 process(es) on this node "
+                                      "(--nproc-per-node=2): leave trainer.devices out under torchrun, or make them "
+                                      "equal"}, result.stderr[-3000:]
+    assert str(ROOT / "src") not in output(result)  # no worker's traceback (torchrun adds its own report)
+
+
+def test_a_restart_resumes_in_the_same_run_dir_and_ends_at_the_uninterrupted_step(new_run_dirs):
+    """The issue's acceptance: a worker SIGKILLed after the first last.ckpt; torchrun restarts the group once."""
+    args = ["data=synthetic", "trainer.accelerator=cpu", "backend=gloo", "model.arch=resnet18", "data.batch_size=4",
+            "trainer.max_epochs=3", "trainer.limit_train_batches=60", "trainer.limit_val_batches=1", "test=false",
+            "callbacks.last_checkpoint.every_n_train_steps=5"]
+    started = time.monotonic()
+    agent = torchrun("--standalone", "--nproc-per-node=2", "--max-restarts=1", "-m", "src.train", *args,
+                     background=True)
+    try:
+        run_dir = wait_for(lambda: next(iter(new_run_dirs()), None), 120, "run dir", agent)
+        wait_for(lambda: (run_dir / "checkpoints" / "last.ckpt").exists(), 180, "last.ckpt", agent)
+        victim = workers(agent.pid)[1]
+        os.kill(victim, signal.SIGKILL)
+        out, _ = agent.communicate(timeout=300 - (time.monotonic() - started))
+    finally:
+        if agent.poll() is None:
+            os.killpg(agent.pid, signal.SIGKILL)
+    assert agent.returncode == 0, out[-4000:]
+    assert new_run_dirs() == [run_dir]  # the restart wrote the same dir
+    log = (run_dir / "train.log").read_text()
+    resumed = re.findall(r"restart 1 of 1: resuming from step (\d+) of (\S+)", log)
+    assert resumed and int(resumed[0][0]) > 0 and resumed[0][1] == str(run_dir / "checkpoints" / "last.ckpt"), log
+    assert "world size 2 | strategy ddp" in log
+    last = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    assert last["global_step"] == 180 and last["saved_by"]["world_size"] == 2
+
+
+def test_a_node_lost_leaves_the_other_to_finish_alone_with_the_same_global_batch(new_run_dirs, tmp_path):
+    """Two agents, --nnodes=1:2; the second is SIGKILLed mid-run: its worker stops, the first finishes alone."""
+    port, run_id = free_port(), f"elastic{os.getpid()}"
+    args = ["--nnodes=1:2", "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+            f"--rdzv-id={run_id}", "--max-restarts=3",
+            "--rdzv-conf=last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=3",
+            "-m", "src.train", *FAST, "data.num_train=400", "trainer.limit_train_batches=30", "trainer.max_epochs=2",
+            "callbacks.last_checkpoint.every_n_train_steps=3", "test=false"]
+    first = torchrun(*args, background=True)
+    time.sleep(1)  # the first agent hosts the rendezvous endpoint: it is the node that stays
+    second = torchrun(*args, background=True)
+    try:
+        run_dir = wait_for(lambda: next(iter(new_run_dirs()), None), 120, "run dir", first)
+        assert run_dir.name == f"torchrun-{run_id}"
+        wait_for(lambda: (run_dir / "checkpoints" / "last.ckpt").exists(), 180, "last.ckpt", first)
+        (orphan,) = workers(second.pid).values()
+        os.kill(second.pid, signal.SIGKILL)  # the agent itself: its worker must not go on as an orphan
+        wait_for(lambda: not running(orphan), 30, "end of the killed agent's worker")
+        out, _ = first.communicate(timeout=300)
+    finally:
+        for agent in (first, second):
+            if agent.poll() is None:
+                os.killpg(agent.pid, signal.SIGKILL)
+    assert first.returncode == 0, out[-4000:]
+    log = "".join(p.read_text() for p in run_dir.glob("train*.log"))
+    assert "world size 2 -> 1: global batch 8 kept (data.batch_size 4 -> 8 per process)" in log, log[-4000:]
+    last = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    assert last["saved_by"]["world_size"] == 1 and last["saved_by"]["batch_size"] == 8
+    assert last["global_step"] == 2 * 30  # as many optimizer steps as at world size 2 throughout
