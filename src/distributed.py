@@ -57,8 +57,9 @@ def check_slurm_allocation(devices: int, num_nodes: int) -> None:
     """Under a Slurm job, the processes must come from srun and match the allocation, or DDP waits forever."""
     from lightning.fabric.plugins.environments import SLURMEnvironment
 
-    if "SLURM_JOB_ID" not in os.environ or not SLURMEnvironment.detect():
-        return  # not Slurm, or an interactive allocation (job name bash/interactive) Lightning leaves alone
+    if "SLURM_JOB_ID" not in os.environ or not SLURMEnvironment.detect() or torchrun.active():
+        return  # not Slurm, an interactive allocation (job name bash/interactive), or srun torchrun: its agents start
+        # the ranks (src/torchrun.py matched the counts to them)
     in_batch_script = os.environ.get("SLURM_STEP_ID") in (None, "batch", "4294967294")
     if in_batch_script and (int(os.environ.get("SLURM_NTASKS", "1")) > 1 or devices * num_nodes > 1):
         raise UserError(

@@ -11,6 +11,7 @@ from hydra.utils import instantiate
 from lightning.fabric.plugins.environments import SLURMEnvironment
 from omegaconf import DictConfig, OmegaConf
 
+from src import torchrun
 from src.checkpoints import AtomicCheckpointIO, read_checkpoint
 from src.console import quiet_console, quiet_dependencies
 from src.fast_path import fast_path
@@ -76,7 +77,8 @@ def build_trainer(cfg: DictConfig) -> L.Trainer:
     callbacks = [instantiate(c) for c in (cfg.get("callbacks") or {}).values() if c is not None]
     loggers = [instantiate(lg) for lg in (cfg.get("logger") or {}).values() if lg is not None]
     plugins = [AtomicCheckpointIO()]
-    if SLURMEnvironment.detect():  # src/callbacks/slurm_requeue.py owns SIGUSR1 instead of Lightning (see there why)
+    if SLURMEnvironment.detect() and not torchrun.active():  # srun torchrun: torchrun's environment, Lightning's pick
+        # src/callbacks/slurm_requeue.py owns SIGUSR1 instead of Lightning (see there why)
         plugins.append(SLURMEnvironment(auto_requeue=False))
     return instantiate(cfg.trainer, strategy=instantiate(cfg.strategy), callbacks=callbacks,
                        logger=loggers or False, plugins=plugins, **hardware_defaults(cfg.trainer))

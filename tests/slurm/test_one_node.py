@@ -94,3 +94,16 @@ def test_a_sweep_submits_one_job_per_device_count_sized_to_match_and_reports(clu
     assert sorted(int(r["world_size"]) for r in rows) == [1, 2]
     for k, world in enumerate((1, 2)):
         assert len(set(json.loads((sweep / str(k) / "throughput.json").read_text())["pids"])) == world
+
+
+def test_srun_torchrun_is_not_refused_by_the_allocation_check_and_trains_like_srun(cluster):
+    """One agent (--ntasks-per-node=1) starting two workers: the Slurm check would have read 1 task vs 2 devices."""
+    job = cluster.sbatch("--nodes=1", *CPU, "--cpus-per-task=2", "--export=ALL,NPROC_PER_NODE=2",
+                         "slurm/torchrun.sbatch", *RUN)
+    info = cluster.wait(job)
+    log = cluster.log(job)
+    assert info["JobState"] == "COMPLETED", log
+    record = json.loads((run_dir(job) / "throughput.json").read_text())
+    assert record["world_size"] == 2 and len(set(record["pids"])) == 2
+    assert [p.relative_to(run_dir(job)) for p in run_dir(job).rglob("last.ckpt")] == [Path("checkpoints/last.ckpt")]
+    assert "world size 2 | strategy ddp | backend gloo" in log and "error:" not in log

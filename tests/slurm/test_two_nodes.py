@@ -45,3 +45,19 @@ def test_an_exception_on_the_second_nodes_rank_fails_the_job_at_once_with_one_li
     days, _, clock = info["RunTime"].rpartition("-")  # [d-]hh:mm:ss
     hours, minutes, seconds = (int(part) for part in clock.split(":"))
     assert not days and hours * 3600 + minutes * 60 + seconds < 90, info["RunTime"]  # at the failure, not epoch's end
+
+
+def test_srun_torchrun_across_two_nodes_trains_one_world_with_torchruns_ranks(cluster):
+    """slurm/torchrun.sbatch: one torchrun agent per node (srun), rendezvous on the first node, Slurm's checks
+    out of the way (torchrun started the ranks)."""
+    job = cluster.sbatch("--nodes=2", "--gpus-per-node=0", "--cpus-per-task=2", "slurm/torchrun.sbatch", *FAST,
+                         "test=false")
+    info = cluster.wait(job)
+    log = cluster.log(job)
+    assert info["JobState"] == "COMPLETED", log
+    run_dir = ROOT / "outputs" / "slurm" / job
+    record = json.loads((run_dir / "throughput.json").read_text())
+    assert record["world_size"] == 2 and record["num_nodes"] == 2 and record["hosts"] == ["node1", "node2"]
+    assert [p.relative_to(run_dir) for p in run_dir.rglob("last.ckpt")] == [Path("checkpoints/last.ckpt")]
+    assert "Run: 2 node(s) x 1 device(s) = world size 2 | strategy ddp" in log
+    assert "error:" not in log
