@@ -10,6 +10,10 @@ Warnings a user can do nothing about are dropped everywhere:
   forgotten ``srun`` is then a real mistake;
 - ``The number of training batches (N) is smaller than the logging interval``: the epoch's training loss
   and accuracy are logged at every epoch's end regardless (``train/loss_epoch``, src/models/classifier.py).
+
+A run that resumes (``ckpt_path``, a Slurm requeue, a torchrun restart) also drops ``Checkpoint directory ...
+exists and is not empty`` (it resumes from there), and, with ``data.pipeline=device``, Lightning's ``your
+dataloader is not resumable`` (that pipeline carries its place in the epoch in the checkpoint).
 """
 
 from __future__ import annotations
@@ -62,6 +66,17 @@ def quiet_dependencies() -> None:
     warnings.filterwarnings("ignore", message=r"The number of training batches \(\d+\) is smaller than the logging")
     if "SLURM_JOB_ID" not in os.environ:
         warnings.filterwarnings("ignore", message=r"The `srun` command is available on your system but is not used")
+
+
+def quiet_resume(ckpt_path: str | None, resumable_position: bool) -> None:
+    """A run that resumes from a checkpoint: Lightning's warning that its checkpoint folder is not empty says
+    what the user asked for; its "dataloader is not resumable" warning is wrong where the datamodule carries the
+    place in the epoch itself (``data.pipeline=device``, src/data/device_batches.py)."""
+    if ckpt_path is None:
+        return
+    warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
+    if resumable_position:
+        warnings.filterwarnings("ignore", message=r"You're resuming from a checkpoint that ended before the epoch ended")
 
 
 def spawned_rank_console() -> None:

@@ -337,8 +337,9 @@ def end_run(line: str | None, code: int, publish: bool = True, dead: int = 0) ->
     first = FAILURES.publish(line, code, dead) if publish else True
     if line and first:
         print(f"error: {line}", file=sys.stderr, flush=True)
-    if FAILURES is not None and FAILURES.rank == 0:
+    if FAILURES is not None and FAILURES.rank == 0 and not external_launcher():
         FAILURES.wait_for("seen", SEEN_WAIT_S)  # it hosts the store: the others must read the record first
+        # (torchrun's agent hosts it there, and outlives this rank)
     stop_processes(STARTED, grace_s=2.0)
     if FAILURES is None and threading.current_thread() is threading.main_thread():
         sys.exit(code)  # one process and nothing started: the ordinary way out

@@ -9,7 +9,8 @@ torchrun's agent starts every worker of a node, restarts the whole group when on
 - the worker stops when its agent is gone, however it went (SIGKILL leaves workers running otherwise);
 - every worker of the run, on every node and across restarts, writes one run dir named after the
   rendezvous id: ``outputs/runs/<date>/torchrun-<id>``;
-- a restart resumes from the run dir's newest intact ``last.ckpt`` (it implies ``ckpt_path=auto``);
+- every attempt resumes from the run dir's newest intact ``last.ckpt`` if it has one (``ckpt_path`` defaults to
+  ``auto``): a restart after a failure, and one when a node joins;
 - a restart at another world size keeps the global batch (larger or smaller per-process batches) and so
   the learning rate and its schedule, and the epoch in progress goes on with the images it has not
   trained on yet (src/data/device_batches.py);
@@ -54,7 +55,7 @@ def launched_shape() -> tuple[int, int]:
 
 
 def adopt(cfg: Any, overridden: set[str]) -> None:
-    """Under torchrun, make the config describe the processes the agent started; a restart resumes.
+    """Under torchrun, make the config describe the processes the agent started; every attempt resumes.
 
     ``overridden``: the config keys the user set on the command line. Every mismatch is a UserError naming both
     values; the agent started the processes, so its numbers are the ones that hold.
@@ -88,10 +89,12 @@ def adopt(cfg: Any, overridden: set[str]) -> None:
     with open_dict(cfg):
         trainer.devices = devices
         trainer.num_nodes = nodes
-        count, _ = restart()
-        if count > 0 and cfg.get("task_name") == "train" and cfg.ckpt_path not in ("last", "auto"):
+        # Every attempt of a torchrun run continues its run dir: a restart after a failure, and a scale-up restart
+        # when a node joins (which torchrun does not count as a restart: the run's own workers can't tell it from a
+        # first start). A ckpt_path=FILE the run began from counts until the run dir has a last.ckpt of its own.
+        if cfg.get("task_name") == "train" and cfg.ckpt_path not in ("last", "auto"):
             last = Path(cfg.paths.output_dir, "checkpoints", "last.ckpt")
-            if cfg.ckpt_path is None or last.exists():  # a restart continues this run, not the file it began from
+            if cfg.ckpt_path is None or last.exists():
                 cfg.ckpt_path = "auto"
 
 
@@ -105,12 +108,12 @@ def _as_int(value: Any, key: str) -> int:
 def restart_line(ckpt_path: str | None, checkpoint: dict | None, run_dir: str) -> str | None:
     """'restart 1 of 3: resuming from step 40 of DIR/checkpoints/last.ckpt', on a restart only."""
     count, most = restart()
-    if not active() or count == 0:
+    if not active() or (count == 0 and checkpoint is None):
         return None
+    attempt = f"restart {count} of {most}" if count else "torchrun (re)formed the group"
     if checkpoint is None:
-        return (f"restart {count} of {most}: no checkpoint in {Path(run_dir, 'checkpoints')} yet: training from "
-                "the start")
-    return f"restart {count} of {most}: resuming from step {checkpoint.get('global_step', '?')} of {ckpt_path}"
+        return f"{attempt}: no checkpoint in {Path(run_dir, 'checkpoints')} yet: training from the start"
+    return f"{attempt}: resuming from step {checkpoint.get('global_step', '?')} of {ckpt_path}"
 
 
 def keep_global_batch(checkpoint: dict | None, datamodule: Any, world_size: int, accumulate: int) -> str | None:

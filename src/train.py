@@ -29,6 +29,7 @@ def main(cfg: DictConfig) -> float | None:
     from hydra.utils import instantiate
 
     from src.checkpoints import check_compatible, resume_from
+    from src.console import quiet_resume
     from src.trainer import build_trainer, describe_checkpoint, record_config, route_lightning_logs, test_summary
 
     route_lightning_logs()
@@ -45,6 +46,7 @@ def main(cfg: DictConfig) -> float | None:
             if line and is_launch_rank_zero():
                 log.info(line)
     del checkpoint  # Lightning loads it again on every rank
+    quiet_resume(ckpt_path, getattr(datamodule, "pipeline", None) == "device")
     trainer = build_trainer(cfg)
     record_config(cfg, trainer)
     if is_launch_rank_zero():

@@ -149,3 +149,55 @@ def test_a_node_lost_leaves_the_other_to_finish_alone_with_the_same_global_batch
     last = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
     assert last["saved_by"]["world_size"] == 1 and last["saved_by"]["batch_size"] == 8
     assert last["global_step"] == 2 * 30  # as many optimizer steps as at world size 2 throughout
+
+
+def test_a_node_that_joins_scales_the_run_up_keeping_the_global_batch(new_run_dirs):
+    """--nnodes=1:2 started with one agent; a second joins mid-run: torchrun restarts the group at world size 2,
+    which resumes from last.ckpt with half the per-process batch. (torch 2.14's agents deadlock on a scale-up
+    that shares the rendezvous store with the workers: TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, as the README says.)"""
+    port, run_id = free_port(), f"scaleup{os.getpid()}"
+    args = ["--nnodes=1:2", "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+            f"--rdzv-id={run_id}", "--max-restarts=3", "--monitor-interval=1",
+            "--rdzv-conf=last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=3",
+            "-m", "src.train", *FAST, "data.num_train=400", "data.batch_size=8", "trainer.limit_train_batches=30",
+            "trainer.max_epochs=2", "callbacks.last_checkpoint.every_n_train_steps=3", "test=false"]
+    env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    first = torchrun(*args, background=True, env=env)
+    second = None
+    try:
+        run_dir = wait_for(lambda: next(iter(new_run_dirs()), None), 120, "run dir", first)
+        wait_for(lambda: (run_dir / "checkpoints" / "last.ckpt").exists(), 180, "last.ckpt", first)
+        second = torchrun(*args, background=True, env=env)
+        out, _ = first.communicate(timeout=300)
+        second.wait(timeout=60)
+    finally:
+        for agent in (first, second):
+            if agent is not None and agent.poll() is None:
+                os.killpg(agent.pid, signal.SIGKILL)
+    assert first.returncode == 0 and second.returncode == 0, out[-4000:]
+    log = (run_dir / "train.log").read_text()
+    assert re.search(r"torchrun \(re\)formed the group: resuming from step [1-9]\d* of ", log), log[-4000:]
+    assert "world size 1 -> 2: global batch 8 kept (data.batch_size 8 -> 4 per process)" in log
+    last = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    assert last["saved_by"]["world_size"] == 2 and last["global_step"] == 2 * 30
+
+
+def test_workers_do_not_outlive_a_torchrun_agent_killed_with_sigkill(new_run_dirs):
+    agent = torchrun("--standalone", "--nproc-per-node=2", "-m", "src.train", *FAST, "data.num_train=2000",
+                     "trainer.limit_train_batches=null", "test=false", background=True)
+    try:
+        run_dir = wait_for(lambda: next(iter(new_run_dirs()), None), 120, "run dir", agent)
+        wait_for(lambda: (run_dir / "train.log").exists() and "Run:" in (run_dir / "train.log").read_text(), 120,
+                 "training", agent)
+        pids = list(workers(agent.pid).values())
+        assert len(pids) == 2
+        agent.kill()
+        agent.wait()
+        wait_for(lambda: not any(running(pid) for pid in pids), 30, "end of the orphaned workers")
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+        for pid in descendants(agent.pid):
+            os.kill(pid, signal.SIGKILL)
+    said = agent.stdout.read()  # the workers wrote to the agent's console, which they inherited
+    assert f"its torchrun agent (pid {agent.pid}) died; this rank stopped too" in said, said[-3000:]

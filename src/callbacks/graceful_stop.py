@@ -10,6 +10,7 @@ same sum after the same batch, so all stop together, whichever of them was signa
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 from pathlib import Path
@@ -71,8 +72,10 @@ class GracefulStop(L.Callback):
         if not self._agreed():
             return
         path = self._save(trainer)
+        then = ("torchrun's next attempt resumes from there" if "TORCHELASTIC_RUN_ID" in os.environ
+                else f"resume with ckpt_path={path}")
         raise Terminated(self._signal_or_sigterm(), f"{self._name()} after step {trainer.global_step}: every rank stopped "
-                         f"there and {path} holds that step; resume with ckpt_path={path}")
+                         f"there and {path} holds that step; {then}")
 
     def on_test_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                           batch_idx: int, dataloader_idx: int = 0) -> None:
