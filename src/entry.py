@@ -60,7 +60,8 @@ def handle_errors(task: Callable[..., Any]) -> Callable[..., Any]:
         threading.excepthook = _quiet_storage_errors
         try:
             check_group_choices()
-            torchrun.adopt(cfg, overridden_keys())  # under torchrun: its process counts; a restart resumes
+            if torchrun.active():  # its process counts; every attempt resumes
+                torchrun.adopt(cfg, overridden_keys())
             _resolve_all(cfg)
             result = task(cfg)
         except Exception as err:  # noqa: BLE001 - every failure ends the run the same way
@@ -186,7 +187,10 @@ def overridden_keys() -> set[str]:
 
     if not HydraConfig.initialized():
         return set()
-    return {o.split("=", 1)[0].lstrip("+~") for o in HydraConfig.get().overrides.task}
+    from omegaconf import OmegaConf
+
+    overrides = OmegaConf.to_container(HydraConfig.get().overrides.task, resolve=False)  # as typed: ${...} unresolved
+    return {o.split("=", 1)[0].lstrip("+~") for o in overrides}
 
 
 def _resolve_all(cfg: Any) -> None:

@@ -181,6 +181,9 @@ def launcher_gone() -> str | None:
     return f"rank {rank}: {what} (pid {pid}) died; this rank stopped too"
 
 
+ATTEMPT_PREFIX: str | None = None  # under torchrun, the store prefix this attempt's ranks agreed on (src/torchrun.py)
+
+
 class FailureRecord:
     """The run's first failure, in its rendezvous store, where every rank of every node polls for it.
 
@@ -192,9 +195,7 @@ class FailureRecord:
 
         self.rank, self.node_rank, self.local_rank, self.world_size = rank, node_rank, local_rank, world_size
         self.in_sweep = in_sweep
-        from src.torchrun import attempt_prefix
-
-        self._prefix = attempt_prefix() + "failure/"
+        self._prefix = (ATTEMPT_PREFIX or f"cifar10_ddp/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/") + "failure/"
         self._store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                                     timeout=timedelta(seconds=30), wait_for_workers=False)
         self._lock = threading.Lock()  # one store call at a time, and none once closed

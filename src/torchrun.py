@@ -73,15 +73,11 @@ def adopt(cfg: Any, overridden: set[str]) -> None:
         raise UserError("strategy=ddp_spawn starts processes of its own, but torchrun has started them: "
                         "use strategy=ddp (or leave strategy at auto)")
     devices = trainer.devices
-    if devices not in ("auto", -1, "-1"):
-        count = len(devices) if not isinstance(devices, (int, str)) else (
-            len([d for d in devices.split(",") if d.strip()]) if isinstance(devices, str) and "," in devices
-            else _as_int(devices, "trainer.devices"))
-        if count != local:
-            raise UserError(f"trainer.devices={devices} but torchrun started {local} process(es) on this node "
-                            f"(--nproc-per-node={local}): leave trainer.devices out under torchrun, or make them equal")
-    else:
+    if devices in ("auto", -1, "-1"):
         devices = local
+    elif _count(devices) != local:
+        raise UserError(f"trainer.devices={devices} but torchrun started {local} process(es) on this node "
+                        f"(--nproc-per-node={local}): leave trainer.devices out under torchrun, or make them equal")
     if ("trainer.num_nodes" in overridden or trainer.num_nodes != 1) and trainer.num_nodes != nodes:
         raise UserError(f"trainer.num_nodes={trainer.num_nodes} but torchrun formed a group of {nodes} node(s) "
                         f"(WORLD_SIZE={os.environ.get('WORLD_SIZE')} / LOCAL_WORLD_SIZE={local}): leave "
@@ -98,15 +94,21 @@ def adopt(cfg: Any, overridden: set[str]) -> None:
                 cfg.ckpt_path = "auto"
 
 
-def _as_int(value: Any, key: str) -> int:
+def _count(devices: Any) -> int:
+    """Processes per node that ``trainer.devices`` asks for: a count, or a list of GPU ids ("0,1" or [0, 1])."""
+    if isinstance(devices, str) and "," in devices:
+        return len([d for d in devices.split(",") if d.strip()])
+    if not isinstance(devices, (int, str)):
+        return len(devices)
     try:
-        return int(value)
-    except (TypeError, ValueError):
-        raise UserError(f"{key}={value} is not a number: leave it out under torchrun") from None
+        return int(devices)
+    except ValueError:
+        raise UserError(f"trainer.devices={devices} is not a number: leave it out under torchrun") from None
 
 
 def restart_line(ckpt_path: str | None, checkpoint: dict | None, run_dir: str) -> str | None:
-    """'restart 1 of 3: resuming from step 40 of DIR/checkpoints/last.ckpt', on a restart only."""
+    """'restart 1 of 3: resuming from step 40 of DIR/checkpoints/last.ckpt' for a restart, or an attempt that
+    resumes (a scale-up restart, a run started again with its --rdzv-id); None for a first start."""
     count, most = restart()
     if not active() or (count == 0 and checkpoint is None):
         return None
@@ -153,14 +155,6 @@ def run_dir_for(default: Path) -> Path:
 
 # -- the process group of each attempt --------------------------------------------------------------------------
 
-_PREFIX: str | None = None  # this attempt's, once agreed
-
-
-def attempt_prefix() -> str:
-    """The key prefix of this attempt in the rendezvous store (also the failure record's, src/supervision.py)."""
-    return _PREFIX or f"cifar10_ddp/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
-
-
 def attempt_store(rank: int, world_size: int, timeout: timedelta) -> Any:
     """The store this attempt's process group forms on: the agent's store under a prefix of this attempt's own.
 
@@ -171,24 +165,26 @@ def attempt_store(rank: int, world_size: int, timeout: timedelta) -> Any:
     fresh prefix and hands it to each rank under that rank's own random key, which no earlier attempt can
     have written.
     """
-    global _PREFIX
     import torch.distributed as dist
+
+    from src import supervision
 
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "False") != "True":
         return None  # rank 0 hosts a new store on a new port each attempt: nothing stale to read
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size=world_size,
                           is_master=False, timeout=timeout)
     if rank == 0:
-        _PREFIX = f"cifar10_ddp/attempt/{uuid.uuid4().hex}/"
+        prefix = f"cifar10_ddp/attempt/{uuid.uuid4().hex}/"
         answering = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                                   timeout=timeout)  # a connection of its own for the thread
-        _answer(answering, world_size, _PREFIX, time.monotonic() + timeout.total_seconds())
+        _answer(answering, world_size, prefix, time.monotonic() + timeout.total_seconds())
     else:
         nonce = uuid.uuid4().hex
         store.set(f"{_HELLO}{rank}", nonce)
         store.wait([f"{_ANSWER}{nonce}"], timeout)
-        _PREFIX = store.get(f"{_ANSWER}{nonce}").decode()
-    return dist.PrefixStore(_PREFIX + "pg/", store)
+        prefix = store.get(f"{_ANSWER}{nonce}").decode()
+    supervision.ATTEMPT_PREFIX = prefix  # the run's failure record lives under it too
+    return dist.PrefixStore(prefix + "pg/", store)
 
 
 _HELLO = "cifar10_ddp/attempt/hello/"  # + rank: that rank's nonce for this attempt (an earlier attempt's, until rewritten)

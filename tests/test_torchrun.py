@@ -201,3 +201,80 @@ def test_workers_do_not_outlive_a_torchrun_agent_killed_with_sigkill(new_run_dir
             os.kill(pid, signal.SIGKILL)
     said = agent.stdout.read()  # the workers wrote to the agent's console, which they inherited
     assert f"its torchrun agent (pid {agent.pid}) died; this rank stopped too" in said, said[-3000:]
+
+
+# -- the rules, in-process (torchrun's environment set by hand; the runs above start the real thing) -----------
+
+
+@pytest.fixture
+def under_torchrun(monkeypatch):
+    """This process as worker RANK of a torchrun run: ``world`` processes, ``local`` of them per node."""
+    from src import supervision
+
+    monkeypatch.setattr(supervision, "watch_launcher", lambda *args, **kwargs: None)  # pytest's parent is no agent
+
+    def set_env(world: int, local: int, rank: int = 0) -> None:
+        for key, value in {"TORCHELASTIC_RUN_ID": "unit", "WORLD_SIZE": world, "LOCAL_WORLD_SIZE": local,
+                           "RANK": rank, "TORCHELASTIC_RESTART_COUNT": 0, "TORCHELASTIC_MAX_RESTARTS": 3}.items():
+            monkeypatch.setenv(key, str(value))
+
+    return set_env
+
+
+def adopted(tmp_path, *overrides: str):
+    from src.torchrun import adopt
+    from tests.test_config import make_cfg
+
+    cfg = make_cfg(tmp_path, *overrides)
+    adopt(cfg, {o.split("=")[0] for o in overrides})
+    return cfg
+
+
+def test_counts_left_out_become_torchruns_and_a_run_resumes_from_its_dir(under_torchrun, tmp_path):
+    under_torchrun(world=8, local=4)
+    cfg = adopted(tmp_path)
+    assert (cfg.trainer.devices, cfg.trainer.num_nodes, cfg.strategy.devices, cfg.ckpt_path) == (4, 2, 4, "auto")
+    assert adopted(tmp_path, "trainer.devices=[0,1,2,3]").trainer.num_nodes == 2  # GPU ids, as many as workers
+    assert adopted(tmp_path, "ckpt_path=/from/here.ckpt").ckpt_path == "/from/here.ckpt"  # nothing of its own yet
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+    (tmp_path / "run" / "checkpoints" / "last.ckpt").write_bytes(b"")
+    assert adopted(tmp_path, "ckpt_path=/from/here.ckpt").ckpt_path == "auto"  # the run's own last.ckpt now
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["trainer.num_nodes=1"], "trainer.num_nodes=1 but torchrun formed a group of 2 node(s) (WORLD_SIZE=8 / "
+                              "LOCAL_WORLD_SIZE=4): leave trainer.num_nodes out under torchrun"),
+    (["trainer.devices='0,1'"], "trainer.devices=0,1 but torchrun started 4 process(es) on this node"),
+    (["strategy=ddp_spawn"], "strategy=ddp_spawn starts processes of its own, but torchrun has started them"),
+])
+def test_a_config_that_disagrees_with_torchrun_is_one_error(under_torchrun, tmp_path, overrides, message):
+    from src.errors import UserError
+
+    under_torchrun(world=8, local=4)
+    with pytest.raises(UserError, match=re.escape(message)):
+        adopted(tmp_path, *overrides)
+
+
+def test_a_global_batch_the_new_world_cannot_divide_becomes_the_nearest_and_says_so():
+    from types import SimpleNamespace
+
+    from src.torchrun import keep_global_batch
+
+    data = SimpleNamespace(batch_size=5)
+    saved = {"saved_by": {"world_size": 2, "batch_size": 5, "accumulate": 1}}
+    assert keep_global_batch(saved, data, 3, 1) == ("world size 2 -> 3: global batch 10 cannot be split over 3 "
+                                                    "process(es): it is now 9 (data.batch_size 5 -> 3 per process); "
+                                                    "the learning rate and its schedule follow the global batch")
+    assert data.batch_size == 3
+    same = SimpleNamespace(batch_size=5)
+    assert keep_global_batch(saved, same, 2, 1) is None and same.batch_size == 5  # the same world: nothing to do
+
+
+def test_every_worker_finds_the_run_dir_its_rendezvous_id_already_has(under_torchrun, tmp_path):
+    from src.torchrun import run_dir_for
+
+    under_torchrun(world=2, local=1)
+    today = tmp_path / "runs" / "2026-11-24" / "00-00-01"
+    assert run_dir_for(today) == tmp_path / "runs" / "2026-11-24" / "torchrun-unit"
+    (tmp_path / "runs" / "2026-11-23" / "torchrun-unit").mkdir(parents=True)  # begun before midnight
+    assert run_dir_for(today) == tmp_path / "runs" / "2026-11-23" / "torchrun-unit"
