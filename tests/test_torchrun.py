@@ -6,6 +6,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -57,6 +58,11 @@ def workers(agent_pid: int) -> dict[int, int]:
         if "TORCHELASTIC_RUN_ID" in env and "RANK" in env:
             found[int(env["RANK"])] = pid
     return found
+
+
+def listening(port: int) -> bool:
+    with socket.socket() as probe:
+        return probe.connect_ex(("127.0.0.1", port)) == 0
 
 
 def wait_for(condition, timeout: float, what: str, proc: subprocess.Popen | None = None):
@@ -125,11 +131,14 @@ def test_a_node_lost_leaves_the_other_to_finish_alone_with_the_same_global_batch
     port, run_id = free_port(), f"elastic{os.getpid()}"
     args = ["--nnodes=1:2", "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
             f"--rdzv-id={run_id}", "--max-restarts=3",
-            "--rdzv-conf=last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=3",
+            # last call: the first agent waits 10 s for a second before it starts alone (a second agent joining later
+            # would be a scale-up, another test); keep-alive: a lost agent is noticed within 3 s
+            "--rdzv-conf=last_call_timeout=10,keep_alive_interval=1,keep_alive_max_attempt=3",
             "-m", "src.train", *FAST, "data.num_train=400", "trainer.limit_train_batches=30", "trainer.max_epochs=2",
             "callbacks.last_checkpoint.every_n_train_steps=3", "test=false"]
     first = torchrun(*args, background=True)
-    time.sleep(1)  # the first agent hosts the rendezvous endpoint: it is the node that stays
+    # the agent that binds --rdzv-endpoint hosts the rendezvous, and the rendezvous must stay: the first, which stays
+    wait_for(lambda: listening(port), 60, "the first agent's rendezvous", first)
     second = torchrun(*args, background=True)
     try:
         run_dir = wait_for(lambda: next(iter(new_run_dirs()), None), 120, "run dir", first)
