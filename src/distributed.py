@@ -19,7 +19,6 @@ from datetime import timedelta
 from typing import Any, Callable
 
 import torch
-from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
@@ -112,16 +111,14 @@ class HydraDDPStrategy(DDPStrategy):
                 f"or raise strategy.timeout_s ({type(err).__name__})"
             ) from err
 
-
     def _init_attempt_group(self) -> None:
         """Under torchrun: form the process group on this attempt's own keys (src/torchrun.py says why)."""
         self.set_world_ranks()
         store = torchrun.attempt_store(self.global_rank, self.world_size, self._timeout)
         if store is None:
             return
-        backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
-        torch.distributed.init_process_group(backend, rank=self.global_rank, world_size=self.world_size, store=store,
-                                             timeout=self._timeout,
+        torch.distributed.init_process_group(self._get_process_group_backend(), rank=self.global_rank,
+                                             world_size=self.world_size, store=store, timeout=self._timeout,
                                              device_id=self.root_device if self.root_device.type != "cpu" else None)
         torchrun.group_formed()
 

@@ -60,7 +60,8 @@ def handle_errors(task: Callable[..., Any]) -> Callable[..., Any]:
         threading.excepthook = _quiet_storage_errors
         try:
             check_group_choices()
-            if torchrun.active():  # its process counts; every attempt resumes
+            if torchrun.active():  # its process counts; every attempt resumes; a worker never outlives its agent
+                supervision.watch_launcher(int(os.environ["RANK"]), os.getppid(), what="its torchrun agent")
                 torchrun.adopt(cfg, overridden_keys())
             _resolve_all(cfg)
             result = task(cfg)
@@ -184,11 +185,10 @@ def check_group_choices() -> None:
 def overridden_keys() -> set[str]:
     """The config keys set on the command line (``trainer.devices=2``, ``+x=1``, ``~y``)."""
     from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf
 
     if not HydraConfig.initialized():
         return set()
-    from omegaconf import OmegaConf
-
     overrides = OmegaConf.to_container(HydraConfig.get().overrides.task, resolve=False)  # as typed: ${...} unresolved
     return {o.split("=", 1)[0].lstrip("+~") for o in overrides}
 

@@ -35,6 +35,7 @@ import time
 from datetime import timedelta
 from typing import Any, NoReturn, Sequence
 
+from src import torchrun
 from src.errors import EXIT_FAILED, EXIT_USER_ERROR
 
 POLL_S = 0.25
@@ -168,20 +169,12 @@ def watch_launcher(rank: int, launcher_pid: int, what: str = "the process that l
     return thread
 
 
-def external_launcher() -> bool:
-    """Whether torchrun's agent started this rank (it reports a dead worker in its own words, not ours)."""
-    return "TORCHELASTIC_RUN_ID" in os.environ
-
-
 def launcher_gone() -> str | None:
     """'rank 1: its launching process (pid 123) died; ...' once the process that started this rank is gone."""
     if _launcher is None or os.getppid() == _launcher[1]:
         return None
     rank, pid, what = _launcher
     return f"rank {rank}: {what} (pid {pid}) died; this rank stopped too"
-
-
-ATTEMPT_PREFIX: str | None = None  # under torchrun, the store prefix this attempt's ranks agreed on (src/torchrun.py)
 
 
 class FailureRecord:
@@ -195,7 +188,7 @@ class FailureRecord:
 
         self.rank, self.node_rank, self.local_rank, self.world_size = rank, node_rank, local_rank, world_size
         self.in_sweep = in_sweep
-        self._prefix = (ATTEMPT_PREFIX or f"cifar10_ddp/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/") + "failure/"
+        self._prefix = torchrun.attempt_prefix() + "failure/"
         self._store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                                     timeout=timedelta(seconds=30), wait_for_workers=False)
         self._lock = threading.Lock()  # one store call at a time, and none once closed
@@ -338,7 +331,7 @@ def end_run(line: str | None, code: int, publish: bool = True, dead: int = 0) ->
     first = FAILURES.publish(line, code, dead) if publish else True
     if line and first:
         print(f"error: {line}", file=sys.stderr, flush=True)
-    if FAILURES is not None and FAILURES.rank == 0 and not external_launcher():
+    if FAILURES is not None and FAILURES.rank == 0 and not torchrun.active():
         FAILURES.wait_for("seen", SEEN_WAIT_S)  # it hosts the store: the others must read the record first
         # (torchrun's agent hosts it there, and outlives this rank)
     stop_processes(STARTED, grace_s=2.0)
@@ -374,9 +367,9 @@ def explain(err: BaseException) -> tuple[str | None, int] | None:
             gone = launcher_gone()
             if gone is not None:
                 return gone, EXIT_FAILED
-            if _launcher is not None and not external_launcher():  # it watches this node's ranks and tells which died
+            if _launcher is not None and not torchrun.active():  # it watches this node's ranks and tells which died
                 return None, EXIT_FAILED
-            then = ("torchrun restarts the group from last.ckpt while --max-restarts allows" if external_launcher()
+            then = ("torchrun restarts the group from last.ckpt while --max-restarts allows" if torchrun.active()
                     else "see its log, then resume with ckpt_path=last")
             return (f"the process group broke ({_first_sentence(err)}): another rank has probably died or lost "
                     f"the network; {then}"), EXIT_FAILED

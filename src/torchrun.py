@@ -64,9 +64,6 @@ def adopt(cfg: Any, overridden: set[str]) -> None:
         return
     from omegaconf import open_dict
 
-    from src import supervision
-
-    supervision.watch_launcher(int(os.environ.get("RANK", "0")), os.getppid(), what="its torchrun agent")
     local, nodes = launched_shape()
     trainer = cfg.trainer
     if cfg.strategy.get("name") == "ddp_spawn":
@@ -155,6 +152,15 @@ def run_dir_for(default: Path) -> Path:
 
 # -- the process group of each attempt --------------------------------------------------------------------------
 
+_PREFIX: str | None = None  # the store prefix this attempt's ranks agreed on
+
+
+def attempt_prefix() -> str:
+    """This attempt's key prefix in the rendezvous store (the run's failure record lives under it too,
+    src/supervision.py). Without the agent's store, each attempt's store is new: the restart count will do."""
+    return _PREFIX or f"cifar10_ddp/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+
+
 def attempt_store(rank: int, world_size: int, timeout: timedelta) -> Any:
     """The store this attempt's process group forms on: the agent's store under a prefix of this attempt's own.
 
@@ -165,9 +171,8 @@ def attempt_store(rank: int, world_size: int, timeout: timedelta) -> Any:
     fresh prefix and hands it to each rank under that rank's own random key, which no earlier attempt can
     have written.
     """
+    global _PREFIX
     import torch.distributed as dist
-
-    from src import supervision
 
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "False") != "True":
         return None  # rank 0 hosts a new store on a new port each attempt: nothing stale to read
@@ -183,7 +188,7 @@ def attempt_store(rank: int, world_size: int, timeout: timedelta) -> Any:
         store.set(f"{_HELLO}{rank}", nonce)
         store.wait([f"{_ANSWER}{nonce}"], timeout)
         prefix = store.get(f"{_ANSWER}{nonce}").decode()
-    supervision.ATTEMPT_PREFIX = prefix  # the run's failure record lives under it too
+    _PREFIX = prefix
     return dist.PrefixStore(prefix + "pg/", store)
 
 

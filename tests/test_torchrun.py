@@ -218,9 +218,6 @@ def test_workers_do_not_outlive_a_torchrun_agent_killed_with_sigkill(new_run_dir
 @pytest.fixture
 def under_torchrun(monkeypatch):
     """This process as worker RANK of a torchrun run: ``world`` processes, ``local`` of them per node."""
-    from src import supervision
-
-    monkeypatch.setattr(supervision, "watch_launcher", lambda *args, **kwargs: None)  # pytest's parent is no agent
 
     def set_env(world: int, local: int, rank: int = 0) -> None:
         for key, value in {"TORCHELASTIC_RUN_ID": "unit", "WORLD_SIZE": world, "LOCAL_WORLD_SIZE": local,

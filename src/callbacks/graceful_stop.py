@@ -10,7 +10,6 @@ same sum after the same batch, so all stop together, whichever of them was signa
 
 from __future__ import annotations
 
-import os
 import signal
 import threading
 from pathlib import Path
@@ -20,6 +19,7 @@ import lightning as L
 import torch
 import torch.distributed as dist
 
+from src import torchrun
 from src.checkpoints import LAST, LastCheckpoint
 
 
@@ -72,7 +72,7 @@ class GracefulStop(L.Callback):
         if not self._agreed():
             return
         path = self._save(trainer)
-        then = ("torchrun's next attempt resumes from there" if "TORCHELASTIC_RUN_ID" in os.environ
+        then = ("torchrun's next attempt resumes from there" if torchrun.active()
                 else f"resume with ckpt_path={path}")
         raise Terminated(self._signal_or_sigterm(), f"{self._name()} after step {trainer.global_step}: every rank stopped "
                          f"there and {path} holds that step; {then}")

@@ -19,31 +19,25 @@ import torch
 import torch.nn.functional as F
 
 
-def shard_indices(n: int, rank: int, world_size: int, epoch: int, seed: int, shuffle: bool) -> torch.Tensor:
-    """The indices ``DistributedSampler(n, world_size, rank, shuffle, seed)`` yields in ``epoch``, as a tensor."""
+def shard_indices(n: int, rank: int, world_size: int, epoch: int, seed: int, shuffle: bool, skip: int = 0
+                  ) -> torch.Tensor:
+    """The indices ``DistributedSampler(n, world_size, rank, shuffle, seed)`` yields in ``epoch``, as a tensor.
+
+    ``skip``: images of the epoch's order trained on already, by a world of another size (a run resumed after
+    torchrun re-formed its group). The sampler interleaves the order over the ranks, so what any world has
+    trained on is a prefix of it; the rest is split over this world the same way.
+    """
     if shuffle:
         order = torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch))
     else:
         order = torch.arange(n)
-    total = math.ceil(n / world_size) * world_size
-    if total > n:  # pad by repeating from the start, as the sampler does, so every rank has as many
-        order = torch.cat([order] * math.ceil(total / n))[:total]
+    order = order[min(skip, n):]
+    if len(order) == 0:
+        return order
+    total = math.ceil(len(order) / world_size) * world_size
+    if total > len(order):  # pad by repeating from the start, as the sampler does, so every rank has as many
+        order = torch.cat([order] * math.ceil(total / len(order)))[:total]
     return order[rank:total:world_size]
-
-
-def remaining_shard(n: int, trained: int, rank: int, world_size: int, epoch: int, seed: int, shuffle: bool
-                    ) -> torch.Tensor:
-    """This rank's share of the images of ``epoch`` after its first ``trained`` (in the epoch's order), for a run
-    that resumed at another world size: the order the sampler's interleaving gave every rank, cut after the
-    images trained on and split over the new world the same way."""
-    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch)) if shuffle else torch.arange(n)
-    rest = order[min(trained, n):]
-    if len(rest) == 0:
-        return rest
-    total = math.ceil(len(rest) / world_size) * world_size
-    if total > len(rest):
-        rest = torch.cat([rest] * math.ceil(total / len(rest)))[:total]
-    return rest[rank:total:world_size]
 
 
 def crop_and_flip_params(n: int, epoch: int, seed: int, padding: int) -> torch.Tensor:
@@ -83,7 +77,10 @@ class DeviceBatches:
         self._resume_at: dict[str, int] | None = None
 
     def __len__(self) -> int:
-        return self.per_rank // self.batch_size if self.drop_last else math.ceil(self.per_rank / self.batch_size)
+        return self._batches(self.per_rank)
+
+    def _batches(self, images: int) -> int:
+        return images // self.batch_size if self.drop_last else math.ceil(images / self.batch_size)
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         epoch = self.epoch_of()
@@ -92,17 +89,13 @@ class DeviceBatches:
         if at is not None and at["epoch"] == epoch:
             base, start = self._continue_from(at)
         self.epoch, self.consumed, self.base = epoch, start, base
-        if base == 0:
-            indices = shard_indices(self.num_images, self.rank, self.world_size, epoch, self.seed, self.shuffle)
-        else:
-            indices = remaining_shard(self.num_images, base, self.rank, self.world_size, epoch, self.seed, self.shuffle)
-        indices = indices.to(self.device)
+        indices = shard_indices(self.num_images, self.rank, self.world_size, epoch, self.seed, self.shuffle,
+                                skip=base).to(self.device)
         params = None
         if self.augment:
             params = crop_and_flip_params(self.num_images, epoch, self.seed, self.padding).to(self.device)
         first = start - base // (self.batch_size * self.world_size)  # this pass's own batch numbering
-        available = len(indices) // self.batch_size if self.drop_last else math.ceil(len(indices) / self.batch_size)
-        for b in range(first, min(available, first + len(self) - start)):
+        for b in range(first, min(self._batches(len(indices)), first + len(self) - start)):
             batch = indices[b * self.batch_size:(b + 1) * self.batch_size]
             yield self._gather(batch, params), self.labels[batch]
 
