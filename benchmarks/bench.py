@@ -73,16 +73,16 @@ def project(args: argparse.Namespace, processes: int, cuda: bool, out: Path, pip
     started = run(command, out / f"project-{processes}-{pipeline}.log", args.timeout)
     record = json.loads((run_dir / "throughput.json").read_text())
     assert record["steps_measured"] == args.steps, record
-    chosen = auto_choice(cuda)
+    chosen = auto_choice(cuda, args.arch)
     assert (record["precision"], record["channels_last"]) == (chosen.precision, chosen.channels_last), record
     return {"images_per_second": record["samples_per_second"], "launch_s": record["first_step_at"] - started}
 
 
-def auto_choice(cuda: bool):
-    """What the project's trainer.precision=auto and model.channels_last=auto pick on this machine."""
+def auto_choice(cuda: bool, arch: str):
+    """What the project's trainer.precision=auto and model.channels_last=auto pick for ``arch`` on this machine."""
     from src.fast_path import fast_path
 
-    return fast_path("cuda" if cuda else "cpu")
+    return fast_path("cuda" if cuda else "cpu", arch)
 
 
 def bare(args: argparse.Namespace, processes: int, cuda: bool, out: Path, defaults: bool = False) -> dict[str, float]:
@@ -93,7 +93,7 @@ def bare(args: argparse.Namespace, processes: int, cuda: bool, out: Path, defaul
                str(ROOT / "benchmarks" / "bare_ddp.py"), f"--arch={args.arch}", f"--batch-size={args.batch_size}",
                f"--steps={args.steps}", f"--warmup={args.warmup}", f"--images={images_needed(args, processes)}",
                f"--out={result}"]
-    chosen = auto_choice(cuda)
+    chosen = auto_choice(cuda, args.arch)
     if not defaults:
         command += ["--bf16"] if chosen.precision == "bf16-mixed" else []
         command += ["--channels-last"] if chosen.channels_last else []
@@ -124,7 +124,7 @@ def main() -> int:
     args = parser.parse_args()
     backend = "nccl" if cuda else "gloo"
     pipelines = args.pipelines.split(",")
-    chosen = auto_choice(cuda)
+    chosen = auto_choice(cuda, args.arch)
     # the bare loop's own defaults differ from the project's choice: measure them too, at the first world size
     bare_defaults_differ = chosen.precision != "32-true" or chosen.channels_last
     first = int(args.processes.split(",")[0])

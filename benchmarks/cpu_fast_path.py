@@ -77,7 +77,7 @@ def main() -> int:
     best = {v: max(r["samples_per_second"] for r in runs) for v, runs in records.items()}
 
     isa = cpu_bf16_isa()
-    auto = fast_path("cpu")
+    auto = fast_path("cpu", args.arch)
     print(f"\n{args.arch} (CIFAR stem), batch {args.batch_size}, one process, {torch.get_num_threads()} threads, "
           f"{args.steps} steps timed after {args.warmup} warm-up steps, best of {args.repeats} interleaved runs, "
           f"{device_name(torch.device('cpu'))}, torch {torch.__version__}, vector ISA {cpu_capability()}, "

@@ -34,7 +34,7 @@ def main(cfg: DictConfig) -> dict[str, float]:
     except (KeyError, TypeError, RuntimeError) as err:
         raise UserError(f"ckpt_path={path} is not a checkpoint of this project's model "
                         f"({type(err).__name__}: {str(err).splitlines()[0]})") from err
-    trainer = build_trainer(cfg)
+    trainer = build_trainer(cfg, model.hparams.arch)
     record_config(cfg, trainer)
     datamodule.prepare_data()
     metrics = {k: float(v) for k, v in trainer.test(model, datamodule=datamodule, verbose=False)[0].items()}

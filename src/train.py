@@ -47,7 +47,7 @@ def main(cfg: DictConfig) -> float | None:
                 log.info(line)
     del checkpoint  # Lightning loads it again on every rank
     quiet_resume(ckpt_path, getattr(datamodule, "pipeline", None) == "device")
-    trainer = build_trainer(cfg)
+    trainer = build_trainer(cfg, model.hparams.arch)
     record_config(cfg, trainer)
     if is_launch_rank_zero():
         datamodule.prepare_data()  # missing or bad data fails here, before the ranks meet

@@ -38,15 +38,16 @@ def route_lightning_logs() -> None:
     quiet_console()
 
 
-def hardware_defaults(trainer_cfg: DictConfig) -> dict:
-    """``precision`` and ``benchmark`` left at ``auto``, resolved for the hardware found (src/fast_path.py).
+def hardware_defaults(trainer_cfg: DictConfig, arch: str = "resnet50") -> dict:
+    """``precision`` and ``benchmark`` left at ``auto``, resolved for the hardware found and the network
+    ``arch`` trains (src/fast_path.py).
 
     On CUDA also cuDNN autotuning (CIFAR's shapes never change) and TF32 matmuls.
     """
     cuda = uses_cuda(trainer_cfg.accelerator)
     resolved = {}
     if trainer_cfg.precision == "auto":
-        resolved["precision"] = fast_path("cuda" if cuda else device_type(trainer_cfg.accelerator)).precision
+        resolved["precision"] = fast_path("cuda" if cuda else device_type(trainer_cfg.accelerator), arch).precision
     if trainer_cfg.benchmark == "auto":
         resolved["benchmark"] = cuda and not trainer_cfg.deterministic
     if cuda:
@@ -70,8 +71,9 @@ def check_trainer_settings(trainer_cfg: DictConfig) -> None:
                         "(Lightning's -1, 'forever', would leave the learning-rate schedule without an end)")
 
 
-def build_trainer(cfg: DictConfig) -> L.Trainer:
-    """A Trainer whose strategy, callbacks and loggers come from their config groups."""
+def build_trainer(cfg: DictConfig, arch: str) -> L.Trainer:
+    """A Trainer whose strategy, callbacks and loggers come from their config groups; ``arch``: the network it
+    trains or tests (what ``trainer.precision=auto`` is measured with on a CPU)."""
     check_trainer_settings(cfg.trainer)
     route_lightning_logs()
     callbacks = [instantiate(c) for c in (cfg.get("callbacks") or {}).values() if c is not None]
@@ -81,7 +83,7 @@ def build_trainer(cfg: DictConfig) -> L.Trainer:
         # src/callbacks/slurm_requeue.py owns SIGUSR1 instead of Lightning (see there why)
         plugins.append(SLURMEnvironment(auto_requeue=False))
     return instantiate(cfg.trainer, strategy=instantiate(cfg.strategy), callbacks=callbacks,
-                       logger=loggers or False, plugins=plugins, **hardware_defaults(cfg.trainer))
+                       logger=loggers or False, plugins=plugins, **hardware_defaults(cfg.trainer, arch))
 
 
 def record_config(cfg: DictConfig, trainer: L.Trainer) -> None:

@@ -19,7 +19,7 @@ def test_the_benchmark_compares_the_project_with_the_bare_loop_and_ends_with_the
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     lines = result.stdout.strip().splitlines()
     rows = {line.split(" | ")[1]: line.strip("| ").split(" | ") for line in lines if line.startswith("| 1 |")}
-    chosen = fast_path("cpu")  # the project's defaults here; the bare loop is given the same
+    chosen = fast_path("cpu", "resnet18")  # the project's defaults here; the bare loop is given the same
     fmt = chosen.label
     own_defaults = {"bare DDP loop (DataLoader), its defaults: 32-true, contiguous"} if fmt != "32-true, contiguous" else set()
     assert set(rows) == {f"bare DDP loop (DataLoader), {fmt}", "project, data.pipeline=device, defaults",

@@ -80,7 +80,7 @@ def test_trainer_builds_from_the_composed_config(tmp_path):
     cfg = make_cfg(tmp_path, "trainer.accelerator=cpu", "trainer.max_epochs=1")
     from src.trainer import build_trainer
 
-    trainer = build_trainer(cfg)
+    trainer = build_trainer(cfg, cfg.model.arch)
     assert isinstance(trainer, L.Trainer) and trainer.max_epochs == 1
     names = {type(c).__name__ for c in trainer.callbacks}
     assert {"ModelCheckpoint", "LastCheckpoint", "LearningRateMonitor", "ThroughputRecorder", "ProgressBar", "RunSummary",

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+
 import pytest
 import torch
 from omegaconf import OmegaConf
 
-from src.fast_path import cpu_bf16_isa, fast_path
+from src import fast_path as fp
+from src.fast_path import BF16_MIN_SPEEDUP, cpu_bf16_isa, fast_path
 from src.trainer import hardware_defaults
+from tests.conftest import ROOT
 
 
 def cpu_trainer(**overrides):
@@ -15,32 +21,103 @@ def cpu_trainer(**overrides):
                              **overrides})
 
 
-def pretend_cpu(monkeypatch, avx512_bf16: bool, amx: bool) -> None:
-    """The one stand-in here: the CPU's instruction set, which no test can change for real."""
+@pytest.fixture(autouse=True)
+def fresh_answers(monkeypatch, tmp_path):
+    """Each test decides anew, with a cache of its own."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    fast_path.cache_clear()
+    yield
+    fast_path.cache_clear()
+
+
+def pretend_cpu(monkeypatch, avx512_bf16: bool, amx: bool, speedup: float | None = None) -> list[str]:
+    """The stand-ins here: the CPU's instruction set, and what timing its bf16 steps would show, neither of which
+    a test can change for real. Returns the networks that were timed."""
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    timed: list[str] = []
+
+    def measured(arch: str) -> dict:
+        timed.append(arch)
+        return {"speedup": speedup, "fp32_img_s": 10.0, "bf16_img_s": 10.0 * speedup, "threads": 2}
+
+    monkeypatch.setattr(fp, "measure_bf16_speedup", measured)
+    return timed
 
 
 @pytest.mark.parametrize(("avx512_bf16", "amx", "isa"), [(True, False, "AVX512_BF16"), (True, True, "AMX"),
                                                           (False, True, "AMX")])
-def test_a_cpu_with_native_bf16_trains_in_bf16_and_channels_last(monkeypatch, avx512_bf16, amx, isa):
-    pretend_cpu(monkeypatch, avx512_bf16, amx)
-    chosen = fast_path("cpu")
+def test_a_cpu_whose_native_bf16_measures_faster_trains_in_bf16_and_channels_last(monkeypatch, avx512_bf16, amx, isa):
+    pretend_cpu(monkeypatch, avx512_bf16, amx, speedup=2.37)
+    chosen = fast_path("cpu", "resnet50")
     assert (chosen.precision, chosen.channels_last) == ("bf16-mixed", True)
-    assert isa in chosen.why
-    assert hardware_defaults(cpu_trainer()) == {"precision": "bf16-mixed", "benchmark": False}
+    assert chosen.why == (f"the CPU has native bf16 ({isa}) and a resnet50 train step measured 2.37x the fp32 rate "
+                          "in bf16 on this CPU")
+    assert hardware_defaults(cpu_trainer(), "resnet50") == {"precision": "bf16-mixed", "benchmark": False}
 
 
-def test_a_cpu_without_native_bf16_stays_32_bit(monkeypatch):
-    pretend_cpu(monkeypatch, False, False)
-    chosen = fast_path("cpu")
-    assert chosen.precision == "32-true" and "no native bf16" in chosen.why
-    assert hardware_defaults(cpu_trainer()) == {"precision": "32-true", "benchmark": False}
+@pytest.mark.parametrize("speedup", [0.79, 1.05])
+def test_a_cpu_whose_native_bf16_is_not_faster_stays_32_bit_and_says_what_it_measured(monkeypatch, speedup):
+    pretend_cpu(monkeypatch, True, False, speedup=speedup)
+    assert speedup < BF16_MIN_SPEEDUP
+    chosen = fast_path("cpu", "resnet18")
+    assert (chosen.precision, chosen.channels_last) == ("32-true", True)
+    assert chosen.why == (f"the CPU has native bf16 (AVX512_BF16) but a resnet18 train step measured {speedup:.2f}x "
+                          "the fp32 rate in bf16 on this CPU")
+
+
+def test_a_cpu_without_native_bf16_stays_32_bit_without_timing_anything(monkeypatch):
+    timed = pretend_cpu(monkeypatch, False, False, speedup=3.0)
+    chosen = fast_path("cpu", "resnet50")
+    assert chosen.precision == "32-true" and chosen.channels_last and "no native bf16" in chosen.why
+    assert hardware_defaults(cpu_trainer(), "resnet50") == {"precision": "32-true", "benchmark": False}
+    assert timed == []
 
 
 def test_a_precision_the_user_set_is_kept(monkeypatch):
-    pretend_cpu(monkeypatch, True, False)
-    assert hardware_defaults(cpu_trainer(precision="32-true")) == {"benchmark": False}
+    timed = pretend_cpu(monkeypatch, True, False, speedup=3.0)
+    assert hardware_defaults(cpu_trainer(precision="32-true"), "resnet50") == {"benchmark": False}
+    assert timed == []
+
+
+def test_the_measurement_is_kept_per_network_and_read_back_by_later_processes(monkeypatch):
+    timed = pretend_cpu(monkeypatch, True, False, speedup=1.5)
+    assert fast_path("cpu", "resnet18").precision == "bf16-mixed"
+    fast_path.cache_clear()  # a later process: this one's memory gone, the file kept
+    assert fast_path("cpu", "resnet18").precision == "bf16-mixed"
+    fast_path("cpu", "resnet50")
+    assert timed == ["resnet18", "resnet50"]
+    kept = json.loads(fp.cache_file().read_text())
+    assert sorted(key.rsplit(" | ", 1)[1] for key in kept) == ["resnet18", "resnet50"]
+    assert all(f"torch {torch.__version__}" in key and fp.cpu_model() in key for key in kept)
+
+
+def test_processes_starting_together_measure_once_and_agree(tmp_path):
+    """Two real processes, no cache yet: the file lock makes one time the steps while the other waits for its answer."""
+    code = ("import sys; from src import fast_path as fp; fp.cpu_bf16_isa = lambda: 'AVX512_BF16'; timed = [];"
+            "real = fp.measure_bf16_speedup\n"
+            "def measure(arch):\n    timed.append(arch); return real(arch)\n"
+            "fp.measure_bf16_speedup = measure; chosen = fp.fast_path('cpu', 'resnet18');"
+            "print(chosen.precision, len(timed), fp.bf16_speedup('resnet18'))")
+    env = {"XDG_CACHE_HOME": str(tmp_path / "cache"), "PATH": "/usr/bin:/bin"}
+    procs = [subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    answers = [p.communicate(timeout=600)[0].split() for p in procs]
+    assert all(p.returncode == 0 for p in procs)
+    assert sorted(a[1] for a in answers) == ["0", "1"]  # one measured, the other read its answer
+    assert answers[0][0] == answers[1][0] and answers[0][2] == answers[1][2]
+    kept = json.loads((tmp_path / "cache" / "cifar10-ddp" / "cpu-bf16.json").read_text())
+    (record,) = kept.values()
+    assert record["fp32_img_s"] > 0 and record["bf16_img_s"] > 0
+    assert record["speedup"] == pytest.approx(record["bf16_img_s"] / record["fp32_img_s"], rel=0.01)
+
+
+def test_an_unwritable_cache_still_answers(monkeypatch, tmp_path):
+    timed = pretend_cpu(monkeypatch, True, False, speedup=0.8)
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(blocker))  # a file where the cache folder would go
+    assert fast_path("cpu", "resnet18").precision == "32-true" and timed == ["resnet18"]
 
 
 def test_this_machine_is_read_from_what_torch_reports():

@@ -150,7 +150,7 @@ def test_channels_last_and_compile_are_switches(tmp_path):
     auto = ImageClassifier(arch="resnet18")  # auto: what src/fast_path.py found faster on this CPU
     auto.trainer = trainer
     auto.setup("fit")
-    expected = torch.channels_last if fast_path("cpu").channels_last else torch.contiguous_format
+    expected = torch.channels_last if fast_path("cpu", "resnet18").channels_last else torch.contiguous_format
     assert auto.memory_format == expected and auto.net.conv1.weight.is_contiguous(memory_format=expected)
     with pytest.raises(UserError, match="model.channels_last"):
         ImageClassifier(arch="resnet18", channels_last="yes")

@@ -47,7 +47,7 @@ def single_run(tmp_path_factory) -> Path:
                    f"hydra.run.dir={run_dir}")
     assert_ok(result)
     assert "Run: 1 node(s) x 1 device(s) = world size 1 | strategy single-device" in output(result)
-    chosen = fast_path("cpu")  # what auto resolves to on this machine's CPU, and the run line says why
+    chosen = fast_path("cpu", "resnet18")  # what auto resolves to on this machine's CPU, and the run line says why
     assert f"| precision {chosen.label} (auto: {chosen.why}) |" in output(result)
     record = json.loads((run_dir / "throughput.json").read_text())
     assert (record["precision"], record["channels_last"], record["arch"]) == (chosen.precision, chosen.channels_last,

@@ -34,7 +34,7 @@ def number_format(trainer: L.Trainer, pl_module: L.LightningModule, precision: s
     why = ""
     if any(asked):
         what = "auto" if all(asked) else ("precision auto" if asked[0] else "channels_last auto")
-        why = f" ({what}: {fast_path(trainer.strategy.root_device.type).why})"
+        why = f" ({what}: {fast_path(trainer.strategy.root_device.type, pl_module.hparams.arch).why})"
     return f"precision {trainer.precision}, {layout}{why}"
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import resource
 import socket
 import time
@@ -21,19 +20,14 @@ import lightning as L
 import torch
 
 from src.callbacks.run_summary import strategy_name
+from src.fast_path import cpu_model
 
 
 def device_name(device: torch.device) -> str:
     """'NVIDIA H100 80GB HBM3', or the CPU model and core count."""
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    model = platform.processor() or "CPU"
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
-    except OSError:
-        pass
-    return f"{model} ({len(os.sched_getaffinity(0))} cores)"
+    return f"{cpu_model()} ({len(os.sched_getaffinity(0))} cores)"
 
 
 def _peak_memory_mb(device: torch.device) -> float:

@@ -67,7 +67,7 @@ class ImageClassifier(L.LightningModule):
     def setup(self, stage: str) -> None:
         channels_last = self.hparams.channels_last
         if channels_last == "auto":  # what the hardware found runs faster: src/fast_path.py
-            channels_last = fast_path(self.trainer.strategy.root_device.type).channels_last
+            channels_last = fast_path(self.trainer.strategy.root_device.type, self.hparams.arch).channels_last
         if channels_last:
             self.memory_format = torch.channels_last
             self.net.to(memory_format=self.memory_format)
