@@ -55,6 +55,19 @@ def unwritable_run_dir(err: OSError) -> str:
             "(hydra.sweep.dir=DIR with -m) somewhere you can write, or fix its permissions")
 
 
+def require(package: str, extra: str, what: str) -> None:
+    """Raise a UserError if ``package`` is not installed; ``what`` is the choice that needs it."""
+    import importlib.util
+
+    try:
+        found = importlib.util.find_spec(package) is not None
+    except (ImportError, ValueError):  # a broken or half-removed install
+        found = False
+    if not found:
+        raise UserError(f'{what} needs the {package} package, which is not installed: pip install -e ".[{extra}]" '
+                        f"(or pip install {package})")
+
+
 def user_error_in(err: BaseException) -> BaseException | None:
     """The UserError (or Lightning's MisconfigurationException) behind ``err``, through Hydra's wrapping."""
     lightning = sys.modules.get("lightning.fabric.utilities.exceptions")  # not loaded: none of its errors is raised

@@ -16,6 +16,7 @@ from src.checkpoints import AtomicCheckpointIO, read_checkpoint
 from src.console import quiet_console, quiet_dependencies
 from src.fast_path import fast_path
 from src.launch import is_launch_rank_zero, uses_cuda
+from src.loggers import remember_runs
 from src.errors import UserError
 
 ACCELERATORS = ("auto", "cpu", "gpu", "cuda", "mps")
@@ -87,7 +88,8 @@ def build_trainer(cfg: DictConfig, arch: str) -> L.Trainer:
 
 
 def record_config(cfg: DictConfig, trainer: L.Trainer) -> None:
-    """Rank zero saves the resolved config beside the outputs and logs it as hyperparameters."""
+    """Rank zero saves the resolved config beside the outputs, logs it as hyperparameters, and records which
+    MLflow / W&B runs that opened (src/loggers.py)."""
     if not is_launch_rank_zero():
         return
     resolved = OmegaConf.to_container(cfg, resolve=True)
@@ -96,6 +98,7 @@ def record_config(cfg: DictConfig, trainer: L.Trainer) -> None:
     (out / "config.yaml").write_text(OmegaConf.to_yaml(resolved))
     for logger in trainer.loggers:
         logger.log_hyperparams(resolved)
+    remember_runs(trainer.loggers, cfg.paths.output_dir)
 
 
 def test_summary(metrics: dict[str, float], weights: str, trainer: L.Trainer,
