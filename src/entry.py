@@ -21,7 +21,8 @@ from typing import Any, Callable
 
 from src import launch, supervision, torchrun
 from src.errors import (EXIT_FAILED, EXIT_USER_ERROR, FAILURE_FILE, USER_FULL_ERROR, UserError, hydra_error_message,
-                        one_line, report, storage_error_in, user_error_in, wants_traceback)
+                        one_line, report, require, storage_error_in, user_error_in, wants_traceback)
+from src.run_dir import resume_own_run_dir
 
 log = logging.getLogger(__name__)
 _task_started = False  # an OSError before any task ran is Hydra's: the run dir or its log file
@@ -60,9 +61,14 @@ def handle_errors(task: Callable[..., Any]) -> Callable[..., Any]:
         threading.excepthook = _quiet_storage_errors
         try:
             check_group_choices()
-            if torchrun.active():  # its process counts; every attempt resumes; a worker never outlives its agent
+            if torchrun.active():  # its process counts; a worker never outlives its agent
                 supervision.watch_launcher(int(os.environ["RANK"]), os.getppid(), what="its torchrun agent")
                 torchrun.adopt(cfg, overridden_keys())
+            # every torchrun attempt resumes (torchrun does not count the restart it makes when a node joins: a worker
+            # cannot tell that attempt from a first start), and so does a sweep's job run again
+            if torchrun.active() or launch.in_sweep():
+                resume_own_run_dir(cfg)
+            check_extras(cfg)
             _resolve_all(cfg)
             result = task(cfg)
         except Exception as err:  # noqa: BLE001 - every failure ends the run the same way
@@ -180,6 +186,20 @@ def check_group_choices() -> None:
         if option not in options:
             raise UserError(f"{group}={option} is not an option of config group {group}: "
                             f"choose one of {', '.join(options)}")
+
+
+def check_extras(cfg: Any) -> None:
+    """A choice whose optional package is missing (``logger=mlflow`` without mlflow): one line naming the extra
+    (pyproject.toml), before any other process starts."""
+    loggers = cfg.get("logger") or {}
+    needs = [(f"logger={name}", name) for name in ("mlflow", "wandb") if name in loggers]
+    if cfg.get("search") is not None:  # conf/hparams_search/optuna.yaml
+        needs.append(("hparams_search=optuna", "optuna"))
+        if cfg.search.get("trial") is None:  # not a trial the sweeper started: the -m is missing
+            raise UserError("hparams_search=optuna searches as a multirun: add -m "
+                            "(python -m src.train -m hparams_search=optuna ...)")
+    for what, package in needs:
+        require(package, package, what)
 
 
 def overridden_keys() -> set[str]:

@@ -58,11 +58,13 @@ def check_strategy(name: str, backend: str, timeout_s: Any, accelerator: str, de
     return name, local
 
 
-def start_local_ranks(strategy: Any) -> None:
+def start_local_ranks(strategy: Any, ckpt_path: str | None = None) -> None:
     """In the process the user started, start this node's other ranks now, if this run has any (ddp, >1 device).
 
-    ``strategy`` is the composed ``cfg.strategy``. LOCAL_RANK=0 in this process then tells Lightning the ranks
-    exist already (its launcher starts none). Under srun, torchrun and the like, their launcher starts them.
+    ``strategy`` is the composed ``cfg.strategy``; ``ckpt_path`` the run's, which the ranks of a sweep's job take
+    from this process (a job run again resumes: src/run_dir.py). LOCAL_RANK=0 in this process then tells
+    Lightning the ranks exist already (its launcher starts none). Under srun, torchrun and the like, their
+    launcher starts them.
     """
     if "LOCAL_RANK" in os.environ or any(key in os.environ for key in _EXTERNAL_LAUNCHERS):
         return
@@ -75,12 +77,15 @@ def start_local_ranks(strategy: Any) -> None:
     os.environ.setdefault("NODE_RANK", "0")
     os.environ["LOCAL_RANK"] = "0"
     os.environ["WORLD_SIZE"] = str(local * strategy.num_nodes)
-    spawn_local_ranks(local, int(os.environ["NODE_RANK"]))
+    extra = [f'ckpt_path="{ckpt_path}"'] if ckpt_path is not None and in_sweep() else []
+    spawn_local_ranks(local, int(os.environ["NODE_RANK"]), extra)
 
 
-def spawn_local_ranks(local_processes: int, node_rank: int) -> list[subprocess.Popen]:
-    """Start local ranks 1..N-1 of this node with this job's command line and environment; watch them."""
+def spawn_local_ranks(local_processes: int, node_rank: int, extra: list[str] = ()) -> list[subprocess.Popen]:
+    """Start local ranks 1..N-1 of this node with this job's command line (and ``extra`` overrides) and
+    environment; watch them."""
     command, cwd = child_command()
+    command += extra
     procs, ranks = [], []
     for local_rank in range(1, local_processes):
         env = {**os.environ, "LOCAL_RANK": str(local_rank), _LAUNCHER_PID: str(os.getpid())}

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig, OmegaConf, read_write
+from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from src import torchrun
 from src.errors import report, unwritable_run_dir
@@ -149,3 +149,41 @@ def _earlier_run_of_this_slurm_job(holder: dict[str, Any] | None) -> bool:
 def _warn(message: str) -> None:
     log.warning(message)
     print(f"warning: {message}", file=sys.stderr, flush=True)
+
+
+# -- a run dir taken up again, and how a run in it ended ---------------------------------------------------------
+
+RESULT_FILE = "result.json"  # written when a training run ends well: a sweep does not run that job again
+
+
+def resume_own_run_dir(cfg: DictConfig) -> None:
+    """A run started again in its own run dir continues it (a torchrun attempt, a sweep's job run again):
+    ``ckpt_path`` becomes ``auto``. A ``ckpt_path=FILE`` the run began from counts until the run dir has a
+    ``last.ckpt`` of its own."""
+    if cfg.get("task_name") != "train" or cfg.ckpt_path in ("last", "auto"):
+        return
+    last = Path(cfg.paths.output_dir, "checkpoints", "last.ckpt")
+    if cfg.ckpt_path is None or last.exists():
+        with open_dict(cfg):
+            cfg.ckpt_path = "auto"
+
+
+def record_result(run_dir: str | Path, **result: Any) -> None:
+    """Write ``DIR/result.json``: the run ended well (the run's owner calls this last), with what it returns."""
+    from hydra.core.hydra_config import HydraConfig
+
+    overrides = list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else None
+    record = {"finished": time.strftime("%Y-%m-%d %H:%M:%S"), **result, "overrides": overrides}
+    path = Path(run_dir) / RESULT_FILE
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(record, indent=2) + "\n")
+    os.replace(tmp, path)  # a run killed while writing leaves no half-written result behind
+
+
+def read_result(run_dir: str | Path) -> dict[str, Any] | None:
+    """What ``DIR/result.json`` says, or None if the run there never ended well."""
+    try:
+        result = json.loads((Path(run_dir) / RESULT_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return result if isinstance(result, dict) else None

@@ -6,13 +6,19 @@
 The overrides are expanded as ``python -m src.train -m`` would (Hydra's own sweep syntax). Every job
 is ``sbatch slurm/train.sbatch`` with ``--nodes`` = its ``trainer.num_nodes`` and ``--ntasks-per-node``
 = its ``trainer.devices`` (and ``--gpus-per-node`` the same, unless you pass one), writing into
-``outputs/slurm/sweeps/<time>/<k>/``. A last job, started when all of them have ended, writes the
-scaling report there (``src.report``). hydra-submitit-launcher would size every job like the first
-(it resolves its resources once per sweep), so the jobs are submitted here instead.
+``outputs/slurm/sweeps/<time>/<k>/`` (``SWEEP_DIR=...`` to choose). A last job, started when all of them
+have ended, writes the scaling report there (``src.report``). hydra-submitit-launcher would size every job
+like the first (it resolves its resources once per sweep), so the jobs are submitted here instead.
+
+Run again with the same ``SWEEP_DIR`` and overrides, it resumes the sweep: a job that finished (its
+``result.json``) or that Slurm still holds (pending, running) is not submitted again; the others are, and
+resume from their own ``last.ckpt`` (slurm/train.sbatch passes ``ckpt_path=auto``). ``jobs.json`` in the sweep
+dir records each job's overrides and Slurm job id.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import subprocess
@@ -23,7 +29,11 @@ from pathlib import Path
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
+from src.run_dir import RESULT_FILE, read_result
+
 SBATCH_SCRIPT = "slurm/train.sbatch"
+JOBS_FILE = "jobs.json"
+HELD = ("PENDING", "CONFIGURING", "RUNNING", "REQUEUED", "REQUEUE_HOLD", "RESIZING", "SUSPENDED", "COMPLETING")
 SIZE_KEYS = {"trainer.devices": "--ntasks-per-node", "trainer.num_nodes": "--nodes"}
 
 
@@ -68,23 +78,56 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     sweep_dir = Path(os.environ.get("SWEEP_DIR") or f"outputs/slurm/sweeps/{time.strftime('%Y-%m-%d_%H-%M-%S')}")
     sweep_dir.mkdir(parents=True, exist_ok=True)
-    ids = []
+    record = sweep_dir / JOBS_FILE
+    earlier = json.loads(record.read_text())["jobs"] if record.is_file() else []
+    if earlier and [j["overrides"] for j in earlier] != jobs:
+        print(f"error: SWEEP_DIR={sweep_dir} holds another sweep ({record} lists other jobs): pass a new SWEEP_DIR to "
+              "start another sweep, or the same overrides to go on with that one", file=sys.stderr)
+        return 2
+    ids = [j.get("slurm_job") for j in earlier] or [None] * len(jobs)
+    waiting = []  # the Slurm jobs the report waits for
     try:
         for k, job in enumerate(jobs):
-            ids.append(submit(sbatch_command(job, sweep_dir / str(k), sbatch_options)))
-            print(f"job {k}: Slurm job {ids[-1]}: {' '.join(job)}")
-        report = submit(["sbatch", "--parsable", f"--dependency=afterany:{':'.join(ids)}", "--nodes=1", "--ntasks=1",
+            if read_result(sweep_dir / str(k)) is not None:
+                print(f"job {k}: finished in an earlier run of this sweep ({sweep_dir / str(k) / RESULT_FILE}): "
+                      "not submitted again")
+                continue
+            state = slurm_state(ids[k]) if ids[k] else ""
+            if state in HELD:
+                print(f"job {k}: Slurm job {ids[k]} is still {state.lower()}: not submitted again")
+                waiting.append(ids[k])
+                continue
+            ids[k] = submit(sbatch_command(job, sweep_dir / str(k), sbatch_options))
+            waiting.append(ids[k])
+            print(f"job {k}: Slurm job {ids[k]}: {' '.join(job)}")
+            _record(record, jobs, ids)
+        dependency = [f"--dependency=afterany:{':'.join(waiting)}"] if waiting else []
+        report = submit(["sbatch", "--parsable", *dependency, "--nodes=1", "--ntasks=1",
                          f"--output={sweep_dir}/report.out", "--job-name=scaling-report",
                          "--wrap", f"{shlex.quote(os.environ.get('PYTHON', '.venv/bin/python'))} -m src.report "
                                    f"{shlex.quote(str(sweep_dir))}"])
     except (RuntimeError, ValueError) as err:
-        for job_id in ids:
+        for job_id in waiting:
             subprocess.run(["scancel", job_id], check=False)
         print(f"error: {err}", file=sys.stderr)
         return 2
-    print(f"report: Slurm job {report}, when all {len(ids)} jobs have ended: {sweep_dir}/scaling.md")
-    print(f"sweep dir: {sweep_dir}")
+    print(f"report: Slurm job {report}, when all {len(waiting)} job(s) of this run have ended: {sweep_dir}/scaling.md")
+    print(f"sweep dir: {sweep_dir} (run this command again with SWEEP_DIR={sweep_dir} to resume the sweep)")
     return 0
+
+
+def slurm_state(job_id: str) -> str:
+    """What Slurm says of a job ('PENDING', 'RUNNING', 'COMPLETED', ...); '' once it has forgotten it."""
+    result = subprocess.run(["squeue", "--noheader", "--jobs", job_id, "--format=%T"], capture_output=True, text=True)
+    return result.stdout.strip().splitlines()[0] if result.returncode == 0 and result.stdout.strip() else ""
+
+
+def _record(path: Path, jobs: list[list[str]], ids: list[str | None]) -> None:
+    """jobs.json: every job's overrides and its latest Slurm job id (written after each submission)."""
+    data = {"jobs": [{"num": k, "overrides": job, "slurm_job": i} for k, (job, i) in enumerate(zip(jobs, ids))]}
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    os.replace(tmp, path)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,15 @@
-"""Hydra callbacks that make multirun sweeps safe for DDP, and write the scaling report when one ends.
+"""Multirun sweeps that are safe for DDP, resume where they stopped, and write the scaling report when they end.
 
 Hydra's basic launcher runs a sweep's jobs one after another in one process. Lightning's DDP leaves
 that process with an initialised process group, MASTER_PORT / LOCAL_RANK / WORLD_SIZE / NODE_RANK and
 the global seed in its environment, and local-rank children that may still be exiting; the next job
 then silently reuses them (Lightning #11300). ``JobIsolation`` gives every job a clean slate.
+
+Hydra cannot resume a sweep: the same command runs every job again (the Lightning + Hydra template lists it as a
+reason not to use it). ``ResumingSweeper`` is Hydra's basic sweeper (grids, ranges, batches) that, run again with
+the same ``hydra.sweep.dir``, skips the jobs that finished (their ``result.json``), runs the others, and a job
+that was cut short resumes from its own ``last.ckpt`` (a sweep's job defaults to ``ckpt_path=auto``,
+src/run_dir.py).
 """
 
 from __future__ import annotations
@@ -14,14 +20,17 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import torch
-from hydra.core.utils import JobReturn
+import yaml
+from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+from hydra.core.utils import JobReturn, JobStatus
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig
+from hydra.types import HydraContext, TaskFunction
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from src import supervision
-from src.errors import FAILURE_FILE
+from src.errors import FAILURE_FILE, UserError
 from src.launch import in_sweep
+from src.run_dir import RESULT_FILE, read_result
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +56,8 @@ class JobIsolation(Callback):
         failure = supervision.reap_started(grace_s=0 if failed else CHILD_EXIT_GRACE_S)
         if failure is not None and not supervision.said_why(failure[1]):
             log.warning("job %s: %s", config.hydra.job.num, failure[0])
+        import torch  # loaded by the job already; this module is imported at Hydra's start (hydra_plugins/)
+
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
         if self._environ is not None:
@@ -55,10 +66,14 @@ class JobIsolation(Callback):
 
 
 class ScalingReport(Callback):
-    """When a sweep ends, write scaling.csv/.md/.png into its dir; exit non-zero if any job failed."""
+    """When a sweep ends, write scaling.csv/.md/.png into its dir; exit non-zero if any job failed. (A search,
+    hparams_search=..., writes its own report: src/hparams_search.py.)"""
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         from src.report import write_report
+
+        if config.hydra.runtime.choices.get("hparams_search"):
+            return
 
         sweep_dir = Path(config.hydra.sweep.dir)
         jobs = write_report(sweep_dir)
@@ -68,3 +83,75 @@ class ScalingReport(Callback):
             print(f"error: {len(failed)} of {len(jobs)} jobs failed: "
                   + "; ".join(f"job {j.num}: {j.error}" for j in failed), file=sys.stderr, flush=True)
             sys.exit(1)
+
+
+class ResumingSweeper(BasicSweeper):
+    """Hydra's basic sweeper, resumable: run again with the same ``hydra.sweep.dir``, a job that finished is not
+    run again, and the others run (one cut short resumes from its own ``last.ckpt``)."""
+
+    def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
+        super().setup(hydra_context=hydra_context, task_function=task_function, config=config)
+        self.launcher = _SkipFinished(self.launcher, hydra_context, config)
+
+
+class _SkipFinished:
+    """A sweep's launcher, minus the jobs that finished in an earlier run of the sweep dir; any launcher plugin."""
+
+    def __init__(self, launcher: Any, hydra_context: HydraContext, config: DictConfig) -> None:
+        self.launcher, self.hydra_context, self.config = launcher, hydra_context, config
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.launcher, name)
+
+    def launch(self, job_overrides: list[list[str]], initial_job_idx: int) -> list[JobReturn]:
+        returns: list[JobReturn] = []
+        pending: list[tuple[int, list[str]]] = []  # consecutive jobs to run: one launch keeps their numbers
+
+        def run_pending() -> None:
+            if pending:
+                returns.extend(self.launcher.launch([o for _, o in pending], initial_job_idx=pending[0][0]))
+                pending.clear()
+
+        jobs = [(num, list(overrides), job_dir(self.hydra_context, self.config, num, list(overrides)))
+                for num, overrides in enumerate(job_overrides, start=initial_job_idx)]
+        for num, overrides, folder in jobs:  # before any job runs
+            check_same_job(folder, num, overrides)
+        for num, overrides, folder in jobs:
+            result = read_result(folder)
+            if result is None:
+                (folder / FAILURE_FILE).unlink(missing_ok=True)  # an earlier attempt's: this one decides anew
+                if (folder / "checkpoints" / "last.ckpt").exists():
+                    log.info("\t#%d : resumes from %s", num, folder / "checkpoints" / "last.ckpt")
+                pending.append((num, overrides))
+                continue
+            run_pending()
+            log.info("\t#%d : %s : finished in an earlier run of this sweep (%s): not run again", num,
+                     " ".join(overrides), folder / RESULT_FILE)
+            returns.append(JobReturn(overrides=overrides, working_dir=str(folder), status=JobStatus.COMPLETED,
+                                     _return_value=result.get("score")))
+        run_pending()
+        return returns
+
+
+def job_dir(hydra_context: HydraContext, config: DictConfig, num: int, overrides: list[str]) -> Path:
+    """Where job ``num`` of a sweep writes: ``hydra.sweep.dir``/``hydra.sweep.subdir``, as Hydra's launcher
+    computes it."""
+    job_config = hydra_context.config_loader.load_sweep_config(config, list(overrides))
+    with open_dict(job_config):
+        job_config.hydra.job.id = job_config.hydra.job.num = num
+    return Path(str(OmegaConf.select(job_config, "hydra.sweep.dir")),
+                str(OmegaConf.select(job_config, "hydra.sweep.subdir"))).resolve()
+
+
+def check_same_job(folder: Path, num: int, overrides: list[str]) -> None:
+    """A sweep dir run again must hold the same jobs: another command's job there would be skipped or resumed."""
+    recorded = folder / ".hydra" / "overrides.yaml"
+    if not recorded.is_file():
+        return
+    before = yaml.safe_load(recorded.read_text()) or []
+    if before != overrides:
+        was = " ".join(o for o in before if o not in overrides) or "(these overrides in another order)"
+        now = " ".join(o for o in overrides if o not in before) or "(those overrides in another order)"
+        raise UserError(f"hydra.sweep.dir={folder.parent} holds another sweep: its job {num} ran with {was} where "
+                        f"this sweep's job {num} has {now}; pass a new hydra.sweep.dir to start another sweep, or the "
+                        "same overrides to go on with that one")

@@ -55,7 +55,7 @@ def launched_shape() -> tuple[int, int]:
 
 
 def adopt(cfg: Any, overridden: set[str]) -> None:
-    """Under torchrun, make the config describe the processes the agent started; every attempt resumes.
+    """Under torchrun, make the config describe the processes the agent started.
 
     ``overridden``: the config keys the user set on the command line. Every mismatch is a UserError naming both
     values; the agent started the processes, so its numbers are the ones that hold.
@@ -82,13 +82,6 @@ def adopt(cfg: Any, overridden: set[str]) -> None:
     with open_dict(cfg):
         trainer.devices = devices
         trainer.num_nodes = nodes
-        # Every attempt of a torchrun run continues its run dir: a restart after a failure, and a scale-up restart
-        # when a node joins (which torchrun does not count as a restart: the run's own workers can't tell it from a
-        # first start). A ckpt_path=FILE the run began from counts until the run dir has a last.ckpt of its own.
-        if cfg.get("task_name") == "train" and cfg.ckpt_path not in ("last", "auto"):
-            last = Path(cfg.paths.output_dir, "checkpoints", "last.ckpt")
-            if cfg.ckpt_path is None or last.exists():
-                cfg.ckpt_path = "auto"
 
 
 def _count(devices: Any) -> int:

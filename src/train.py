@@ -23,16 +23,21 @@ log = logging.getLogger("src.train")
 @hydra.main(version_base="1.3", config_path="../conf", config_name="train")
 @handle_errors
 def main(cfg: DictConfig) -> float | None:
-    """Train; return the best validation accuracy (what a Hydra sweeper would optimise)."""
-    start_local_ranks(cfg.strategy)
+    """Train; return the best validation accuracy (what a sweep's search maximises)."""
+    start_local_ranks(cfg.strategy, cfg.ckpt_path)
     import lightning as L
     from hydra.utils import instantiate
 
     from src.checkpoints import check_compatible, resume_from
     from src.console import quiet_resume
+    from src.callbacks.trial_pruning import pruned_at
+    from src.hparams_search import log_trial
+    from src.loggers import continue_logs
+    from src.run_dir import record_result
     from src.trainer import build_trainer, describe_checkpoint, record_config, route_lightning_logs, test_summary
 
     route_lightning_logs()
+    log_trial(cfg)  # in a search, every rank says the values it trains with
     L.seed_everything(cfg.seed, workers=True)
     datamodule = instantiate(cfg.data)
     model = instantiate(cfg.model)
@@ -45,6 +50,7 @@ def main(cfg: DictConfig) -> float | None:
                                                 cfg.trainer.accumulate_grad_batches)):
             if line and is_launch_rank_zero():
                 log.info(line)
+    continue_logs(cfg, ckpt_path, checkpoint)  # metrics.csv keeps its rows; the MLflow / W&B runs go on
     del checkpoint  # Lightning loads it again on every rank
     quiet_resume(ckpt_path, getattr(datamodule, "pipeline", None) == "device")
     trainer = build_trainer(cfg, model.hparams.arch)
@@ -53,13 +59,18 @@ def main(cfg: DictConfig) -> float | None:
         datamodule.prepare_data()  # missing or bad data fails here, before the ranks meet
     trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=not cfg.ckpt_trusted)
     best = getattr(trainer.checkpoint_callback, "best_model_path", None) or None
-    if cfg.test:  # the best epoch's weights, or the last ones when no best checkpoint is kept
+    pruned, metrics = pruned_at(trainer), None
+    if cfg.test and pruned is None:  # the best epoch's weights, or the last ones when no best checkpoint is kept
         metrics = trainer.test(model, datamodule=datamodule, ckpt_path=best, weights_only=True, verbose=False)[0]
         if trainer.is_global_zero:
             weights = describe_checkpoint(best) if best else "the final weights (no best checkpoint kept)"
             log.info(test_summary(metrics, weights, trainer, datamodule))
     score = getattr(trainer.checkpoint_callback, "best_model_score", None)
-    return None if score is None else float(score)
+    score = None if score is None else float(score)
+    if trainer.is_global_zero:  # the run ended well: a sweep run again skips it
+        record_result(cfg.paths.output_dir, score=score, monitor="val/acc", best_checkpoint=best,
+                      pruned_at_epoch=pruned, test=metrics)
+    return score
 
 
 if __name__ == "__main__":

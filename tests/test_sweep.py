@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import csv
 import json
+import signal
 import subprocess
+import time
 from pathlib import Path
 
 import matplotlib.image
 import pytest
+import torch
 from PIL import Image
 
 from src.report import load_jobs, scaling_mode, write_report
@@ -127,3 +130,38 @@ def test_report_recognises_strong_scaling(tmp_path):
 def test_report_of_a_folder_that_is_no_sweep_says_so(tmp_path):
     result = run_module("src.report", str(tmp_path))
     assert result.returncode == 2 and "no job dirs" in result.stderr
+
+
+def test_a_sweep_killed_in_its_second_job_resumes_it_and_skips_the_first_when_run_again(tmp_path):
+    sweep_dir = tmp_path / "sweep"
+    command = ["-m", *FAST, "trainer.max_epochs=2", "trainer.limit_train_batches=3", "test=false",
+               "callbacks.last_checkpoint.every_n_train_steps=0", "model.optimizer.lr=0.1,0.05",
+               f"hydra.sweep.dir={sweep_dir}"]
+    sweep = run_module("src.train", *command, background=True)
+    second = sweep_dir / "1" / "checkpoints" / "last.ckpt"
+    deadline = time.monotonic() + 300
+    while not second.exists():  # job 1 has trained its first epoch
+        assert sweep.poll() is None and time.monotonic() < deadline, sweep.stdout.read()[-4000:]
+        time.sleep(0.2)
+    sweep.send_signal(signal.SIGKILL)
+    sweep.communicate(timeout=60)
+    first_result = (sweep_dir / "0" / "result.json").read_text()
+    assert not (sweep_dir / "1" / "result.json").exists()
+
+    again = run_module("src.train", *command)
+    assert again.returncode == 0, output(again)[-4000:]
+    assert "#0 : " in output(again) and "finished in an earlier run of this sweep" in output(again)
+    assert (sweep_dir / "0" / "result.json").read_text() == first_result  # job 0 was not run again
+    assert (sweep_dir / "0" / "train.log").read_text().count("Run: ") == 1
+    log1 = (sweep_dir / "1" / "train.log").read_text()
+    assert f"Restoring states from the checkpoint path at {second}" in log1  # job 1 went on from its last.ckpt
+    final = torch.load(second, map_location="cpu", weights_only=True)
+    assert final["epoch"] == 1 and final["global_step"] == 6  # the two epochs, none twice
+    rows = list(csv.DictReader((sweep_dir / "scaling.csv").open()))
+    assert sorted(int(r["job"]) for r in rows) == [0, 1]  # the report covers both runs of the sweep
+
+    other = run_module("src.train", *command[:-2], "model.optimizer.lr=0.1,0.02", f"hydra.sweep.dir={sweep_dir}")
+    assert other.returncode == 2
+    assert other.stderr.strip().startswith(f"error: hydra.sweep.dir={sweep_dir} holds another sweep: its job 1 ran "
+                                           "with model.optimizer.lr=0.05 where this sweep's job 1 has "
+                                           "model.optimizer.lr=0.02")

@@ -77,23 +77,40 @@ def test_python_without_srun_in_a_multi_task_job_fails_fast(cluster):
     assert "without srun" in cluster.log(job)
 
 
-def test_a_sweep_submits_one_job_per_device_count_sized_to_match_and_reports(cluster, tmp_path):
+def sweep_ids(stdout: str) -> tuple[dict[int, str], str]:
+    """{job number: Slurm job id} of the jobs a src.slurm_sweep run submitted, and its report job's id."""
+    ids = {int(line.split()[1].rstrip(":")): line.split("Slurm job ")[1].split(":")[0] for line in stdout.splitlines()
+           if line.startswith("job ") and "not submitted" not in line}
+    report_id = next(line.split("Slurm job ")[1].split(",")[0] for line in stdout.splitlines()
+                     if line.startswith("report:"))
+    return ids, report_id
+
+
+def test_a_sweep_submits_one_job_per_device_count_sized_to_match_reports_and_resumes(cluster, tmp_path):
     sweep = tmp_path / "sweep"
-    result = cluster.run("env", f"SWEEP_DIR={sweep}", ".venv/bin/python", "-m", "src.slurm_sweep", *CPU, "--",
-                         "trainer.devices=1,2", *RUN)
-    lines = result.stdout.splitlines()
-    ids = [line.split("Slurm job ")[1].split(":")[0] for line in lines if line.startswith("job ")]
-    report_id = next(line.split("Slurm job ")[1].split(",")[0] for line in lines if line.startswith("report:"))
-    cluster.job_ids.extend(ids)
-    assert len(ids) == 2
-    assert [cluster.show(i)["NumTasks"] for i in ids] == ["1", "2"]
-    for i in ids:
-        assert cluster.wait(i)["JobState"] == "COMPLETED", cluster.log(i)
+    command = ["env", f"SWEEP_DIR={sweep}", ".venv/bin/python", "-m", "src.slurm_sweep", *CPU, "--",
+               "trainer.devices=1,2", *RUN]
+    ids, report_id = sweep_ids(cluster.run(*command).stdout)
+    cluster.job_ids.extend([*ids.values(), report_id])
+    assert [cluster.show(ids[k])["NumTasks"] for k in (0, 1)] == ["1", "2"]
+    cluster.run("scancel", ids[1])  # job 1 never runs: cancelled (or lost) before it ends
+    assert cluster.wait(ids[0])["JobState"] == "COMPLETED", cluster.log(ids[0])
+    assert cluster.wait(report_id)["JobState"] == "COMPLETED", (sweep / "report.out").read_text()
+    assert [int(r["world_size"]) for r in csv.DictReader((sweep / "scaling.csv").open())] == [1]
+
+    again = cluster.run(*command).stdout  # the same command: only job 1 is submitted again
+    assert f"job 0: finished in an earlier run of this sweep ({sweep}/0/result.json): not submitted again" in again
+    ids, report_id = sweep_ids(again)
+    cluster.job_ids.extend([*ids.values(), report_id])
+    assert list(ids) == [1] and cluster.show(ids[1])["NumTasks"] == "2"
+    assert cluster.wait(ids[1])["JobState"] == "COMPLETED", cluster.log(ids[1])
     assert cluster.wait(report_id)["JobState"] == "COMPLETED", (sweep / "report.out").read_text()
     rows = list(csv.DictReader((sweep / "scaling.csv").open()))
-    assert sorted(int(r["world_size"]) for r in rows) == [1, 2]
+    assert sorted(int(r["world_size"]) for r in rows) == [1, 2]  # the report covers both runs of the sweep
     for k, world in enumerate((1, 2)):
         assert len(set(json.loads((sweep / str(k) / "throughput.json").read_text())["pids"])) == world
+    recorded = json.loads((sweep / "jobs.json").read_text())["jobs"]
+    assert [j["slurm_job"] for j in recorded][1] == ids[1]
 
 
 def test_srun_torchrun_is_not_refused_by_the_allocation_check_and_trains_like_srun(cluster):
