@@ -20,6 +20,7 @@ Their packages are optional extras: choosing a logger whose package is missing i
 from __future__ import annotations
 
 import csv
+import importlib
 import json
 import logging
 import os
@@ -151,7 +152,7 @@ class MLFlowLogger(_MLFlowLogger):
     again and keeps the params it began with."""
 
     def __init__(self, run_dir: str, run_name: str | None = None, **kwargs: Any) -> None:
-        import mlflow  # noqa: F401 - it configures its loggers when imported: quieten them after that
+        importlib.import_module("mlflow")  # it configures its loggers when first imported: quieten them after that
 
         logging.getLogger("mlflow.store.db.utils").setLevel(logging.WARNING)  # "Creating initial MLflow tables"
         super().__init__(run_name=run_name or _run_name(run_dir), **kwargs)

@@ -39,10 +39,12 @@ def test_one_node_two_tasks_train_one_world_of_two_into_the_jobs_run_dir(cluster
     assert (run_dir(job) / "config.yaml").is_file() and (run_dir(job) / "tensorboard").is_dir()
 
 
-def test_sigusr1_requeues_and_the_restart_resumes_to_exactly_the_requested_epochs(cluster):
+def test_sigusr1_requeues_and_the_restart_resumes_to_exactly_the_requested_epochs(cluster, tmp_path):
     steps = 21  # 96 synthetic images, 10% held out, batches of 4
+    mlflow = f"sqlite:///{tmp_path}/mlflow.db"  # the requeued run logs on into the MLflow run it began
     job = cluster.sbatch("--nodes=1", "--ntasks-per-node=1", *CPU, "slurm/train.sbatch", *RUN,
-                         "trainer.limit_train_batches=null", "trainer.max_epochs=4")
+                         "trainer.limit_train_batches=null", "trainer.max_epochs=4", "logger=[tensorboard,mlflow]",
+                         f"logger.mlflow.tracking_uri={mlflow}", f"logger.mlflow.artifact_location={tmp_path}/art")
     last = run_dir(job) / "checkpoints" / "last.ckpt"
     deadline = time.monotonic() + 240
     while not last.exists() and time.monotonic() < deadline:  # epoch 0 is done: signal in the middle of epoch 1
@@ -57,6 +59,13 @@ def test_sigusr1_requeues_and_the_restart_resumes_to_exactly_the_requested_epoch
     assert f"Restoring states from the checkpoint path at {last}" in log
     final = torch.load(last, map_location="cpu", weights_only=True)
     assert final["epoch"] == 3 and final["global_step"] == 4 * steps  # no epoch lost, none repeated
+    from mlflow import MlflowClient
+
+    client = MlflowClient(mlflow)
+    (run,) = client.search_runs([client.get_experiment_by_name("cifar10-ddp").experiment_id])
+    assert run.info.status == "FINISHED" and "continuing MLflow run" in log
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "val/acc")] == [
+        (epoch + 1) * steps - 1 for epoch in range(4)]  # one run, every epoch once, across the requeue
 
 
 def test_an_allocation_that_does_not_match_the_config_fails_fast_with_what_to_change(cluster):
