@@ -37,7 +37,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from src.errors import FAILURE_FILE, UserError, require
 from src.launch import is_launch_rank_zero
-from src.run_dir import read_result
+from src.run_dir import RESULT_FILE, read_result
 from src.sweep import job_dir as sweep_job_dir
 
 log = logging.getLogger(__name__)
@@ -88,6 +88,7 @@ class OptunaSweeper(Sweeper):
         study = optuna.create_study(study_name=self.study_name, storage=storage, direction=self.direction,
                                     sampler=instantiate(self.sampler) if self.sampler else None,
                                     pruner=instantiate(self.pruner) if self.pruner else None, load_if_exists=True)
+        check_same_search(study, fixed, sweep_dir)
         OmegaConf.save(self.config, sweep_dir / "multirun.yaml")
         earlier = len(study.trials)
         if earlier:
@@ -119,7 +120,7 @@ class OptunaSweeper(Sweeper):
             result = read_result(job_dir)
         else:
             log.info("\t#%d : finished in an earlier run of this sweep (%s): told from its result", number,
-                     job_dir / "result.json")
+                     job_dir / RESULT_FILE)
             ret = JobReturn(overrides=overrides, working_dir=str(job_dir), status=JobStatus.COMPLETED,
                             _return_value=result.get("score"))
         if result is not None and result.get("pruned_at_epoch") is not None:
@@ -129,6 +130,21 @@ class OptunaSweeper(Sweeper):
         else:  # it failed: its failure.json and the sweep's console say why
             study.tell(number, state=optuna.trial.TrialState.FAIL)
         return ret
+
+
+def check_same_search(study: Any, fixed: list[str], sweep_dir: Path) -> None:
+    """A study run again must be the same search: the trials of another command's search (other epochs, another
+    network) would be compared with this one's as if they were alike."""
+    before = study.user_attrs.get("fixed_overrides")
+    if before is None:
+        study.set_user_attr("fixed_overrides", fixed)
+    elif sorted(before) != sorted(fixed):  # each key once (search_space): the order does not matter
+        was = " ".join(o for o in before if o not in fixed) or "(no other overrides)"
+        now = " ".join(o for o in fixed if o not in before) or "(no other overrides)"
+        raise UserError(f"hydra.sweep.dir={sweep_dir} holds the study of another search: its trials ran with {was} "
+                        f"where this search has {now}; pass a new hydra.sweep.dir to start another search, or the same "
+                        "overrides to go on with that one")
+
 
 def check_one_sweeping_process(config: DictConfig) -> None:
     """The search runs in one process, which starts each trial's ranks: under srun or torchrun every task would

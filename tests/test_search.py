@@ -113,3 +113,17 @@ def test_a_search_on_several_nodes_or_without_multirun_is_refused_in_one_line(tm
     assert once.returncode == 2
     assert once.stderr.strip() == ("error: hparams_search=optuna searches as a multirun: add -m "
                                    "(python -m src.train -m hparams_search=optuna ...)")
+
+
+def test_a_study_run_again_with_other_fixed_overrides_is_refused(tmp_path):
+    sweep_dir = tmp_path / "search"
+    sweep_dir.mkdir()
+    earlier = optuna.create_study(study_name="cifar10-ddp", storage=f"sqlite:///{sweep_dir}/optuna.db",
+                                  direction="maximize")  # as a search with other epochs left it
+    earlier.set_user_attr("fixed_overrides", ["hparams_search=optuna", "trainer.max_epochs=5"])
+    result = train("-m", "hparams_search=optuna", "trainer.max_epochs=2", f"hydra.sweep.dir={sweep_dir}", timeout=120)
+    assert result.returncode == 2, output(result)[-3000:]
+    assert result.stderr.strip() == (f"error: hydra.sweep.dir={sweep_dir} holds the study of another search: its "
+                                     "trials ran with trainer.max_epochs=5 where this search has trainer.max_epochs=2; "
+                                     "pass a new hydra.sweep.dir to start another search, or the same overrides to go "
+                                     "on with that one")
