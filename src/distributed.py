@@ -44,6 +44,10 @@ def build_strategy(
     check_slurm_allocation(local, num_nodes)
     if resolved == "auto":
         return "auto"  # Lightning picks SingleDeviceStrategy: no process group, no DDP wrapper
+    if ddp_kwargs.get("gradient_as_bucket_view") == "auto":
+        # On GPUs the views save a copy of every gradient into its bucket. On CPUs they cost time instead: with gloo on
+        # an Intel Xeon, 2 processes trained ResNet-50 at 22.5 img/s with them and 23.8 without (5 runs each, README).
+        ddp_kwargs["gradient_as_bucket_view"] = launch.uses_cuda(accelerator)
     return HydraDDPStrategy(
         start_method=_START_METHODS[resolved],
         process_group_backend=None if backend == "auto" else backend,  # Lightning: nccl on CUDA, else gloo

@@ -58,6 +58,9 @@ def test_strategy_options_build_what_they_name(tmp_path):
     assert isinstance(ddp, HydraDDPStrategy) and ddp._start_method == "popen"
     assert isinstance(spawn, HydraDDPStrategy) and spawn._start_method == "spawn"
     assert ddp.process_group_backend == "gloo"
+    assert ddp._ddp_kwargs["gradient_as_bucket_view"] is False  # auto: off on CPUs (on for CUDA)
+    assert instantiate(make_cfg(tmp_path, "strategy=ddp", *cpu, "strategy.gradient_as_bucket_view=true").strategy
+                       )._ddp_kwargs["gradient_as_bucket_view"] is True
     assert ddp._timeout.total_seconds() == 300
     assert instantiate(make_cfg(tmp_path, "trainer.accelerator=cpu").strategy) == "auto"  # one device
     auto_two = instantiate(make_cfg(tmp_path, "trainer.accelerator=cpu", "trainer.devices=2").strategy)
