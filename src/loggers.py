@@ -19,7 +19,9 @@ Their packages are optional extras: choosing a logger whose package is missing i
 
 from __future__ import annotations
 
+import contextlib
 import csv
+import fcntl
 import importlib
 import json
 import logging
@@ -155,7 +157,8 @@ class MLFlowLogger(_MLFlowLogger):
         importlib.import_module("mlflow")  # it configures its loggers when first imported: quieten them after that
 
         logging.getLogger("mlflow.store.db.utils").setLevel(logging.WARNING)  # "Creating initial MLflow tables"
-        super().__init__(run_name=run_name or _run_name(run_dir), **kwargs)
+        with _sqlite_store_lock(kwargs.get("tracking_uri")):  # Lightning opens the store in every process
+            super().__init__(run_name=run_name or _run_name(run_dir), **kwargs)
         self._first_params: dict[str, str] | None = None  # a continued run's params, as it began
 
     @property
@@ -199,6 +202,32 @@ class MLFlowLogger(_MLFlowLogger):
                 log.debug("the continued MLflow run keeps the params it began with: %s", ", ".join(changed))
             params = {k: v for k, v in flat.items() if k not in self._first_params}
         super().log_hyperparams(params)
+
+
+@contextlib.contextmanager
+def _sqlite_store_lock(tracking_uri: str | None):
+    """Holds ``DB.lock`` beside an MLflow SQLite store while this process opens it.
+
+    Opening the store creates or upgrades its tables; two processes doing that at once (the ranks of a run, two
+    runs started together) collide: ``table _alembic_tmp_experiments already exists``. A server URI needs none.
+    """
+    if not (tracking_uri or "").startswith("sqlite:"):
+        yield
+        return
+    from sqlalchemy.engine import make_url
+
+    database = make_url(tracking_uri).database
+    if not database or database == ":memory:":
+        yield
+        return
+    path = Path(database)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path.with_name(path.name + ".lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
 
 
 class WandbLogger(_WandbLogger):

@@ -131,13 +131,15 @@ def test_wandb_runs_offline_without_an_api_key_and_a_resumed_run_continues_the_s
     assert len(wandb_history(records, "train/loss_epoch")) == 1  # epoch 1, after the epoch 0 of the first file
 
 
-def test_only_rank_zero_logs_logger_many_with_mlflow_under_ddp(tmp_path):
+def test_only_rank_zero_logs_logger_many_with_mlflow_and_wandb_under_ddp(tmp_path):
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     run_dir = tmp_path / "run"
-    result = train(*RUN, "strategy=ddp", "trainer.devices=2", "logger=[many,mlflow]",
+    result = train(*RUN, "strategy=ddp", "trainer.devices=2", "logger=[many,mlflow,wandb]",
                    f"logger.mlflow.tracking_uri={uri}", f"logger.mlflow.artifact_location={tmp_path}/artifacts",
-                   f"hydra.run.dir={run_dir}")
+                   f"hydra.run.dir={run_dir}", env={"HOME": str(tmp_path / "home"), "WANDB_API_KEY": "",
+                                                    "WANDB_MODE": ""})
     assert_ok(result)
+    assert len(glob.glob(f"{run_dir}/wandb/offline-run-*")) == 1  # one W&B run for the two ranks
     assert not (tmp_path / "artifacts").exists()  # checkpoints become artifacts only when asked (log_model)
     (run,) = mlflow_runs(uri)  # one MLflow run for the two ranks
     losses = metric(uri, run.info.run_id, "train/loss_epoch")
@@ -163,3 +165,25 @@ def test_a_logger_whose_package_is_missing_is_one_line_naming_the_extra(tmp_path
     assert result.stderr.strip() == (f'error: logger={package} needs the {package} package, which is not installed: '
                                      f'pip install -e ".[{package}]" (or pip install {package})')
     assert not (tmp_path / "run" / "train_node0_local1.log").exists()  # no other rank was started
+
+
+def _open_store(uri: str, run_dir: str) -> None:
+    from src.loggers import MLFlowLogger
+
+    MLFlowLogger(run_dir=run_dir, tracking_uri=uri)
+
+
+def test_processes_opening_a_new_mlflow_store_at_once_do_not_collide(tmp_path):
+    # Every rank builds the logger, and opening a SQLite store creates its tables: without the lock beside the
+    # store, 13 of 15 processes started three at a time failed here ("table _alembic_tmp_params already exists").
+    import multiprocessing
+
+    uri = f"sqlite:///{tmp_path}/store/mlflow.db"
+    context = multiprocessing.get_context("spawn")
+    processes = [context.Process(target=_open_store, args=(uri, str(tmp_path / "run"))) for _ in range(3)]
+    for process in processes:
+        process.start()
+    for process in processes:
+        process.join(120)
+    assert [process.exitcode for process in processes] == [0, 0, 0]
+    assert mlflow_runs(uri) == []  # the store opens; no run exists until rank zero logs
