@@ -165,3 +165,17 @@ def test_a_sweep_killed_in_its_second_job_resumes_it_and_skips_the_first_when_ru
     assert other.stderr.strip().startswith(f"error: hydra.sweep.dir={sweep_dir} holds another sweep: its job 1 ran "
                                            "with model.optimizer.lr=0.05 where this sweep's job 1 has "
                                            "model.optimizer.lr=0.02")
+
+
+def test_slurm_sweep_refuses_a_sweep_dir_of_another_sweep_before_submitting(tmp_path):
+    # The check comes before any sbatch: no cluster needed. The resume itself runs on a real cluster (tests/slurm).
+    sweep_dir = tmp_path / "sweep"
+    sweep_dir.mkdir()
+    jobs = sweep_dir / "jobs.json"
+    jobs.write_text(json.dumps({"jobs": [{"num": 0, "overrides": ["trainer.devices=4"], "slurm_job": "17"}]}))
+    result = run_module("src.slurm_sweep", "--", "trainer.devices=1,2", env={"SWEEP_DIR": str(sweep_dir),
+                                                                          "PATH": "/nonexistent"})
+    assert result.returncode == 2, output(result)
+    assert result.stderr.strip() == (f"error: SWEEP_DIR={sweep_dir} holds another sweep ({jobs} lists other jobs): pass "
+                                     "a new SWEEP_DIR to start another sweep, or the same overrides to go on with that one")
+    assert json.loads(jobs.read_text())["jobs"][0]["overrides"] == ["trainer.devices=4"]  # left as it was
