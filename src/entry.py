@@ -19,7 +19,7 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable
 
-from src import launch, supervision, torchrun
+from src import launch, supervision, torchrun, tracking
 from src.errors import (EXIT_FAILED, EXIT_USER_ERROR, FAILURE_FILE, USER_FULL_ERROR, UserError, hydra_error_message,
                         one_line, report, require, storage_error_in, user_error_in, wants_traceback)
 from src.run_dir import resume_own_run_dir
@@ -200,6 +200,8 @@ def check_extras(cfg: Any) -> None:
                             "(python -m src.train -m hparams_search=optuna ...)")
     for what, package in needs:
         require(package, package, what)
+    if launch.is_launch_rank_zero():  # only rank zero logs: only its way to the servers matters
+        tracking.check_servers(loggers)
 
 
 def overridden_keys() -> set[str]:

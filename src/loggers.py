@@ -38,7 +38,7 @@ from lightning.pytorch.loggers.logger import rank_zero_experiment
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from omegaconf import DictConfig, open_dict
 
-from src.errors import UserError
+from src.tracking import wandb_offline
 
 log = logging.getLogger(__name__)
 
@@ -236,22 +236,3 @@ class WandbLogger(_WandbLogger):
     def __init__(self, save_dir: str, offline: bool | str = "auto", name: str | None = None, **kwargs: Any) -> None:
         super().__init__(name=name or _run_name(save_dir), save_dir=save_dir, offline=wandb_offline(offline), **kwargs)
         self._wandb_init.pop("anonymous", None)  # Lightning passes None, which W&B warns is a setting without effect
-
-
-def wandb_offline(offline: bool | str) -> bool:
-    """``offline: auto``: WANDB_MODE if the user set it, else offline unless an API key is configured for the host."""
-    if isinstance(offline, bool):
-        return offline
-    if offline != "auto":
-        raise UserError(f"logger.wandb.offline={offline} must be true, false or auto")
-    mode = os.environ.get("WANDB_MODE", "").lower()
-    if mode:
-        return mode in ("offline", "dryrun", "disabled")
-    if os.environ.get("WANDB_API_KEY"):
-        return False
-    try:  # `wandb login` keeps the key in ~/.netrc, for the host in WANDB_BASE_URL
-        from wandb.sdk.lib import wbauth
-
-        return not wbauth.read_netrc_auth(host=os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai"))
-    except Exception:  # noqa: BLE001 - no netrc, or a wandb that keeps keys elsewhere: no key found
-        return True

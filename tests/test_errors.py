@@ -94,6 +94,16 @@ CASES = {
     "ckpt-last-without-one": Case([*FAST, "ckpt_path=last"], ["ckpt_path=last but", "does not exist", "hydra.run.dir"]),
     "run-dir-not-writable": Case([*FAST, "hydra.run.dir={tmp}/readonly/run"],
                                  ["{tmp}/readonly/run", "Permission denied", "hydra.run.dir=DIR"], restricted=True),
+    # optional parts
+    "mlflow-server-not-answering": Case([*FAST, *DDP2, "logger=mlflow", "logger.mlflow.tracking_uri=http://127.0.0.1:9"],
+                                        ["logger.mlflow.tracking_uri=http://127.0.0.1:9", "no MLflow server answers",
+                                         "Connection refused", "leave tracking_uri out"]),
+    "wandb-online-server-not-answering": Case([*FAST, "logger=wandb"],
+                                              ["logger=wandb logs online (an API key is configured)",
+                                               "http://127.0.0.1:9 cannot be reached (Connection refused)",
+                                               "logger.wandb.offline=true"],
+                                              env={"WANDB_API_KEY": "0" * 40, "WANDB_BASE_URL": "http://127.0.0.1:9",
+                                                   "WANDB_MODE": ""}),
     "eval-without-ckpt": Case([*EVAL], ["ckpt_path=PATH is required"], module="src.eval"),
 }
 # The same kind of mistakes with HYDRA_FULL_ERROR=1: the user asked for the traceback, one of the task's, one of Hydra's.
