@@ -63,8 +63,13 @@ def check_slurm_allocation(devices: int, num_nodes: int) -> None:
     if "SLURM_JOB_ID" not in os.environ or not SLURMEnvironment.detect() or torchrun.active():
         return  # not Slurm, an interactive allocation (job name bash/interactive), or srun torchrun: its agents start
         # the ranks (src/torchrun.py matched the counts to them)
-    in_batch_script = os.environ.get("SLURM_STEP_ID") in (None, "batch", "4294967294")
-    if in_batch_script and (int(os.environ.get("SLURM_NTASKS", "1")) > 1 or devices * num_nodes > 1):
+    if launch.ranks_started_here_under_slurm():  # a sweep in the batch script starts each job's ranks on this node
+        if num_nodes > 1:
+            raise UserError(f"a -m sweep in a Slurm batch script runs its jobs on this one node, but trainer.num_nodes="
+                            f"{num_nodes}: sweep multi-node jobs with python -m src.slurm_sweep, which submits each "
+                            "job to Slurm")
+        return
+    if launch.in_slurm_batch_script() and (int(os.environ.get("SLURM_NTASKS", "1")) > 1 or devices * num_nodes > 1):
         raise UserError(
             "python runs in the Slurm job's batch script without srun, so no other rank will start: "
             "launch it as `srun python -m src.train ...` (slurm/train.sbatch does)"

@@ -66,7 +66,9 @@ def start_local_ranks(strategy: Any, ckpt_path: str | None = None) -> None:
     Lightning the ranks exist already (its launcher starts none). Under srun, torchrun and the like, their
     launcher starts them.
     """
-    if "LOCAL_RANK" in os.environ or any(key in os.environ for key in _EXTERNAL_LAUNCHERS):
+    if "LOCAL_RANK" in os.environ:
+        return
+    if any(key in os.environ for key in _EXTERNAL_LAUNCHERS) and not ranks_started_here_under_slurm():
         return
     name, local = check_strategy(strategy.name, strategy.backend, strategy.timeout_s, strategy.accelerator,
                                  strategy.devices, strategy.num_nodes)
@@ -193,6 +195,22 @@ def launcher_pid() -> int | None:
     are watched from src/distributed.py's HydraSpawnLauncher)."""
     pid = os.environ.get(_LAUNCHER_PID)
     return int(pid) if pid is not None and int(pid) == os.getppid() else None
+
+
+def in_slurm_batch_script() -> bool:
+    """Whether this process runs in a Slurm job's batch script (sbatch), outside any srun step."""
+    return "SLURM_JOB_ID" in os.environ and os.environ.get("SLURM_STEP_ID") in (None, "batch", "4294967294")
+
+
+def ranks_started_here_under_slurm() -> bool:
+    """A ``-m`` sweep (a grid, a search) in a Slurm batch script, or a rank one of its jobs started.
+
+    The sweep's one process runs its jobs one after another and starts each job's ranks on this node itself, as
+    on a workstation (slurm/search.sbatch): those ranks are local ranks, not srun's tasks, whatever the Slurm
+    variables they inherit say.
+    """
+    return (in_slurm_batch_script() and "TORCHELASTIC_RUN_ID" not in os.environ
+            and (in_sweep() or launcher_pid() is not None))
 
 
 def child_command() -> tuple[list[str], str]:

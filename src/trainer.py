@@ -8,14 +8,14 @@ from pathlib import Path
 import lightning as L
 import torch
 from hydra.utils import instantiate
-from lightning.fabric.plugins.environments import SLURMEnvironment
+from lightning.fabric.plugins.environments import LightningEnvironment, SLURMEnvironment
 from omegaconf import DictConfig, OmegaConf
 
 from src import torchrun
 from src.checkpoints import AtomicCheckpointIO, read_checkpoint
 from src.console import quiet_console, quiet_dependencies
 from src.fast_path import fast_path
-from src.launch import is_launch_rank_zero, uses_cuda
+from src.launch import is_launch_rank_zero, ranks_started_here_under_slurm, uses_cuda
 from src.loggers import remember_runs
 from src.errors import UserError
 
@@ -80,7 +80,9 @@ def build_trainer(cfg: DictConfig, arch: str) -> L.Trainer:
     callbacks = [instantiate(c) for c in (cfg.get("callbacks") or {}).values() if c is not None]
     loggers = [instantiate(lg) for lg in (cfg.get("logger") or {}).values() if lg is not None]
     plugins = [AtomicCheckpointIO()]
-    if SLURMEnvironment.detect() and not torchrun.active():  # srun torchrun: torchrun's environment, Lightning's pick
+    if ranks_started_here_under_slurm():  # a sweep's jobs in a batch script: local ranks, as on a workstation
+        plugins.append(LightningEnvironment())
+    elif SLURMEnvironment.detect() and not torchrun.active():  # srun torchrun: torchrun's environment, Lightning's
         # src/callbacks/slurm_requeue.py owns SIGUSR1 instead of Lightning (see there why)
         plugins.append(SLURMEnvironment(auto_requeue=False))
     return instantiate(cfg.trainer, strategy=instantiate(cfg.strategy), callbacks=callbacks,

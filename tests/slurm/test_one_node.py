@@ -86,6 +86,37 @@ def test_python_without_srun_in_a_multi_task_job_fails_fast(cluster):
     assert "without srun" in cluster.log(job)
 
 
+def test_a_search_in_one_job_starts_each_trials_ranks_itself_and_a_requeue_ends_with_exactly_n_trials(cluster,
+                                                                                                         tmp_path):
+    from tests.test_search import study, trained_with
+
+    sweep = tmp_path / "search"
+    job = cluster.sbatch("--nodes=1", *CPU, "--cpus-per-task=2", f"--export=ALL,SWEEP_DIR={sweep}",
+                         "slurm/search.sbatch", *RUN, "strategy=ddp", "trainer.devices=2", "hydra.sweeper.n_trials=2",
+                         "trainer.max_epochs=3", "trainer.limit_train_batches=null")
+    last = sweep / "1" / "checkpoints" / "last.ckpt"
+    deadline = time.monotonic() + 240
+    while not last.exists() and time.monotonic() < deadline:  # trial 1 has trained its first epoch
+        time.sleep(0.2)
+    cluster.run("scancel", "--batch", "--signal=USR1", job)  # what --signal=B:SIGUSR1@120 sends before the limit
+    info = cluster.wait(job, timeout=400)
+    log = cluster.log(job)
+    assert info["JobState"] == "COMPLETED", log
+    assert int(info["Restarts"]) == 1 and "SIGUSR1: requeued Slurm job" in log and "(restart 1)" in log, log
+    trials = study(sweep).trials
+    assert [t.number for t in trials] == [0, 1] and all(t.state.name == "COMPLETE" for t in trials), log
+    assert f"Restoring states from the checkpoint path at {last}" in (sweep / "1" / "train.log").read_text()
+    for trial in trials:  # both ranks of every trial were started by the search, with its values
+        job_dir = sweep / str(trial.number)
+        lines = trained_with(job_dir / "train.log") + trained_with(job_dir / "train_node0_local1.log")
+        assert {n for n, _ in lines} == {trial.number} and len({v for _, v in lines}) == 1, lines
+        record = json.loads((job_dir / "throughput.json").read_text())
+        assert record["world_size"] == 2 and len(set(record["pids"])) == 2
+        final = torch.load(job_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+        assert final["epoch"] == 2  # the requeued trial too: no epoch lost
+    assert "Best of 2 trials" in log and not [line for line in log.splitlines() if line.startswith("error:")], log
+
+
 def sweep_ids(stdout: str) -> tuple[dict[int, str], str]:
     """{job number: Slurm job id} of the jobs a src.slurm_sweep run submitted, and its report job's id."""
     ids = {int(line.split()[1].rstrip(":")): line.split("Slurm job ")[1].split(":")[0] for line in stdout.splitlines()
