@@ -18,9 +18,8 @@ The choice follows what the machine reports and what it measures, never a guess 
 
 from __future__ import annotations
 
-import fcntl
+import contextlib
 import functools
-import json
 import logging
 import os
 import time
@@ -28,6 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from src.run_dir import locked, read_json, write_json
 
 log = logging.getLogger(__name__)
 
@@ -89,14 +90,12 @@ def bf16_speedup(arch: str) -> float:
     """
     key = f"{cpu_model()} | {cpu_bf16_isa()} | torch {torch.__version__} | {arch}"
     cache = cache_file()
-    try:
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        lock = os.open(cache.with_suffix(".lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    except OSError:  # no writable cache here: measure in this process, keep nothing
-        return measure_bf16_speedup(arch)["speedup"]
-    try:
-        fcntl.lockf(lock, fcntl.LOCK_EX)
-        known = _read(cache)
+    with contextlib.ExitStack() as held:
+        try:
+            held.enter_context(locked(cache.with_suffix(".lock")))
+        except OSError:  # no writable cache here: measure in this process, keep nothing
+            return measure_bf16_speedup(arch)["speedup"]
+        known = read_json(cache) or {}  # none yet, or cut off: measure again
         if key not in known:
             from src.launch import is_launch_rank_zero
 
@@ -104,10 +103,11 @@ def bf16_speedup(arch: str) -> float:
                 log.info("auto: timing a %s train step in bf16 and in fp32 on this CPU (once; the result is kept in "
                          "%s)", arch, cache)
             known[key] = {**measure_bf16_speedup(arch), "measured": time.strftime("%Y-%m-%d %H:%M:%S")}
-            _write(cache, known)
+            try:
+                write_json(cache, known, sort_keys=True)
+            except OSError:  # a full or read-only home: the answer holds for this process all the same
+                pass
         return float(known[key]["speedup"])
-    finally:
-        os.close(lock)  # drops the lock
 
 
 def measure_bf16_speedup(arch: str) -> dict[str, float]:
@@ -152,20 +152,3 @@ def cpu_model() -> str:
             return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "CPU")
     except OSError:
         return "CPU"
-
-
-def _read(cache: Path) -> dict:
-    try:
-        known = json.loads(cache.read_text())
-        return known if isinstance(known, dict) else {}
-    except (OSError, ValueError):  # none yet, or cut off: measure again
-        return {}
-
-
-def _write(cache: Path, known: dict) -> None:
-    tmp = cache.with_name(f".{cache.name}.tmp-{os.getpid()}")
-    try:
-        tmp.write_text(json.dumps(known, indent=2, sort_keys=True) + "\n")
-        os.replace(tmp, cache)
-    except OSError:  # a full or read-only home: the answer holds for this process all the same
-        tmp.unlink(missing_ok=True)

@@ -21,9 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
-import fcntl
 import importlib
-import json
 import logging
 import os
 import warnings
@@ -38,6 +36,7 @@ from lightning.pytorch.loggers.logger import rank_zero_experiment
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from omegaconf import DictConfig, open_dict
 
+from src.run_dir import locked, read_json, write_json
 from src.tracking import wandb_offline
 
 log = logging.getLogger(__name__)
@@ -73,7 +72,7 @@ def continue_logs(cfg: DictConfig, ckpt_path: str | None, checkpoint: dict[str, 
         candidates.append(Path(ckpt_path).resolve().parent.parent / RUNS_FILE)
     if cfg.get("ckpt_path") in ("auto", "last"):
         candidates.append(Path(cfg.paths.output_dir) / RUNS_FILE)
-    known = next((read_runs(path) for path in candidates if path.is_file()), {})
+    known = next((read_json(path) or {} for path in candidates if path.is_file()), {})
     mlflow, wandb = known.get("mlflow") or {}, known.get("wandb") or {}
     with open_dict(cfg):
         if "mlflow" in loggers and not loggers.mlflow.get("run_id") and mlflow.get("run_id") \
@@ -82,14 +81,6 @@ def continue_logs(cfg: DictConfig, ckpt_path: str | None, checkpoint: dict[str, 
         if "wandb" in loggers and not loggers.wandb.get("id") and wandb.get("id") \
                 and wandb.get("project") == loggers.wandb.get("project"):
             loggers.wandb.id = wandb["id"]
-
-
-def read_runs(path: Path) -> dict[str, Any]:
-    try:
-        known = json.loads(path.read_text())
-        return known if isinstance(known, dict) else {}
-    except (OSError, ValueError):
-        return {}
 
 
 def remember_runs(loggers: list[Any], run_dir: str) -> None:
@@ -103,12 +94,8 @@ def remember_runs(loggers: list[Any], run_dir: str) -> None:
         elif isinstance(logger, WandbLogger):
             known["wandb"] = {"id": logger.experiment.id, "project": logger._project,
                               "mode": "offline" if logger._offline else "online"}
-    if not known:
-        return
-    path = Path(run_dir) / RUNS_FILE
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(known, indent=2) + "\n")
-    os.replace(tmp, path)
+    if known:
+        write_json(Path(run_dir) / RUNS_FILE, known)
 
 
 class CSVLogger(_CSVLogger):
@@ -204,30 +191,21 @@ class MLFlowLogger(_MLFlowLogger):
         super().log_hyperparams(params)
 
 
-@contextlib.contextmanager
-def _sqlite_store_lock(tracking_uri: str | None):
+def _sqlite_store_lock(tracking_uri: str | None) -> contextlib.AbstractContextManager:
     """Holds ``DB.lock`` beside an MLflow SQLite store while this process opens it.
 
     Opening the store creates or upgrades its tables; two processes doing that at once (the ranks of a run, two
     runs started together) collide: ``table _alembic_tmp_experiments already exists``. A server URI needs none.
     """
-    if not (tracking_uri or "").startswith("sqlite:"):
-        yield
-        return
-    from sqlalchemy.engine import make_url
+    database = None
+    if (tracking_uri or "").startswith("sqlite:"):
+        from sqlalchemy.engine import make_url
 
-    database = make_url(tracking_uri).database
+        database = make_url(tracking_uri).database
     if not database or database == ":memory:":
-        yield
-        return
+        return contextlib.nullcontext()
     path = Path(database)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path.with_name(path.name + ".lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    try:
-        fcntl.lockf(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)
+    return locked(path.with_name(path.name + ".lock"))
 
 
 class WandbLogger(_WandbLogger):

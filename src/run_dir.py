@@ -12,6 +12,7 @@ claimed instead: a run that finds its timestamp owned by another run takes ``<ti
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
@@ -21,7 +22,7 @@ import socket
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
@@ -173,17 +174,46 @@ def record_result(run_dir: str | Path, **result: Any) -> None:
     from hydra.core.hydra_config import HydraConfig
 
     overrides = list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else None
-    record = {"finished": time.strftime("%Y-%m-%d %H:%M:%S"), **result, "overrides": overrides}
-    path = Path(run_dir) / RESULT_FILE
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(record, indent=2) + "\n")
-    os.replace(tmp, path)  # a run killed while writing leaves no half-written result behind
+    write_json(Path(run_dir) / RESULT_FILE, {"finished": time.strftime("%Y-%m-%d %H:%M:%S"), **result,
+                                             "overrides": overrides})
 
 
 def read_result(run_dir: str | Path) -> dict[str, Any] | None:
     """What ``DIR/result.json`` says, or None if the run there never ended well."""
+    return read_json(Path(run_dir) / RESULT_FILE)
+
+
+# -- the small files runs keep beside their outputs ---------------------------------------------------------------
+
+def write_json(path: Path, data: Any, sort_keys: bool = False) -> None:
+    """Write ``path`` whole or not at all: a process killed while writing leaves the earlier file (or none), never
+    half of one."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        result = json.loads((Path(run_dir) / RESULT_FILE).read_text())
+        tmp.write_text(json.dumps(data, indent=2, sort_keys=sort_keys) + "\n")
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def read_json(path: Path) -> dict[str, Any] | None:
+    """The object in ``path``, or None where there is none (missing, unreadable, cut off, not an object)."""
+    try:
+        data = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-    return result if isinstance(result, dict) else None
+    return data if isinstance(data, dict) else None
+
+
+@contextlib.contextmanager
+def locked(path: Path) -> Iterator[None]:
+    """Hold an exclusive lock on ``path`` (created, and its folder, if missing) for the ``with`` block, waiting for
+    it: the processes that take it one after another (a run's ranks, runs started together) see each other's work."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # drops the lock

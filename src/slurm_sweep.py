@@ -29,7 +29,7 @@ from pathlib import Path
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
-from src.run_dir import RESULT_FILE, read_result
+from src.run_dir import RESULT_FILE, read_result, write_json
 
 SBATCH_SCRIPT = "slurm/train.sbatch"
 JOBS_FILE = "jobs.json"
@@ -124,10 +124,8 @@ def slurm_state(job_id: str) -> str:
 
 def _record(path: Path, jobs: list[list[str]], ids: list[str | None]) -> None:
     """jobs.json: every job's overrides and its latest Slurm job id (written after each submission)."""
-    data = {"jobs": [{"num": k, "overrides": job, "slurm_job": i} for k, (job, i) in enumerate(zip(jobs, ids))]}
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    os.replace(tmp, path)
+    write_json(path, {"jobs": [{"num": k, "overrides": job, "slurm_job": i}
+                               for k, (job, i) in enumerate(zip(jobs, ids))]})
 
 
 if __name__ == "__main__":
