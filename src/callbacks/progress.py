@@ -1,31 +1,47 @@
-"""Lightning's rich progress bar, redrawn at most every ``min_interval_s`` during training."""
+"""Lightning's rich progress bar, moved at most every ``min_interval_s``, its values read only at log steps."""
 
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Sequence
 
 import lightning as L
 from lightning.pytorch.callbacks import RichProgressBar
 
 
 class ProgressBar(RichProgressBar):
-    """RichProgressBar that skips the per-batch update between redraws.
+    """RichProgressBar that moves at most every ``min_interval_s`` and shows new metric values at log steps only.
 
     Lightning's bar reads every logged value after every training batch; on a GPU each read waits for
-    the device to finish all queued work, so the next step cannot be queued behind this one. Reading
-    twice a second keeps the bar live and the queue full.
+    the device to finish all queued work, so the next step cannot be queued behind this one. Here the
+    count moves twice a second, and the values (``train/loss``) are read where Lightning's logger reads
+    them anyway: at the log steps (``trainer.log_every_n_steps``) and at the epoch's end.
     """
 
-    def __init__(self, min_interval_s: float = 0.5, **kwargs: Any) -> None:
+    def __init__(self, min_interval_s: float = 0.5, step_values: Sequence[str] = ("train/loss",), **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.min_interval_s = min_interval_s
+        self.min_interval_s, self.step_values = min_interval_s, tuple(step_values)
         self._drawn_at = 0.0
+
+    def get_metrics(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, Any]:
+        """Lightning's values (logged with prog_bar=True), and ``step_values``: per-step values logged without it,
+        read here, where the bar reads at all (log steps, epoch ends), instead of by Lightning after every batch."""
+        metrics = super().get_metrics(trainer, pl_module)
+        logged = trainer.callback_metrics
+        for name in self.step_values:
+            if name in logged and name not in metrics:
+                metrics[name] = float(logged[name])
+        return metrics
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         now = time.monotonic()
-        last = batch_idx + 1 >= self.total_train_batches
-        if now - self._drawn_at >= self.min_interval_s or last:
-            self._drawn_at = now
-            super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        if now - self._drawn_at < self.min_interval_s and batch_idx + 1 < self.total_train_batches:
+            return
+        self._drawn_at = now
+        if trainer._logger_connector.should_update_logs or batch_idx + 1 >= self.total_train_batches:
+            super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)  # the count and the values
+            return
+        if not self.is_disabled and self.train_progress_bar_id is None:  # a run resumed mid-epoch
+            self._initialize_train_progress_bar_id()
+        self._update(self.train_progress_bar_id, batch_idx + 1)  # the count alone: nothing read from the device

@@ -58,10 +58,12 @@ class ImageClassifier(L.LightningModule):
         )
         self.net = build_resnet(arch, num_classes, stem)
         self.criterion = nn.CrossEntropyLoss(label_smoothing=label_smoothing)
-        # torchmetrics keeps sums and counts, so epoch values are exact across ranks and uneven batches.
+        # torchmetrics keeps sums and counts, so epoch values are exact across ranks and uneven batches. No update may
+        # read a value back from the GPU (the host would wait for the device every step): no argument validation, no
+        # NaN check (a NaN loss shows in the logged loss all the same), and weights that are device tensors already.
         self.train_acc, self.val_acc, self.test_acc = (
-            MulticlassAccuracy(num_classes, average="micro") for _ in range(3))
-        self.train_loss, self.val_loss, self.test_loss = MeanMetric(), MeanMetric(), MeanMetric()
+            MulticlassAccuracy(num_classes, average="micro", validate_args=False) for _ in range(3))
+        self.train_loss, self.val_loss, self.test_loss = (MeanMetric(nan_strategy="disable") for _ in range(3))
         self.memory_format = torch.contiguous_format
 
     def setup(self, stage: str) -> None:
@@ -82,10 +84,12 @@ class ImageClassifier(L.LightningModule):
         logits = self(images)
         loss = self.criterion(logits, labels)
         self.train_acc(logits, labels)
-        self.train_loss.update(loss.detach(), weight=labels.numel())
+        self.train_loss.update(loss.detach().expand(len(labels)))  # one value per image: the epoch mean weighs each once
         # Per step, this rank's values (no sync); per epoch, the whole world's, synced once at the epoch's end.
         # The epoch values are there however short the epoch: per-step values wait for log_every_n_steps.
-        self.log("train/loss", loss, prog_bar=True)
+        # Not prog_bar=True: Lightning turns progress-bar values into numbers after every batch, a wait for the GPU
+        # each time; the bar reads train/loss itself at log steps (src/callbacks/progress.py).
+        self.log("train/loss", loss)
         self.log("train/acc", self.train_acc)
         self.log("train/loss_epoch", self.train_loss, on_step=False, on_epoch=True)
         self.log("train/acc_epoch", self.train_acc, on_step=False, on_epoch=True)
@@ -101,8 +105,9 @@ class ImageClassifier(L.LightningModule):
                   acc_metric: MulticlassAccuracy) -> None:
         images, labels = batch
         logits = self(images)
-        # Plain cross-entropy, so evaluation loss compares across label-smoothing settings.
-        loss_metric.update(F.cross_entropy(logits, labels), weight=labels.numel())
+        # Plain cross-entropy, so evaluation loss compares across label-smoothing settings; per image, so the mean is
+        # exact whatever the batches.
+        loss_metric.update(F.cross_entropy(logits, labels, reduction="none"))
         acc_metric.update(logits, labels)
         self.log(f"{stage}/loss", loss_metric, prog_bar=True)
         self.log(f"{stage}/acc", acc_metric, prog_bar=True)
