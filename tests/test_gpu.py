@@ -5,6 +5,8 @@ CI has no GPU: every test here skips there, with the reason.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -39,6 +41,10 @@ def test_one_gpu_trains_with_nccl_bf16_channels_last_and_the_device_pipeline(tmp
     assert (tmp_path / "checkpoints" / "last.ckpt").is_file()
 
 
-def test_compiled_model_trains_on_the_gpu(tmp_path):
-    result = train(*GPU_RUN, "model.compile=true", f"hydra.run.dir={tmp_path}", timeout=900)
+def test_compiled_model_trains_on_the_gpu_with_one_training_and_one_evaluation_graph(tmp_path):
+    result = train(*GPU_RUN, "model.compile=true", "trainer.max_epochs=2", "data.num_test=40",
+                   "+callbacks.compile_probe._target_=tests.compile_probe.CompileProbe",
+                   f"+callbacks.compile_probe.out={tmp_path}", f"hydra.run.dir={tmp_path}", timeout=900)
     assert result.returncode == 0, output(result)[-3000:]
+    marks = json.loads((tmp_path / "compile_rank0.json").read_text())["marks"]
+    assert [(m["at"], m["graphs"]) for m in marks] == [("epoch 0", 2), ("epoch 1", 2), ("test", 2)]

@@ -1,0 +1,44 @@
+"""What torch.compile did in a real run: ``+callbacks.compile_probe._target_=tests.compile_probe.CompileProbe``.
+
+Writes ``compile_rankN.json`` into ``out`` when testing ends: dynamo's count of compiled graphs after each training
+epoch and after the test, and DDPOptimizer's line when it split a graph at DDP's gradient buckets (so that each
+bucket's all-reduce starts while the backward pass goes on).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import lightning as L
+
+
+class CompileProbe(L.Callback):
+    def __init__(self, out: str) -> None:
+        self.out = Path(out)
+        self.marks: list[dict[str, object]] = []
+        self.ddp_optimizer: list[str] = []
+        self._handler: logging.Handler | None = None
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if self._handler is None:
+            self._handler = logging.Handler()
+            self._handler.emit = lambda record: self.ddp_optimizer.append(record.getMessage().strip())
+            logger = logging.getLogger("torch._dynamo.backends.distributed")
+            logger.addHandler(self._handler)
+            logger.setLevel(logging.INFO)
+
+    def _mark(self, at: str) -> None:
+        from torch._dynamo.utils import counters
+
+        self.marks.append({"at": at, "graphs": counters["stats"]["unique_graphs"]})
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._mark(f"epoch {trainer.current_epoch}")
+
+    def on_test_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._mark("test")
+        self.out.mkdir(parents=True, exist_ok=True)
+        (self.out / f"compile_rank{trainer.global_rank}.json").write_text(
+            json.dumps({"marks": self.marks, "ddp_optimizer": self.ddp_optimizer}, indent=1) + "\n")
