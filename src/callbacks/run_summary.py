@@ -34,7 +34,10 @@ def number_format(trainer: L.Trainer, pl_module: L.LightningModule, precision: s
     why = ""
     if any(asked):
         what = "auto" if all(asked) else ("precision auto" if asked[0] else "channels_last auto")
-        why = f" ({what}: {fast_path(trainer.strategy.root_device.type, pl_module.hparams.arch).why})"
+        # on CUDA, the GPUs whose capability chose the precision (trainer.device_ids reads [cuda:0, cuda:0] as [0, 1])
+        devices = getattr(trainer.strategy, "parallel_devices", None) or [trainer.strategy.root_device]
+        gpus = (tuple(d.index for d in devices),) if devices[0].type == "cuda" else ()
+        why = f" ({what}: {fast_path(devices[0].type, pl_module.hparams.arch, *gpus).why})"
     return f"precision {trainer.precision}, {layout}{why}"
 
 
@@ -57,6 +60,7 @@ class RunSummary(L.Callback):
             f" | strategy {strategy_name(trainer.strategy)} | backend {backend}"
             f" | device {trainer.strategy.root_device.type} | {number_format(trainer, pl_module, self.precision)}"
             f" | global batch {global_batch} ({per_process} per process"
-            f"{f' x {accumulate} accumulated' if accumulate > 1 else ''})"
+            f"{f' x {accumulate} accumulated' if accumulate > 1 else ''}"
+            f"{f'; {why}' if (why := getattr(trainer.datamodule, 'batch_size_why', None)) else ''})"
             + (f" | peak lr {peak_lr(trainer):.4g}" if trainer.optimizers else "")
         )

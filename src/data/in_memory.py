@@ -53,12 +53,15 @@ class InMemoryImageDataModule(L.LightningDataModule):
     DistributedSampler under DDP.
     """
 
-    def __init__(self, batch_size: int = 128, num_workers: int | str = "auto", val_size: float = 0.1,
+    def __init__(self, batch_size: int | str = 128, num_workers: int | str = "auto", val_size: float = 0.1,
                  augment: bool = True, seed: int = 0, pin_memory: bool | str = "auto", num_classes: int = 10,
-                 pipeline: str = "auto") -> None:
+                 pipeline: str = "auto", max_batch_size: int = 1024) -> None:
         super().__init__()
-        if not isinstance(batch_size, int) or batch_size < 1:
-            raise UserError(f"data.batch_size={batch_size} must be a whole number >= 1 (it is per process)")
+        if batch_size != "auto" and (isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1):
+            raise UserError(f"data.batch_size={batch_size} must be a whole number >= 1 (it is per process), or auto "
+                            "(the largest that fits the GPU)")
+        if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
+            raise UserError(f"data.max_batch_size={max_batch_size} must be a whole number >= 1")
         if num_workers != "auto" and (not isinstance(num_workers, int) or num_workers < 0):
             raise UserError(f"data.num_workers={num_workers} must be auto or a whole number >= 0")
         if pipeline not in PIPELINES:
@@ -68,7 +71,9 @@ class InMemoryImageDataModule(L.LightningDataModule):
         if not (fraction or count):
             raise UserError(f"data.val_size={val_size} must be a fraction in (0, 1) or a whole number of images >= 1 "
                             "(e.g. 0.1 or 5000)")
+        # auto becomes a number once the trainer has its device (src/batch_size.py, from the model's setup)
         self.batch_size, self.num_workers, self.val_size = batch_size, num_workers, val_size
+        self.max_batch_size = max_batch_size
         self.augment, self.seed, self.pin_memory, self.num_classes = augment, seed, pin_memory, num_classes
         # auto: the images of an in-memory dataset fit on any device, so they go there
         self.pipeline = "device" if pipeline == "auto" else pipeline

@@ -12,6 +12,7 @@ from torch import nn
 from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
+from src.batch_size import record_in_config, resolve as resolve_batch_size
 from src.errors import UserError
 from src.fast_path import fast_path
 from src.models.resnet import build_resnet
@@ -73,6 +74,10 @@ class ImageClassifier(L.LightningModule):
         if channels_last:
             self.memory_format = torch.channels_last
             self.net.to(memory_format=self.memory_format)
+        datamodule = self.trainer.datamodule
+        resolve_batch_size(self.trainer, self, datamodule)  # data.batch_size=auto: probe now, on the run's device
+        if getattr(datamodule, "batch_size_why", None) and self.trainer.is_global_zero:  # what auto became
+            record_in_config(self.trainer.default_root_dir, datamodule.batch_size)
         if self.hparams.compile:
             if not getattr(self.net, "_compiled_call_impl", None):  # once per process, fit and test alike
                 self.net.compile()  # in place: the state dict keeps its keys, so checkpoints stay interchangeable
