@@ -2,8 +2,9 @@
 
 Lightning owns the process group, the samplers and rank-zero IO. This module only adds what it
 lacks for a Hydra application: a ``backend`` key (auto | nccl | gloo), a rendezvous timeout that
-fails with a readable message, local ranks started from *this job's* overrides (src/launch.py), and
-ranks that stop together when one of them or their launcher dies (src/supervision.py).
+fails with a readable message, local ranks started from *this job's* overrides (src/launch.py),
+ranks that stop together when one of them or their launcher dies (src/supervision.py), srun tasks that
+each see one GPU of their own (TaskGPU), and spawned ranks that keep the parent's TF32 settings.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from datetime import timedelta
 from typing import Any, Callable
 
 import torch
+from lightning.pytorch.accelerators import CUDAAccelerator
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
@@ -88,6 +90,22 @@ def check_slurm_allocation(devices: int, num_nodes: int) -> None:
         )
 
 
+class TaskGPU(CUDAAccelerator):
+    """CUDA for srun tasks that each see one GPU of their own (``--gpus-per-task=1``): every local rank trains on
+    its cuda:0, and Lightning still counts ``trainer.devices`` = the node's tasks (its Slurm check wants that).
+
+    Lightning's own CUDA accelerator would put local rank N on cuda:N, which such a task does not have.
+    """
+
+    @staticmethod
+    def parse_devices(devices: Any) -> list[int]:
+        return [0] * int(devices)
+
+    @staticmethod
+    def get_parallel_devices(devices: list[int]) -> list[torch.device]:
+        return [torch.device("cuda", 0)] * len(devices)
+
+
 class HydraDDPStrategy(DDPStrategy):
     """DDP whose local ranks join this Hydra job, watch their launcher, and whose rendezvous failure says what is
     missing."""
@@ -151,10 +169,12 @@ class HydraJobLauncher(_SubprocessScriptLauncher):
 
 
 class HydraSpawnLauncher(_MultiProcessingLauncher):
-    """``ddp_spawn``'s launcher: the parent passes a SIGTERM on to its ranks (it is no rank itself), and a rank
-    that stopped on request exits with ``128 + signal`` instead of multiprocessing's 1."""
+    """``ddp_spawn``'s launcher: the parent passes a SIGTERM on to its ranks (it is no rank itself), a rank that
+    stopped on request exits with ``128 + signal`` instead of multiprocessing's 1, and the ranks compute with the
+    TF32 settings the parent chose (src/trainer.py's hardware_defaults)."""
 
     def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+        self._backend_flags = backend_flags()  # the ranks get them with this launcher, pickled
         # torch warns "Terminating process N via signal SIGTERM" for every rank it stops after one failed; the
         # failed rank (or, for a death, src/supervision.py) has said what happened
         logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
@@ -171,6 +191,7 @@ class HydraSpawnLauncher(_MultiProcessingLauncher):
         from src.console import spawned_rank_console
 
         spawned_rank_console()
+        set_backend_flags(self._backend_flags)
         # torch makes a spawned rank get SIGINT when its parent dies; that KeyboardInterrupt races the watch
         # below and ends the rank without a word. One owner: the watch, which says what happened.
         _clear_parent_death_signal()
@@ -188,6 +209,24 @@ class HydraSpawnLauncher(_MultiProcessingLauncher):
             supervision.end_run(*describe(err, log_dir=getattr(trainer, "default_root_dir", None)))
         supervision.stop_watching_failures()
         return result
+
+
+def backend_flags() -> dict[str, Any]:
+    """This process's float32 matmul precision and cuDNN TF32 and determinism flags.
+
+    Lightning's spawn launcher carries cuDNN autotuning, deterministic algorithms and the random states into the
+    ranks (its _GlobalStateSnapshot), not these: a spawned rank would start with torch's defaults (no TF32 matmuls).
+    """
+    return {"float32_matmul_precision": torch.get_float32_matmul_precision(),
+            "cudnn_allow_tf32": torch.backends.cudnn.allow_tf32,
+            "cudnn_deterministic": torch.backends.cudnn.deterministic}
+
+
+def set_backend_flags(flags: dict[str, Any]) -> None:
+    """Apply what :func:`backend_flags` read in another process (torch's legacy setters, as Lightning reads them)."""
+    torch.set_float32_matmul_precision(flags["float32_matmul_precision"])
+    torch.backends.cudnn.allow_tf32 = flags["cudnn_allow_tf32"]
+    torch.backends.cudnn.deterministic = flags["cudnn_deterministic"]
 
 
 def _clear_parent_death_signal() -> None:

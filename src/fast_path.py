@@ -2,8 +2,11 @@
 
 The choice follows what the machine reports and what it measures, never a guess about which machine this is:
 
-- a CUDA GPU: bf16 autocast where it has bf16 (Ampere and later), channels-last (tensor cores run
-  convolutions in NHWC);
+- a CUDA GPU: bf16 autocast at compute capability 8.0 and above (Ampere and later), fp16 autocast with a gradient
+  scaler below (V100, T4: ``torch.cuda.is_bf16_supported()`` says yes there, by emulation); channels-last (tensor
+  cores run convolutions in NHWC). The capability is read with ``torch.cuda.get_device_capability(index)``, which
+  creates no CUDA context: ``is_bf16_supported()`` would create one on GPU 0 in every rank, before each selects
+  its own;
 - a CPU without native bf16 instructions: 32-bit, as bf16 autocast is emulated there (a ResNet-50 train
   step ran at a tenth of the fp32 rate on an AVX2 AMD EPYC), and channels-last, which oneDNN runs faster;
 - a CPU with native bf16 (AVX512_BF16 or AMX, as torch reports them): channels-last, and bf16 autocast only
@@ -64,12 +67,18 @@ def cpu_capability() -> str:
 
 
 @functools.cache
-def fast_path(device_type: str, arch: str = "resnet50") -> FastPath:
-    """The precision and memory format ``auto`` resolves to for ``arch`` on a device of ``device_type`` here."""
+def fast_path(device_type: str, arch: str = "resnet50", gpus: tuple[int, ...] = (0,)) -> FastPath:
+    """The precision and memory format ``auto`` resolves to for ``arch`` on a device of ``device_type`` here; on CUDA
+    for the visible GPUs ``gpus`` this node's ranks train on (each rank reads them all, so all agree)."""
     if device_type == "cuda":
-        if torch.cuda.is_bf16_supported():
-            return FastPath("bf16-mixed", True, "the GPU has bf16")
-        return FastPath("32-true", True, "the GPU has no bf16: 32-bit with TF32 matmuls")
+        # the lowest capability of the node's GPUs: ranks that scaled their losses and ranks that did not would
+        # all-reduce gradients of different scales
+        index, (major, minor) = min(((i, torch.cuda.get_device_capability(i)) for i in sorted(set(gpus))),
+                                    key=lambda g: g[1])
+        found = f"GPU cuda:{index} has compute capability {major}.{minor}"
+        if major >= 8:
+            return FastPath("bf16-mixed", True, f"{found}: native bf16")
+        return FastPath("16-mixed", True, f"{found}, below 8.0 bf16 would be emulated: fp16 with a gradient scaler")
     if device_type == "cpu":
         isa = cpu_bf16_isa()
         if isa is None:

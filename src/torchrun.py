@@ -86,10 +86,11 @@ def adopt(cfg: Any, overridden: set[str]) -> None:
 
 def _count(devices: Any) -> int:
     """Processes per node that ``trainer.devices`` asks for: a count, or a list of GPU ids ("0,1" or [0, 1])."""
-    if isinstance(devices, str) and "," in devices:
-        return len([d for d in devices.split(",") if d.strip()])
-    if not isinstance(devices, (int, str)):
-        return len(devices)
+    from src.launch import gpu_ids  # src.launch loads src.supervision, which loads this module
+
+    ids = gpu_ids(devices)
+    if ids is not None:
+        return len(ids)
     try:
         return int(devices)
     except ValueError:

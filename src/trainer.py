@@ -14,8 +14,9 @@ from omegaconf import DictConfig, OmegaConf
 from src import torchrun
 from src.checkpoints import AtomicCheckpointIO, read_checkpoint
 from src.console import quiet_console, quiet_dependencies
+from src.distributed import TaskGPU
 from src.fast_path import fast_path
-from src.launch import is_launch_rank_zero, ranks_started_here_under_slurm, uses_cuda
+from src.launch import is_launch_rank_zero, node_gpus, one_gpu_per_task, ranks_started_here_under_slurm, uses_cuda
 from src.loggers import remember_runs
 from src.errors import UserError
 
@@ -41,14 +42,18 @@ def route_lightning_logs() -> None:
 
 def hardware_defaults(trainer_cfg: DictConfig, arch: str = "resnet50") -> dict:
     """``precision`` and ``benchmark`` left at ``auto``, resolved for the hardware found and the network
-    ``arch`` trains (src/fast_path.py).
+    ``arch`` trains (src/fast_path.py), and the accelerator of an srun task that has one GPU of its own.
 
     On CUDA also cuDNN autotuning (CIFAR's shapes never change) and TF32 matmuls.
     """
     cuda = uses_cuda(trainer_cfg.accelerator)
     resolved = {}
     if trainer_cfg.precision == "auto":
-        resolved["precision"] = fast_path("cuda" if cuda else device_type(trainer_cfg.accelerator), arch).precision
+        chosen = (fast_path("cuda", arch, tuple(node_gpus(trainer_cfg.accelerator, trainer_cfg.devices))) if cuda
+                  else fast_path(device_type(trainer_cfg.accelerator), arch))
+        resolved["precision"] = chosen.precision
+    if cuda and one_gpu_per_task(trainer_cfg.accelerator, trainer_cfg.devices):
+        resolved["accelerator"] = TaskGPU()  # every local rank on its own task's cuda:0
     if trainer_cfg.benchmark == "auto":
         resolved["benchmark"] = cuda and not trainer_cfg.deterministic
     if cuda:

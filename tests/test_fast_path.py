@@ -1,4 +1,5 @@
-"""trainer.precision=auto and model.channels_last=auto follow the hardware found (src/fast_path.py)."""
+"""trainer.precision=auto and model.channels_last=auto follow the hardware found (src/fast_path.py); spawned ranks keep
+the parent's TF32 settings."""
 
 from __future__ import annotations
 
@@ -8,12 +9,15 @@ import sys
 
 import pytest
 import torch
+from lightning.fabric.plugins.environments import LightningEnvironment
 from omegaconf import OmegaConf
 
 from src import fast_path as fp
+from src.distributed import HydraDDPStrategy, backend_flags, set_backend_flags
 from src.fast_path import BF16_MIN_SPEEDUP, cpu_bf16_isa, fast_path
 from src.trainer import hardware_defaults
-from tests.conftest import ROOT
+from tests.conftest import ROOT, free_port
+from tests.test_devices import gpus  # noqa: F401 - the fixture: GPUs stood in for, their context makers raising
 
 
 def cpu_trainer(**overrides):
@@ -126,3 +130,47 @@ def test_this_machine_is_read_from_what_torch_reports():
     assert isa is None or {"AVX512_BF16": "avx512_bf16", "AMX": "amx_tile"}[isa] in flags  # never claimed wrongly
     if "avx512_bf16" in flags:
         assert isa is not None
+
+
+def gpu_trainer_cfg(devices="auto"):
+    return OmegaConf.create({"accelerator": "gpu", "devices": devices, "precision": "auto", "benchmark": "auto",
+                             "deterministic": False})
+
+
+@pytest.mark.parametrize(("capability", "precision"), [((7, 0), "16-mixed"), ((7, 5), "16-mixed"),
+                                                       ((8, 0), "bf16-mixed"), ((9, 0), "bf16-mixed")])
+def test_a_gpu_computes_in_bf16_from_compute_capability_8_and_in_fp16_with_a_scaler_below(gpus, capability,
+                                                                                         precision):
+    """V100 (7.0) and T4 (7.5) emulate bf16, and torch.cuda.is_bf16_supported() says yes there: the capability
+    decides, read without creating a CUDA context (the stand-ins of anything that would create one raise)."""
+    gpus(2, capability)
+    assert hardware_defaults(gpu_trainer_cfg(), "resnet50") == {"precision": precision, "benchmark": True}
+    why = fast_path("cuda", "resnet50", (0, 1)).why
+    assert why.startswith(f"GPU cuda:0 has compute capability {capability[0]}.{capability[1]}")
+    assert ("fp16 with a gradient scaler" in why) == (precision == "16-mixed")
+    assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32  # TF32 for what stays fp32
+
+
+def test_the_gpus_of_a_node_agree_on_the_lowest_capability_among_them(gpus):
+    """Ranks that scaled their losses (fp16) and ranks that did not (bf16) would all-reduce unlike gradients."""
+    gpus(4, {0: (9, 0), 1: (9, 0), 2: (7, 0), 3: (9, 0)})
+    assert hardware_defaults(gpu_trainer_cfg([0, 1]), "resnet50")["precision"] == "bf16-mixed"
+    assert hardware_defaults(gpu_trainer_cfg("0,2"), "resnet50")["precision"] == "16-mixed"
+    assert fast_path("cuda", "resnet50", (0, 2)).why.startswith("GPU cuda:2 has compute capability 7.0")
+
+
+def test_ddp_spawn_ranks_compute_with_the_tf32_settings_the_parent_chose(monkeypatch):
+    """A real spawned rank (Lightning's spawn carries cuDNN autotuning and determinism, not these)."""
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    strategy = HydraDDPStrategy(start_method="spawn", parallel_devices=[torch.device("cpu")],
+                                cluster_environment=LightningEnvironment())
+    strategy._configure_launcher()
+    chosen = {"float32_matmul_precision": "high", "cudnn_allow_tf32": False, "cudnn_deterministic": True}
+    before = backend_flags()
+    assert all(before[key] != value for key, value in chosen.items())  # torch's defaults, which a new process has
+    set_backend_flags(chosen)
+    try:
+        seen = strategy.launcher.launch(backend_flags)
+    finally:
+        set_backend_flags(before)
+    assert seen == chosen
