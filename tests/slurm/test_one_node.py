@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import csv
 import json
+import re
+import subprocess
 import time
 from pathlib import Path
 
@@ -11,7 +13,7 @@ import pytest
 import torch
 
 from tests.conftest import FAST, ROOT
-from tests.slurm.conftest import start_cluster, stop_cluster
+from tests.slurm.conftest import TERMINAL, start_cluster, stop_cluster
 
 CPU = ["--gpus-per-node=0"]
 RUN = [*FAST, "test=false"]
@@ -28,8 +30,25 @@ def run_dir(job_id: str) -> Path:
     return ROOT / "outputs" / "slurm" / job_id
 
 
+def step_cpus(cluster, job: str, timeout: float = 240) -> int:
+    """The CPUs of the job's srun step, read while it runs (no accounting here: a step that ended is gone)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = re.search(r"\bCPUs=(\d+)", cluster.run("scontrol", "show", "step", f"{job}.0", check=False).stdout)
+        if found:
+            return int(found.group(1))
+        if cluster.show(job).get("JobState") in TERMINAL:
+            break
+        time.sleep(0.2)
+    raise AssertionError(f"step {job}.0 was not seen running:\n{cluster.log(job)}")
+
+
 def test_one_node_two_tasks_train_one_world_of_two_into_the_jobs_run_dir(cluster):
-    job = cluster.sbatch("--nodes=1", "--ntasks-per-node=2", *CPU, "slurm/train.sbatch", *RUN)
+    # SLURM_EXACT=1: the step holds only the CPUs srun asks for per task, as clusters that bind each task to its cores
+    # do (this one binds none, so the tasks' affinity could not tell)
+    job = cluster.sbatch("--nodes=1", "--ntasks-per-node=2", *CPU, "--export=ALL,SLURM_EXACT=1", "slurm/train.sbatch",
+                         *RUN)
+    assert step_cpus(cluster, job) == 2 * 8  # the script's --cpus-per-task=8 for each task (Slurm >= 22.05: else 1)
     info = cluster.wait(job)
     assert info["JobState"] == "COMPLETED", cluster.log(job)
     record = json.loads((run_dir(job) / "throughput.json").read_text())
@@ -164,3 +183,22 @@ def test_srun_torchrun_is_not_refused_by_the_allocation_check_and_trains_like_sr
     assert record["world_size"] == 2 and len(set(record["pids"])) == 2
     assert [p.relative_to(run_dir(job)) for p in run_dir(job).rglob("last.ckpt")] == [Path("checkpoints/last.ckpt")]
     assert "world size 2 | strategy ddp | backend gloo" in log and "error:" not in log
+
+
+@pytest.mark.parametrize("script", ["train.sbatch", "torchrun.sbatch", "search.sbatch"])
+def test_a_python_that_is_not_there_stops_the_script_in_one_line_before_srun(tmp_path, script):
+    """No cluster needed: the script under bash, as Slurm runs it, with a stand-in srun that records being called."""
+    bin_dir, called = tmp_path / "bin", tmp_path / "srun-was-called"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text(f"#!/bin/sh\ntouch {called}\n")
+    (bin_dir / "srun").chmod(0o755)
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "PYTHON": "/nonexistent/python", "SLURM_SUBMIT_DIR": str(ROOT),
+           "SLURM_JOB_ID": "4242", "SLURM_JOB_NUM_NODES": "1", "SLURM_JOB_NODELIST": "localhost",
+           "SLURM_NTASKS_PER_NODE": "2", "SLURM_CPUS_PER_TASK": "8"}
+    result = subprocess.run(["bash", str(ROOT / "slurm" / script)], env=env, capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 2 and result.stdout == "", result.stdout + result.stderr
+    assert result.stderr.splitlines() == [
+        f"error: PYTHON=/nonexistent/python is not an executable here ({ROOT}): run make install in {ROOT}, or pass "
+        "--export=ALL,PYTHON=/path/to/python"]
+    assert not called.exists()
