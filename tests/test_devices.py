@@ -99,11 +99,13 @@ def test_ids_count_within_cuda_visible_devices_and_one_beyond_them_is_one_line(g
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1,3")  # what the process sees: its GPUs 0 and 1
     monkeypatch.setenv("LOCAL_RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "2")
-    assert gpu_trainer(tmp_path, "strategy=ddp", "trainer.devices=[0,1]").strategy.root_device == torch.device("cuda:1")
-    with pytest.raises(Exception) as refused:  # noqa: PT011 - Hydra wraps it as src.train's reporting unwraps it
+    trainer = gpu_trainer(tmp_path, "strategy=ddp", "trainer.devices=[0,1]")
+    assert trainer.strategy.root_device == torch.device("cuda:1")
+    with pytest.raises(Exception) as refused:  # noqa: PT011 - Hydra wraps it; src.train's reporting unwraps it
         gpu_trainer(tmp_path, "strategy=ddp", "trainer.devices=[0,2]")
-    assert str(user_error_in(refused.value)) == ("trainer.devices=[0, 2] names GPU 2, but this node has 2 GPU(s) visible "
-                                  "(CUDA_VISIBLE_DEVICES=1,3): ids count from 0 within the visible GPUs, so use ids 0..1")
+    assert str(user_error_in(refused.value)) == (
+        "trainer.devices=[0, 2] names GPU 2, but this node has 2 GPU(s) visible (CUDA_VISIBLE_DEVICES=1,3): ids count "
+        "from 0 within the visible GPUs, so use ids 0..1")
 
 
 @pytest.mark.parametrize(("accelerator", "devices", "message"), [
