@@ -20,8 +20,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 from src import launch, supervision, torchrun, tracking
-from src.errors import (EXIT_FAILED, EXIT_USER_ERROR, FAILURE_FILE, USER_FULL_ERROR, UserError, hydra_error_message,
-                        one_line, report, require, storage_error_in, user_error_in, wants_traceback)
+from src.errors import (EXIT_FAILED, EXIT_USER_ERROR, FAILURE_FILE, USER_FULL_ERROR, ToldElsewhere, UserError,
+                        hydra_error_message, one_line, out_of_memory_in, report, require, storage_error_in,
+                        user_error_in, wants_traceback)
 from src.run_dir import resume_own_run_dir
 
 log = logging.getLogger(__name__)
@@ -118,6 +119,8 @@ def describe(err: BaseException, log_dir: str | None = None) -> tuple[str | None
     if distributed is not None:
         return distributed
     cause = user_error_in(err)
+    if isinstance(cause, ToldElsewhere) and not launch.in_sweep():  # a sweep's process records each job's line
+        return None, cause.exit_code
     if cause is not None:
         code = getattr(cause, "exit_code", EXIT_USER_ERROR)  # Lightning's MisconfigurationException: the user's
         mid_run = supervision.FAILURES is not None or code != EXIT_USER_ERROR
@@ -128,6 +131,12 @@ def describe(err: BaseException, log_dir: str | None = None) -> tuple[str | None
     storage = storage_error_in(err)
     if storage is not None:
         return _named(_storage_line(storage), True), EXIT_FAILED
+    memory = out_of_memory_in(err)
+    if memory is not None:  # the line says all there is to do; torch's paragraph goes to the log file only
+        from src.callbacks.out_of_memory import line_for
+
+        _log_traceback(err, log_dir, console=False)
+        return _named(line_for(memory), True), EXIT_FAILED
     logged = _log_traceback(err, log_dir)
     where = f" (traceback in {logged})" if logged else ""
     first = str(err).strip().splitlines()[0] if str(err).strip() else ""
@@ -149,8 +158,9 @@ def _storage_line(err: OSError) -> str:
     return refused_write(err, None, Path(run_dir, "checkpoints") if run_dir else None)
 
 
-def _log_traceback(err: BaseException, log_dir: str | None) -> str | None:
-    """Write ``err``'s traceback to this process's log file only (not the console); return the file."""
+def _log_traceback(err: BaseException, log_dir: str | None, console: bool = True) -> str | None:
+    """Write ``err``'s traceback to this process's log file only; return the file. Without one, print it
+    (``console``)."""
     root = logging.getLogger()
     files = [h for h in root.handlers if isinstance(h, logging.FileHandler)]
     if not files and log_dir is not None:
@@ -159,7 +169,8 @@ def _log_traceback(err: BaseException, log_dir: str | None) -> str | None:
         except OSError:
             files = []
     if not files:
-        traceback.print_exception(err)  # nowhere else to keep it
+        if console:
+            traceback.print_exception(err)  # nowhere else to keep it
         return None
     record = logging.LogRecord(log.name, logging.ERROR, __file__, 0, "the run failed:", None,
                                (type(err), err, err.__traceback__))

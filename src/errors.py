@@ -33,6 +33,11 @@ class StorageError(UserError):
     exit_code = EXIT_FAILED
 
 
+class ToldElsewhere(UserError):
+    """The failure another process of this run, on this node, has already printed: this one ends with its exit status,
+    without a second line."""
+
+
 # errno values that mean the filesystem, not the program, refused a write
 STORAGE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOENT, errno.EIO}
 
@@ -80,6 +85,11 @@ def user_error_in(err: BaseException) -> BaseException | None:
             key = getattr(err, "full_key", None) or "an interpolation"
             return UserError(f"{key}: {str(err).splitlines()[0]}: fix or remove the ${{...}} in its value "
                              f"(`python -m {_entry_module()} --cfg job --resolve` shows every resolved value)")
+        op = _NOT_DETERMINISTIC.match(str(err)) if isinstance(err, RuntimeError) else None
+        if op:
+            return UserError(f"{op.group(1)} has no deterministic implementation, and trainer.deterministic=true "
+                             "allows no other: pass trainer.deterministic=warn to run it anyway with a warning "
+                             "(Lightning's mode), or trainer.deterministic=false")
         call = _TARGET_CALL.search(str(err))
         if call:
             target, kind, detail, node = call.groups()
@@ -99,6 +109,28 @@ def user_error_in(err: BaseException) -> BaseException | None:
 # How hydra.utils.instantiate reports an exception raised by the target it calls: its class, its repr'd
 # arguments, the config node.
 _TARGET_CALL = re.compile(r"^Error in call to target '([^']+)':\n(\w+)\((.*)\)\nfull_key: (\S+)$", re.S)
+
+
+# torch's words for an op without a deterministic kernel under torch.use_deterministic_algorithms(True)
+_NOT_DETERMINISTIC = re.compile(r"^(\S+) does not have a deterministic implementation, but you set "
+                                r"'torch\.use_deterministic_algorithms\(True\)'")
+# what cuBLAS and cuDNN say when their workspace cannot be allocated: out of memory as much as the allocator's error
+_OUT_OF_MEMORY_WORDS = ("CUDA out of memory", "CUDA error: out of memory", "CUBLAS_STATUS_ALLOC_FAILED",
+                        "CUDNN_STATUS_ALLOC_FAILED")
+
+
+def out_of_memory_in(err: BaseException | None) -> BaseException | None:
+    """The device out-of-memory error behind ``err``, if any: torch's OutOfMemoryError, or cuBLAS / cuDNN failing to
+    allocate."""
+    torch = sys.modules.get("torch")  # not loaded: nothing ran out of device memory
+    seen = set()
+    while torch is not None and err is not None and id(err) not in seen:
+        if isinstance(err, torch.OutOfMemoryError) or (
+                isinstance(err, RuntimeError) and any(words in str(err) for words in _OUT_OF_MEMORY_WORDS)):
+            return err
+        seen.add(id(err))
+        err = err.__cause__ or err.__context__
+    return None
 
 
 def _is_interpolation_error(err: BaseException) -> bool:

@@ -14,6 +14,7 @@ src/run_dir.py).
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import sys
@@ -44,6 +45,14 @@ class JobIsolation(Callback):
     def __init__(self) -> None:
         self._environ: dict[str, str] | None = None
 
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        # cuBLAS reads its workspace setting once per process, at its first use: Lightning sets the one
+        # trainer.deterministic needs as each job's Trainer is built, too late where an earlier job of this process
+        # has used cuBLAS without it
+        swept = any(o.split("=", 1)[0].lstrip("+") == "trainer.deterministic" for o in config.hydra.overrides.task)
+        if swept or OmegaConf.select(config, "trainer.deterministic", default=False):
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
     def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
         if in_sweep():
             self._environ = dict(os.environ)
@@ -60,6 +69,11 @@ class JobIsolation(Callback):
 
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+        # Lightning's trainer, module, strategy and callbacks refer to each other, and a failed job's traceback to
+        # all of them: only a collection frees the job's model, and the caching allocator then its GPU memory
+        gc.collect()
+        if torch.cuda.is_initialized():
+            torch.cuda.empty_cache()
         if self._environ is not None:
             os.environ.clear()
             os.environ.update(self._environ)

@@ -9,11 +9,48 @@ import lightning as L
 
 class RaiseAt(L.Callback):
     """Raise on one rank when training reaches ``step`` (a bug, a bad batch), before that step's all-reduce, so
-    the other ranks are left waiting in it."""
+    the other ranks are left waiting in it.
 
-    def __init__(self, rank: int = 0, step: int = 3) -> None:
-        self.rank, self.step = rank, step
+    ``error``: the exception's class (``torch.OutOfMemoryError``: a GPU out of memory); ``stage``: ``train``, or the
+    first ``validate`` or ``test`` batch once ``step`` is reached.
+    """
+
+    def __init__(self, rank: int = 0, step: int = 3, error: str = "builtins.RuntimeError", stage: str = "train"
+                 ) -> None:
+        from hydra.utils import get_class
+
+        self.rank, self.step, self.error, self.stage = rank, step, get_class(error), stage
+
+    def _raise_at(self, trainer: L.Trainer, stage: str) -> None:
+        if stage == self.stage and trainer.global_rank == self.rank and trainer.global_step >= self.step:
+            raise self.error(f"injected failure at step {trainer.global_step}")
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
-        if trainer.global_rank == self.rank and trainer.global_step >= self.step:
-            raise RuntimeError(f"injected failure at step {trainer.global_step}")
+        self._raise_at(trainer, "train")
+
+    def on_validation_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int,
+                                  dataloader_idx: int = 0) -> None:
+        if not trainer.sanity_checking:
+            self._raise_at(trainer, "validate")
+
+    def on_test_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int,
+                            dataloader_idx: int = 0) -> None:
+        self._raise_at(trainer, "test")
+
+
+class CountAlive(L.Callback):
+    """Write into ``path`` how many objects of ``class_path`` are alive when fitting starts (a sweep's job must not
+    keep the previous job's model, and so its GPU memory)."""
+
+    def __init__(self, path: str, class_path: str = "src.models.classifier.ImageClassifier") -> None:
+        self.path, self.class_path = path, class_path
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        import gc
+        import json
+        from pathlib import Path
+
+        from hydra.utils import get_class
+
+        kind = get_class(self.class_path)  # its exact type: Lightning's profiler holds a weakref.proxy to the module
+        Path(self.path).write_text(json.dumps({"alive": sum(type(o) is kind for o in gc.get_objects())}))

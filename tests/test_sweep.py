@@ -179,3 +179,17 @@ def test_slurm_sweep_refuses_a_sweep_dir_of_another_sweep_before_submitting(tmp_
     assert result.stderr.strip() == (f"error: SWEEP_DIR={sweep_dir} holds another sweep ({jobs} lists other jobs): pass "
                                      "a new SWEEP_DIR to start another sweep, or the same overrides to go on with that one")
     assert json.loads(jobs.read_text())["jobs"][0]["overrides"] == ["trainer.devices=4"]  # left as it was
+
+
+def test_the_next_job_of_a_sweep_starts_without_the_previous_jobs_model(tmp_path):
+    # One process runs both jobs (strategy=auto). Lightning's trainer, module and callbacks refer to each other, and a
+    # failed job's traceback to all of them: the first job's model (on a GPU, its memory) lived on into the second
+    # until the sweep freed it at the job's end. Job 0 fails at its first step; job 1 counts the models alive.
+    sweep_dir = tmp_path / "sweep"
+    result = train("-m", *SWEEP, "+callbacks.alive._target_=tests.faults.CountAlive",
+                   "+callbacks.alive.path=${paths.output_dir}/alive.json",
+                   "+callbacks.fault._target_=tests.faults.RaiseAt", "+callbacks.fault.step=1",
+                   "+callbacks.fault.rank=0,1", f"hydra.sweep.dir={sweep_dir}")  # rank 1 never exists: job 1 runs
+    assert result.returncode == 1 and "error: 1 of 2 jobs failed: job 0: RuntimeError" in result.stderr, \
+        output(result)[-4000:]
+    assert json.loads((sweep_dir / "1" / "alive.json").read_text()) == {"alive": 1}
