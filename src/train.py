@@ -55,8 +55,9 @@ def main(cfg: DictConfig) -> float | None:
     quiet_resume(ckpt_path, getattr(datamodule, "pipeline", None) == "device")
     trainer = build_trainer(cfg, model.hparams.arch)
     record_config(cfg, trainer)
-    if is_launch_rank_zero():
-        datamodule.prepare_data()  # missing or bad data fails here, before the ranks meet
+    # every rank, before the ranks meet: a missing dataset is downloaded once while the others wait, however long it
+    # takes (the rendezvous would time out); missing or bad data fails here
+    datamodule.prepare_data()
     trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=not cfg.ckpt_trusted)
     best = getattr(trainer.checkpoint_callback, "best_model_path", None) or None
     pruned, metrics = pruned_at(trainer), None

@@ -2,8 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import http.server
+import json
 import logging
 import pickle
+import socket
+import subprocess
+import sys
+import tarfile
+import threading
+import time
+from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 import pytest
@@ -13,6 +25,7 @@ from src.data.cifar10 import CIFAR10DataModule, read_batch
 from src.data.in_memory import CIFAR10_MEAN, CIFAR10_STD
 from src.data.synthetic import SyntheticDataModule
 from src.errors import UserError
+from tests.conftest import FAST_RUN, ROOT, output, train, write_cifar_folder
 
 
 def test_generated_cifar_folder_loads_with_a_seeded_disjoint_split(cifar_root, caplog):
@@ -129,3 +142,132 @@ def test_synthetic_data_is_deterministic_sized_and_class_dependent():
     spread = torch.cdist(class_means.flatten(1), class_means.flatten(1))
     assert spread[~torch.eye(10, dtype=torch.bool)].min() > 20
     assert set(np.unique(y.numpy())) == set(range(10))
+
+
+# -- the first download: once per data.root, before any rank waits in the rendezvous --------------------------------
+
+def cifar_tarball(tmp_path: Path) -> bytes:
+    """A tar.gz laid out as the release's cifar-10-python.tar.gz (its MD5 is not the release's)."""
+    folder = write_cifar_folder(tmp_path / "source") / "cifar-10-batches-py"
+    archive = tmp_path / "cifar-10-python.tar.gz"
+    with tarfile.open(archive, "w:gz") as tar:
+        tar.add(folder, arcname="cifar-10-batches-py")
+    return archive.read_bytes()
+
+
+@contextlib.contextmanager
+def slow_server(body: bytes, seconds: float) -> Iterator[tuple[str, list[str]]]:
+    """An HTTP server on 127.0.0.1 that sends ``body`` in pieces over ``seconds``; yields its URL and the paths it
+    sent whole (torchvision's first GET only reads where the URL leads, and hangs up)."""
+    sent: list[str] = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            pieces = 16
+            try:
+                for i in range(pieces):
+                    self.wfile.write(body[i * len(body) // pieces:(i + 1) * len(body) // pieces])
+                    self.wfile.flush()
+                    time.sleep(seconds / pieces)
+            except (BrokenPipeError, ConnectionResetError):
+                return
+            sent.append(self.path)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/cifar-10-python.tar.gz", sent
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_first_download_slower_than_the_rendezvous_timeout_ends_before_the_ranks_meet(tmp_path):
+    # Before, rank 0 downloaded after starting rank 1, which then timed out in the rendezvous (3 s here) and failed
+    # the run. Now every rank waits for the download first; it fails on its MD5 (not the release), once, in one line.
+    root, seconds, body = tmp_path / "data", 12.0, cifar_tarball(tmp_path)
+    with slow_server(body, seconds) as (url, sent):
+        start = time.monotonic()
+        result = train(*FAST_RUN, "data=cifar10", f"data.root={root}", f"data.download_url={url}", "strategy=ddp",
+                       "trainer.devices=2", "strategy.timeout_s=2", f"hydra.run.dir={tmp_path / 'run'}")
+        took = time.monotonic() - start
+    text = output(result)
+    assert result.returncode == 2, text[-3000:]
+    assert [line for line in text.splitlines() if line.startswith("error:")] == [
+        f"error: the file downloaded from {url} is not CIFAR-10's release (MD5 {hashlib.md5(body).hexdigest()}, the "
+        "release's is c58f30108f718f92721af3b95e74349a): point data.download_url at the release or a mirror of it, or "
+        f"put the release's cifar-10-batches-py folder under data.root={root}"], text[-3000:]
+    assert "could not form a process group" not in text and "Traceback" not in text
+    assert sent == ["/cifar-10-python.tar.gz"], "the other rank downloaded again instead of failing with its line"
+    assert seconds < took < seconds + 60
+    assert sorted(p.name for p in root.iterdir()) == [".cifar-10-download-failed.json", ".cifar-10-download.lock"]
+
+
+def lock_waiters(path: Path) -> int:
+    """Processes waiting for a POSIX lock on ``path`` (/proc/locks marks a blocked request '->')."""
+    inode = f":{path.stat().st_ino} "
+    return sum("->" in line and inode in line for line in Path("/proc/locks").read_text().splitlines())
+
+
+def test_a_download_that_failed_while_this_process_waited_fails_it_at_once_with_that_line(tmp_path):
+    # another process (on another node) holds the lock, then records its failure: this one, waiting, repeats its line
+    # without trying the URL, which would hang here until the 30 s read timeout
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import json, sys; from pathlib import Path; from src.run_dir import locked\n"
+        f"root = Path({str(tmp_path)!r})\n"
+        "with locked(root / '.cifar-10-download.lock'):\n"
+        "    print('locked', flush=True); sys.stdin.readline()\n"
+        "    (root / '.cifar-10-download-failed.json').write_text(json.dumps({'line': 'downloading failed on node2', "
+        "'host': 'node2', 'pid': 1, 'run': 'elsewhere', 'at': 1.0}))\n")],
+        cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline() == "locked\n"
+    with socket.socket() as silent:  # listens, never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        dm = CIFAR10DataModule(root=str(tmp_path), download_url=f"http://127.0.0.1:{silent.getsockname()[1]}/c.tar.gz")
+        raised: list[BaseException] = []
+        waiter = threading.Thread(target=lambda: raised.append(pytest.raises(UserError, dm.prepare_data).value))
+        waiter.start()
+        deadline = time.monotonic() + 30
+        while lock_waiters(tmp_path / ".cifar-10-download.lock") == 0:
+            assert waiter.is_alive() and time.monotonic() < deadline
+            time.sleep(0.05)
+        start = time.monotonic()
+        holder.communicate("go\n", timeout=30)
+        waiter.join(timeout=20)
+        assert not waiter.is_alive() and time.monotonic() - start < 10
+        assert str(raised[0]) == "downloading failed on node2"
+        silent.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            silent.accept()  # nobody tried the URL
+
+
+def test_a_failure_an_earlier_download_left_is_tried_again_not_repeated(tmp_path):
+    (tmp_path / ".cifar-10-download-failed.json").write_text('{"line": "an earlier failure", "pid": 1, "at": 1.0}')
+    dm = CIFAR10DataModule(root=str(tmp_path), download_url="http://127.0.0.1:9/cifar-10-python.tar.gz")
+    with pytest.raises(UserError, match=r"downloading it from http://127.0.0.1:9/.* failed \(URLError"):
+        dm.prepare_data()
+    assert "127.0.0.1:9" in json.loads((tmp_path / ".cifar-10-download-failed.json").read_text())["line"]
+
+
+def test_a_complete_download_puts_the_folder_in_place_whole_and_leaves_nothing_else(tmp_path, monkeypatch):
+    # the release cannot be fetched here: the served archive's own MD5 stands in for the release's
+    body = cifar_tarball(tmp_path)
+    monkeypatch.setattr("src.data.cifar10.ARCHIVE_MD5", hashlib.md5(body).hexdigest())
+    root = tmp_path / "data"
+    (root / ".cifar-10-download-4242").mkdir(parents=True)  # a download killed half way
+    (root / ".cifar-10-download-failed.json").write_text('{"line": "an earlier failure"}')
+    with slow_server(body, 0.1) as (url, sent):
+        dm = CIFAR10DataModule(root=str(root), download_url=url, batch_size=8)
+        dm.prepare_data()
+    assert sent == ["/cifar-10-python.tar.gz"]
+    assert sorted(p.name for p in root.iterdir()) == [".cifar-10-download.lock", "cifar-10-batches-py"]
+    dm.setup("fit")
+    assert len(dm.train_set) + len(dm.val_set) == 100 and len(dm.test_set) == 20
