@@ -1,4 +1,4 @@
-"""Test-only failures, injected into real runs as callbacks: ``+callbacks.fault._target_=tests.faults.RaiseAt``."""
+"""Test-only faults and probes, added to real runs as callbacks: ``+callbacks.fault._target_=tests.faults.RaiseAt``."""
 
 from __future__ import annotations
 

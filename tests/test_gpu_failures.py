@@ -79,15 +79,19 @@ def h100(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "NVIDIA H100 80GB HBM3")
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (int(1.0 * 2**30), int(79.1 * 2**30)))
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: int(77.9 * 2**30))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
 
 
-def test_the_line_names_the_gpu_its_memory_the_batch_and_half_of_it(h100):
+def test_the_line_names_the_gpu_its_memory_the_batch_and_half_of_it(h100, monkeypatch):
     assert describe(torch.device("cuda", 1), 1024, "step 37", "bf16-mixed") == (
         "CUDA out of memory on cuda:1 (NVIDIA H100 80GB HBM3) at data.batch_size=1024 per device, step 37: "
         "78.1 GiB in use of 79.1 GiB; lower data.batch_size (e.g. data.batch_size=512)")
     assert describe(torch.device("cuda", 1), 256, "in the test", "32-true").endswith(
         "in the test: 78.1 GiB in use of 79.1 GiB; lower data.batch_size (e.g. data.batch_size=128), "
         "or trainer.precision=bf16-mixed, which also halves the activations")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 0))  # a V100: no native bf16
+    assert describe(torch.device("cuda", 1), 256, "step 3", "32-true").endswith(
+        "or trainer.precision=16-mixed, which also halves the activations")
     # outside any pass (no callback to say more): what CUDA still knows, and the key to change
     assert describe(None) == ("CUDA out of memory on cuda:1 (NVIDIA H100 80GB HBM3): 78.1 GiB in use of 79.1 GiB; "
                               "lower data.batch_size")

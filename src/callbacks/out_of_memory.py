@@ -49,8 +49,19 @@ def describe(device: torch.device | None, batch_size: int | None = None, where: 
     else:
         line += "; lower data.batch_size"
     if precision in ("32-true", "32", "64-true", "64"):
-        line += ", or trainer.precision=bf16-mixed, which also halves the activations"
+        line += f", or trainer.precision={_half_precision(device)}, which also halves the activations"
     return line
+
+
+def _half_precision(device: torch.device | None) -> str:
+    """bf16-mixed, or 16-mixed on a GPU below compute capability 8.0, which would emulate bf16."""
+    if device is None or device.type != "cuda":
+        return "bf16-mixed"
+    try:
+        major, _ = torch.cuda.get_device_capability(device)
+    except Exception:  # noqa: BLE001 - a broken context: the usual answer
+        return "bf16-mixed"
+    return "bf16-mixed" if major >= 8 else "16-mixed"
 
 
 def _where(trainer: L.Trainer) -> str | None:
