@@ -1,4 +1,5 @@
-"""Checkpoints: ``last.ckpt`` every N steps and every epoch, written atomically, and which file a run resumes from.
+"""Checkpoints: ``last.ckpt`` every N minutes (or steps), written atomically and timed, and which file a run resumes
+from.
 
 Lightning writes checkpoints and restores the loops, optimizer, scheduler and callbacks from them; this
 module adds what it lacks: a ``last.ckpt`` that is always the newest state (Lightning 2.6's
@@ -15,14 +16,16 @@ import os
 import pickle
 import shutil
 import sys
+import time
 import zipfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import lightning as L
 import torch
 from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.pytorch.callbacks import Checkpoint
+from lightning.pytorch.loops.utilities import _is_max_limit_reached
 
 from src.errors import StorageError, UserError, storage_error_in
 
@@ -42,13 +45,21 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     ``last.ckpt``'s previous generation becomes ``last.prev.ckpt``, deleted just before the next ``last.ckpt``
     is written: between writes it takes one checkpoint's worth of disk more. A write the filesystem refuses (full, read-only, a
     folder removed under the run) leaves no temp file and raises one StorageError saying what is intact.
+    ``saved`` and ``save_s`` count this process's writes (rank zero's: only it writes) and the seconds they took.
     """
 
     def __init__(self) -> None:
         super().__init__()
         self._made: set[Path] = set()
+        self.saved, self.save_s = 0, 0.0
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
+        started = time.perf_counter()
+        self._write(checkpoint, path, storage_options)
+        self.save_s += time.perf_counter() - started
+        self.saved += 1
+
+    def _write(self, checkpoint: dict[str, Any], path: Any, storage_options: Any) -> None:
         if "://" in str(path):  # remote storage: fsspec's transaction is the best there is
             return super().save_checkpoint(checkpoint, path, storage_options)
         final = Path(path)
@@ -158,19 +169,30 @@ def remove_stale_temp_files(directory: Path) -> list[Path]:
 
 
 class LastCheckpoint(Checkpoint):
-    """``dirpath/last.ckpt`` after every ``every_n_train_steps`` optimizer steps and at every epoch end.
+    """``dirpath/last.ckpt`` at most every ``every_n_minutes`` (at a batch's or an epoch's end), every
+    ``every_n_train_steps`` optimizer steps if set, at the first and the last epoch's end.
 
-    A run killed at any point resumes (``ckpt_path=last``) having lost at most N steps; the place inside
-    the epoch travels in the checkpoint too, so the resumed run trains on exactly the batches the
-    uninterrupted one would have. ``every_n_train_steps: 0`` keeps the per-epoch file only.
+    A run killed at any point resumes (``ckpt_path=last``) having lost at most N minutes (or steps); the place
+    inside the epoch travels in the checkpoint too, so the resumed run trains on exactly the batches the
+    uninterrupted one would have. ``every_n_minutes: 0`` saves at every epoch end. Each rank reads its own
+    clock, and ``trainer.save_checkpoint`` is collective, so ranks agree first: through GracefulStop's per-batch
+    agreement (``agreed_due``); a run of several ranks without it saves at every epoch end instead.
     """
 
-    def __init__(self, dirpath: str, every_n_train_steps: int = 500) -> None:
+    def __init__(self, dirpath: str, every_n_minutes: float = 10, every_n_train_steps: int = 0) -> None:
         if not isinstance(every_n_train_steps, int) or isinstance(every_n_train_steps, bool) or every_n_train_steps < 0:
             raise UserError(f"callbacks.last_checkpoint.every_n_train_steps={every_n_train_steps} must be a whole "
-                            "number >= 0 (0: only at epoch ends)")
-        self.dirpath, self.every_n_train_steps = Path(dirpath), every_n_train_steps
+                            "number >= 0 (0: by time only)")
+        minutes = every_n_minutes
+        if isinstance(minutes, bool) or not isinstance(minutes, (int, float)) or not minutes >= 0:  # NaN too
+            raise UserError(f"callbacks.last_checkpoint.every_n_minutes={every_n_minutes} must be a number >= 0 "
+                            "(0: at every epoch end)")
+        self.dirpath, self.every_n_minutes = Path(dirpath), every_n_minutes
+        self.every_n_train_steps = every_n_train_steps
+        self.saves = 0  # this fit's; the same on every rank, as every save is
+        self.agreed_due: Callable[[], bool] | None = None  # whether any rank found a save due (set by GracefulStop)
         self._saved_at_step = -1
+        self._since = time.monotonic()
 
     @property
     def path(self) -> Path:
@@ -180,15 +202,35 @@ class LastCheckpoint(Checkpoint):
         if stage == "fit" and trainer.is_global_zero:
             remove_stale_temp_files(self.dirpath)
 
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.saves, self._since = 0, time.monotonic()
+
+    def due(self) -> bool:
+        """Whether ``every_n_minutes`` have passed on this rank's clock since the last save (or the start)."""
+        return self.every_n_minutes > 0 and time.monotonic() - self._since >= self.every_n_minutes * 60
+
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         n = self.every_n_train_steps
-        if n and trainer.global_step % n == 0:
+        if (n and trainer.global_step % n == 0) or (trainer.world_size == 1 and self.due()):
             self.save(trainer)
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # Lightning runs the epoch's validation before this hook, so the file holds its metrics and best score.
-        self.save(trainer)
+        # The first epoch's file shows early that the checkpoint folder takes writes; the last one ends the run.
+        # Every short-circuit below reads the same on every rank, so all or none reach the agreement.
+        if not self.every_n_minutes or not self.saves or _last_epoch(trainer) or self._due_on_every_rank(trainer):
+            self.save(trainer)
+
+    def _due_on_every_rank(self, trainer: L.Trainer) -> bool:
+        # No collective of its own: the agreement the epoch's last batch started has the answer (a new one would be,
+        # under NCCL, one more wait for the device; without GracefulStop nothing agrees, so every epoch end saves)
+        if trainer.world_size == 1:
+            return self.due()
+        return self.agreed_due() if self.agreed_due is not None else True
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.save(trainer)  # a stop asked for after the epoch's end hooks (no-op when that step is saved)
 
     def save(self, trainer: L.Trainer) -> None:
         """Write the trainer's whole state to ``last.ckpt`` (rank zero writes; every rank must call this)."""
@@ -196,9 +238,19 @@ class LastCheckpoint(Checkpoint):
             return
         trainer.save_checkpoint(self.path, weights_only=False)  # the whole state: a resume needs it
         self._saved_at_step = trainer.global_step
+        self.saves += 1
+        self._since = time.monotonic()
 
     def state_dict(self) -> dict[str, Any]:
-        return {"dirpath": str(self.dirpath), "every_n_train_steps": self.every_n_train_steps}
+        return {"dirpath": str(self.dirpath), "every_n_minutes": self.every_n_minutes,
+                "every_n_train_steps": self.every_n_train_steps}
+
+
+def _last_epoch(trainer: L.Trainer) -> bool:
+    """Whether fit stops after this epoch (its limits, or a stop asked for: early stopping, a pruned trial)."""
+    loop = trainer.fit_loop
+    return (trainer.should_stop or _is_max_limit_reached(trainer.global_step, loop.max_steps)
+            or _is_max_limit_reached(loop.epoch_progress.current.processed, loop.max_epochs))
 
 
 class UnreadableCheckpoint(UserError):

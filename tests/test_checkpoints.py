@@ -4,6 +4,7 @@ leaves the previous file whole; files that need full unpickling load only on req
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import shutil
@@ -67,6 +68,30 @@ def test_a_run_stopped_mid_epoch_resumes_with_ckpt_path_last_to_the_same_weights
     assert result.returncode == 0, output(result)[-3000:]
     assert "Restoring states from the checkpoint" in output(result)
     assert_same_training(load(tmp_path / "checkpoints" / "last.ckpt"), uninterrupted[world])
+
+
+@pytest.mark.parametrize("minutes, last_saves, previous", [("1e-9", 11, 11), ("1e9", 2, 4)])
+def test_every_n_minutes_is_agreed_by_both_ranks_and_the_saves_are_timed(minutes, last_saves, previous, tmp_path):
+    """Tiny: due at every batch, saved one batch after (the ranks' agreement arrives then); huge: only the first epoch's
+    end (a write that works is known early) and the last. Either way one last.ckpt, and the fit line counts every
+    save: these and the best checkpoint's, here one per epoch (no monitor: the newest epoch is kept)."""
+    result = train(*FAST, "trainer.limit_train_batches=4", "trainer.max_epochs=3", "strategy=ddp", "trainer.devices=2",
+                   f"callbacks.last_checkpoint.every_n_minutes={minutes}", "callbacks.model_checkpoint.monitor=null",
+                   "test=false", "strategy.timeout_s=60", f"hydra.run.dir={tmp_path}", timeout=240)
+    assert result.returncode == 0, output(result)[-3000:]
+    saves = last_saves + 3
+    checkpoints = tmp_path / "checkpoints"
+    best, *lasts = sorted(p.name for p in checkpoints.iterdir())
+    assert best.startswith("best-epoch002-") and lasts == ["last.ckpt", "last.prev.ckpt"]
+    assert load(checkpoints / "last.ckpt")["global_step"] == 12
+    assert load(checkpoints / "last.prev.ckpt")["global_step"] == previous
+    record = json.loads((tmp_path / "throughput.json").read_text())
+    assert record["checkpoints_saved"] == saves and 0 < record["checkpoint_save_s"] < record["fit_time_s"]
+    assert record["checkpoint_share"] == pytest.approx(record["checkpoint_save_s"] / record["fit_time_s"])
+    line = re.search(r"fit: 3 epochs, 12 steps in ([\d.]+) s \([\d.]+ img/s\); checkpoints: (\d+) saved in ([\d.]+) s, "
+                     r"([\d.]+)% of the time", output(result))
+    assert line and int(line[2]) == saves, output(result)[-3000:]
+    assert float(line[4]) == pytest.approx(100 * record["checkpoint_share"], abs=0.06)
 
 
 def test_a_process_killed_while_writing_a_checkpoint_leaves_the_previous_one_whole(tmp_path):

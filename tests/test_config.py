@@ -41,7 +41,7 @@ def test_default_run_is_resnet50_on_cifar10_with_the_cifar_stem(tmp_path):
     assert cfg.strategy.name == "auto" and cfg.backend == "auto"
     assert cfg.data.root == f"{tmp_path}/data"
     assert cfg.callbacks.model_checkpoint.dirpath == f"{tmp_path}/run/checkpoints"
-    assert cfg.callbacks.model_checkpoint.monitor == "val/acc" and cfg.callbacks.last_checkpoint.every_n_train_steps > 0
+    assert cfg.callbacks.model_checkpoint.monitor == "val/acc" and cfg.callbacks.last_checkpoint.every_n_minutes > 0
 
 
 @pytest.mark.parametrize("group", ["data", "strategy", "trainer", "callbacks", "logger", "experiment", "debug"])

@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import csv
+import inspect
 import json
 import time
 from pathlib import Path
 
+import lightning as L
 import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from src.callbacks import throughput
+from src.callbacks.throughput import ThroughputRecorder
+from src.checkpoints import AtomicCheckpointIO, LastCheckpoint
 from src.fast_path import fast_path
 from tests.conftest import FAST, FAST_RUN, free_port, output, run_module, train
 
@@ -53,6 +58,71 @@ def single_run(tmp_path_factory) -> Path:
     assert (record["precision"], record["channels_last"], record["arch"]) == (chosen.precision, chosen.channels_last,
                                                                                "resnet18")
     return run_dir
+
+
+STEP_S, VALIDATION_S = 0.02, 0.25  # what a training step and a validation take at least
+
+
+class Sleepy(L.LightningModule):
+    """Steps and validations of known least duration: what the measured windows must and must not hold."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 1)
+
+    def training_step(self, batch, batch_idx):
+        time.sleep(STEP_S)
+        return self.layer(batch[0]).sum()
+
+    def validation_step(self, batch, batch_idx):
+        if batch_idx == 0 and not self.trainer.sanity_checking:
+            time.sleep(VALIDATION_S)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def test_throughput_is_timed_in_windows_synchronised_only_at_their_edges(monkeypatch, tmp_path):
+    """20 steps in 2 epochs, 2 warm-up steps, log every 4: the windows hold the 17 steps after the warm-up and
+    after each epoch's first, no validation, and the device waits only where a window opens or closes."""
+    syncs: list[tuple[str, int]] = []
+    monkeypatch.setattr(throughput, "synchronize", lambda device: syncs.append(
+        (inspect.stack()[2].function, trainer.global_step)))  # the hook that asked, and the step
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(20, 4)), batch_size=2)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=2, log_every_n_steps=4, limit_val_batches=1,
+                        logger=L.pytorch.loggers.CSVLogger(tmp_path, name="", version=""), enable_progress_bar=False,
+                        enable_model_summary=False, plugins=[AtomicCheckpointIO()], default_root_dir=tmp_path,
+                        callbacks=[ThroughputRecorder(warmup_steps=2), LastCheckpoint(tmp_path, every_n_minutes=0)])
+    trainer.fit(Sleepy(), train_dataloaders=data, val_dataloaders=data)
+
+    edges = [("on_train_batch_end", 2), ("on_train_batch_end", 4), ("on_train_batch_end", 8),
+             ("on_validation_start", 10), ("on_train_epoch_end", 10),
+             ("on_train_batch_end", 11), ("on_train_batch_end", 12), ("on_train_batch_end", 16),
+             ("on_train_batch_end", 20), ("on_validation_start", 20), ("on_train_epoch_end", 20),
+             ("on_train_end", 20)]
+    assert syncs == edges  # no step between them waits
+    record = json.loads((tmp_path / "throughput.json").read_text())
+    assert record["steps_measured"] == 17 and record["steps"] == 20 and record["epochs"] == 2
+    assert record["measured_s"] == pytest.approx(17 * record["step_time_s"])
+    assert record["step_time_s"] >= STEP_S and record["samples_per_second"] == pytest.approx(2 / record["step_time_s"])
+    assert record["measured_s"] <= record["fit_time_s"] - 2 * VALIDATION_S  # the validations are not in a window
+    assert record["rank_devices"] == [{"host": record["hosts"][0], "device": "cpu"}]
+    assert record["checkpoints_saved"] == 2 and 0 < record["checkpoint_save_s"] < record["fit_time_s"]
+    rows = list(csv.DictReader((tmp_path / "metrics.csv").open()))
+    assert [int(r["step"]) for r in rows if r.get("train/samples_per_sec")] == [4, 8, 12, 16, 20]  # log steps
+
+
+def test_the_device_waited_for_is_the_ranks_own_cuda_device_and_never_a_cpu(monkeypatch):
+    waited: list[torch.device] = []
+    monkeypatch.setattr(torch.cuda, "synchronize", waited.append)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: type("Props", (), {
+        "uuid": f"GPU-0000000{index}-aaaa-bbbb-cccc-dddddddddddd"}))
+    throughput.synchronize(torch.device("cpu"))
+    throughput.synchronize(torch.device("cuda", 1))
+    assert waited == [torch.device("cuda", 1)]
+    assert throughput.device_identity(torch.device("cuda", 1)) == {
+        "device": "cuda", "index": 1, "uuid": "GPU-00000001-aaaa-bbbb-cccc-dddddddddddd"}
+    assert throughput.device_identity(torch.device("cpu")) == {"device": "cpu"}
 
 
 def test_single_process_run_writes_last_and_best_checkpoints_and_the_resolved_config(single_run):
@@ -118,6 +188,8 @@ def test_two_processes_train_into_one_run_dir_and_rank_zero_writes_the_one_check
     assert "global batch 8 (4 per process)" in output(result)
     assert checkpoint(only_last_ckpt(run_dir))["saved_by"].items() >= {"global_rank": 0, "world_size": 2}.items()
     assert [p.name for p in tmp_path.iterdir()] == ["run"]  # no rank made a dir of its own
+    record = json.loads((run_dir / "throughput.json").read_text())  # each rank says what it trained on
+    assert [r["device"] for r in record["rank_devices"]] == ["cpu", "cpu"] and len(set(record["pids"])) == 2
     assert len(list((run_dir / "tensorboard").glob("events.*"))) >= 1
     found = scalars(run_dir)
     assert "train/loss" not in found and len(found["train/loss_epoch"]) == 1 and found["train/loss_epoch"][0].value > 0

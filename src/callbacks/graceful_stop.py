@@ -6,6 +6,10 @@ acts only on rank zero's signal, and runs a collective inside the signal handler
 sets a flag; at every batch end each rank adds its flag to an all-reduce on a small gloo group of its
 own, started asynchronously and read one batch later, so no GPU work waits on it. Every rank reads the
 same sum after the same batch, so all stop together, whichever of them was signalled.
+
+The same all-reduce carries a second flag: this rank's clock says ``last.ckpt`` is due
+(``callbacks.last_checkpoint.every_n_minutes``). Clocks differ between ranks and the save is collective,
+so every rank saves one batch after any of them found it due: one agreement per batch for both.
 """
 
 from __future__ import annotations
@@ -37,11 +41,15 @@ class GracefulStop(L.Callback):
     def __init__(self) -> None:
         self._signum: int | None = None
         self._group: Any = None
-        self._pending: tuple[torch.Tensor, Any] | None = None
+        self._pending: tuple[torch.Tensor, Any, int] | None = None  # flags, their all-reduce, saves when sent
+        self._last: LastCheckpoint | None = None
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if dist.is_available() and dist.is_initialized() and trainer.world_size > 1 and self._group is None:
             self._group = dist.new_group(backend="gloo")  # every rank creates it, in the same order
+        self._last = next((cb for cb in trainer.callbacks if isinstance(cb, LastCheckpoint)), None)
+        if self._last is not None and self._group is not None:
+            self._last.agreed_due = self._due_as_agreed
         # Lightning's SIGTERM path broadcasts rank zero's flag before every training step: under NCCL a
         # device-to-host wait per step. With SIGTERM handled here, that broadcast only costs time.
         epoch_loop = trainer.fit_loop.epoch_loop
@@ -69,7 +77,11 @@ class GracefulStop(L.Callback):
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        if not self._agreed():
+        stop, due = self._agreed(self._last)
+        if not stop:
+            if due:
+                self._last.save(trainer)
+            self._send(self._last)  # after the save: the flag it sends reads a clock the save has reset
             return
         path = self._save(trainer)
         then = ("torchrun's next attempt resumes from there" if torchrun.active()
@@ -79,25 +91,44 @@ class GracefulStop(L.Callback):
 
     def on_test_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                           batch_idx: int, dataloader_idx: int = 0) -> None:
-        if self._agreed():
+        stop, _ = self._agreed(None)
+        self._send(None)
+        if stop:
             raise Terminated(self._signal_or_sigterm(), f"{self._name()} during the test pass; "
                              "training had finished and its checkpoints are complete")
 
-    def _agreed(self) -> bool:
-        """Whether any rank had been signalled as of the previous batch (this rank alone, without a group)."""
+    def _agreed(self, last: LastCheckpoint | None) -> tuple[bool, bool]:
+        """(stop, last.ckpt due) as every rank saw them at the previous batch; this rank's stop now, without a
+        group (a single process's LastCheckpoint then reads its own clock)."""
         if self._group is None:
-            return self._signum is not None
-        stop = False
-        if self._pending is not None:
-            flags, work = self._pending
-            work.wait()
-            stop = bool(flags.item())
-        flags = torch.tensor([int(self._signum is not None)])
-        self._pending = (flags, dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._group, async_op=True))
-        return stop
+            return self._signum is not None, False
+        if self._pending is None:
+            return False, False
+        flags, work, saves = self._pending
+        self._pending = None
+        work.wait()
+        stop, due = (bool(flag) for flag in flags.tolist())
+        return stop, due and last is not None and last.saves == saves  # a save since then has reset the clocks
+
+    def _due_as_agreed(self) -> bool:
+        """Whether any rank found last.ckpt due at the last batch end (an epoch's end asks; the next batch still
+        reads the stop flag)."""
+        if self._pending is None or self._last is None:
+            return False
+        flags, work, saves = self._pending
+        work.wait()
+        return bool(flags[1]) and self._last.saves == saves
+
+    def _send(self, last: LastCheckpoint | None) -> None:
+        """Start the all-reduce of this rank's flags, read at the next batch end."""
+        if self._group is None:
+            return
+        flags = torch.tensor([int(self._signum is not None), int(last is not None and last.due())])
+        work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
+        self._pending = (flags, work, last.saves if last is not None else -1)
 
     def _save(self, trainer: L.Trainer) -> Path:
-        last = next((cb for cb in trainer.callbacks if isinstance(cb, LastCheckpoint)), None)
+        last = self._last
         if last is not None:
             last.save(trainer)
             return last.path
