@@ -16,10 +16,10 @@ import os
 import socket
 import subprocess
 import sys
-from collections.abc import Sequence
 from typing import Any
 
 from src import supervision
+from src.devices import gpu_ids
 from src.errors import UserError
 
 BACKENDS = ("auto", "nccl", "gloo")
@@ -150,28 +150,6 @@ def local_device_count(accelerator: str, devices: Any) -> int:
         raise UserError(f"trainer.devices={devices} asks for {count} GPUs but this node has "
                         f"{torch.cuda.device_count()}{_narrowed()}: lower trainer.devices, or use trainer.devices=auto")
     return count
-
-
-def gpu_ids(devices: Any) -> list[int] | None:
-    """The GPU ids ``trainer.devices`` lists (``[0,2]``, Hydra's ListConfig of it, or ``"0,2"``); None for a count or
-    auto. Ids that are not whole numbers are a UserError."""
-    if isinstance(devices, str):
-        if "," not in devices:
-            return None
-        parts: list[Any] = [d.strip() for d in devices.split(",") if d.strip()]
-    elif isinstance(devices, Sequence):  # a list, a tuple, an OmegaConf ListConfig
-        parts = list(devices)
-    else:
-        return None
-    ids = []
-    for part in parts:
-        if isinstance(part, bool) or not (isinstance(part, int) or isinstance(part, str) and part.isdigit()):
-            raise UserError(f"trainer.devices={devices} is not a list of GPU ids: give whole numbers >= 0, e.g. "
-                            "trainer.devices=[0,2], or a count of devices")
-        ids.append(int(part))
-    if not ids:
-        raise UserError(f"trainer.devices={devices} names no GPU: give GPU ids (trainer.devices=[0,1]) or a count")
-    return ids
 
 
 def check_gpu_ids(accelerator: str, devices: Any, ids: list[int]) -> None:

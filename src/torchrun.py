@@ -30,6 +30,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from src.devices import gpu_ids
 from src.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -86,8 +87,6 @@ def adopt(cfg: Any, overridden: set[str]) -> None:
 
 def _count(devices: Any) -> int:
     """Processes per node that ``trainer.devices`` asks for: a count, or a list of GPU ids ("0,1" or [0, 1])."""
-    from src.launch import gpu_ids  # src.launch loads src.supervision, which loads this module
-
     ids = gpu_ids(devices)
     if ids is not None:
         return len(ids)
