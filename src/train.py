@@ -28,6 +28,7 @@ def main(cfg: DictConfig) -> float | None:
     import lightning as L
     from hydra.utils import instantiate
 
+    from src.batch_size import keep_checkpoint_batch
     from src.checkpoints import check_compatible, resume_from
     from src.console import quiet_resume
     from src.callbacks.trial_pruning import pruned_at
@@ -44,6 +45,7 @@ def main(cfg: DictConfig) -> float | None:
     ckpt_path, checkpoint = resume_from(cfg.ckpt_path, cfg.paths.output_dir, trusted=cfg.ckpt_trusted)
     if checkpoint is not None:  # a wrong file fails here in one line, before the ranks meet
         check_compatible(checkpoint, ckpt_path, model.hparams)
+        keep_checkpoint_batch(datamodule, checkpoint)  # data.batch_size=auto resumes with the batch it trained with
     if torchrun.active():  # a restart says where it resumes; at another world size, the global batch stays
         for line in (torchrun.restart_line(ckpt_path, checkpoint, cfg.paths.output_dir),
                      torchrun.keep_global_batch(checkpoint, datamodule, int(os.environ["WORLD_SIZE"]),
