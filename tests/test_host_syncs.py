@@ -13,10 +13,12 @@ import torch
 from tests.conftest import output, train
 from tests.host_syncs import _DispatchLevel, _FunctionLevel, _mark, _Recorder
 
-# 16 steps; steps 3..12 recorded, step 7 a log step (Lightning logs where (step + 1) % 8 == 0)
+# 16 steps; steps 3..12 recorded, step 7 a log step (Lightning logs where (step + 1) % 8 == 0). The throughput
+# record's first window opens (a sync, once) at its warm-up's end: after step 2, before the recorded steps.
 PROBED = ["data=synthetic", "data.num_train=400", "data.num_test=16", "data.batch_size=8", "model.arch=resnet18",
           "trainer.max_epochs=1", "trainer.limit_train_batches=16", "trainer.limit_val_batches=1",
           "trainer.log_every_n_steps=8", "trainer.enable_model_summary=false", "test=false",
+          "callbacks.throughput_record.warmup_steps=2",
           "+callbacks.host_syncs._target_=tests.host_syncs.HostSyncProbe", "+callbacks.host_syncs.first_step=3",
           "+callbacks.host_syncs.steps=10"]
 
