@@ -95,7 +95,7 @@ def test_every_n_minutes_is_agreed_by_both_ranks_and_the_saves_are_timed(minutes
 
 
 def test_a_process_killed_while_writing_a_checkpoint_leaves_the_previous_one_whole(tmp_path):
-    """ResNet-50 checkpoints (~280 MB with momentum) take long enough to write that the kill lands inside one."""
+    """ResNet-50 checkpoints (~190 MB with momentum) take long enough to write that the kill lands inside one."""
     proc = train(*FAST, "model.arch=resnet50", "data.num_train=400", "trainer.limit_train_batches=null",
                  "callbacks.last_checkpoint.every_n_train_steps=1", "callbacks.progress_bar=null", "test=false",
                  f"hydra.run.dir={tmp_path}", background=True)
