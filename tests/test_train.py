@@ -277,3 +277,12 @@ def test_resume_with_ckpt_path_last_in_the_same_run_dir(single_run, tmp_path):
                    f"hydra.run.dir={run_dir}")
     assert_ok(result)
     assert checkpoint(run_dir / "checkpoints" / "last.ckpt")["global_step"] == 36
+
+
+def test_ddp_without_a_best_checkpoint_reads_the_epochs_values_on_every_rank_and_ends(tmp_path):
+    # Only rank zero's progress bar shows the epoch's values; reading them reduces them across ranks. Nothing else
+    # read them first once callbacks.model_checkpoint=null: rank zero waited in a collective the others never joined.
+    result = train(*FAST, "strategy=ddp", "trainer.devices=2", "trainer.max_epochs=2", "callbacks.model_checkpoint=null",
+                   "strategy.timeout_s=60", "test=false", f"hydra.run.dir={tmp_path}", timeout=240)
+    assert result.returncode == 0, output(result)[-3000:]
+    assert "fit: 2 epochs" in output(result)

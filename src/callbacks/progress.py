@@ -33,6 +33,14 @@ class ProgressBar(RichProgressBar):
                 metrics[name] = float(logged[name])
         return metrics
 
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # The epoch's values (train/acc_epoch, train/loss_epoch) are reduced across ranks when first read: a
+        # collective. Lightning's bar reads them on rank zero alone, before its logger reads them on every rank, and
+        # with nothing else reading them first (callbacks.model_checkpoint=null) the ranks' collectives no longer
+        # pair up and the run hangs. Every rank reads them here, together.
+        trainer.progress_bar_metrics
+        super().on_train_epoch_end(trainer, pl_module)
+
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         now = time.monotonic()
