@@ -1,5 +1,7 @@
 # make train ARGS="..." | make test | make demo | make bench | make bench-cpu | make recipes | make tensorboard
-# Each target creates .venv and installs the project into it on first use.
+# | make gpu-check | make profile
+# Each target creates .venv and installs the project into it on first use, but gpu-check and profile: they run
+# with the torch at hand (a GPU node's own), the venv's python if there is one, else $(PYTHON); they never pip.
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
@@ -9,7 +11,10 @@ TORCH_PINS ?= torch==2.14.1 torchvision==0.29.1
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: install train test demo eval tensorboard bench bench-cpu recipes clean
+# gpu-check and profile: GPU_CHECK_PYTHON=python3.12 make gpu-check picks another interpreter
+GPU_CHECK_PYTHON ?= $(if $(wildcard $(PY)),$(PY),$(PYTHON))
+
+.PHONY: install train test demo eval tensorboard bench bench-cpu recipes gpu-check profile clean
 
 install: $(VENV)/.installed
 
@@ -54,10 +59,24 @@ TB_PORT ?= 6006
 tensorboard: install
 	$(VENV)/bin/tensorboard --logdir outputs --host 127.0.0.1 --port $(TB_PORT)
 
-## the project against a bare torch.distributed DDP loop: same model, batch, data and steps (~4 min on 2 cores)
+## the project against a bare torch.distributed loop at equal settings: model, batch, data path, DDP, number format,
+## compile (~10 min on 2 cores)
 BENCH_ARGS ?=
 bench: install
 	$(PY) benchmarks/bench.py $(BENCH_ARGS)
+
+## the first run on a new GPU node (offline, at most 10 min): GPU tests, throughput table, nccl / determinism /
+## resume / eval / one-GPU-per-rank checks -> outputs/gpu-check/report.md and report.json
+## (GPU_CHECK_ARGS="--only throughput,bench", "--skip tests", "--budget-s 900"; GPU_CHECK_DEVICE=cpu: its CPU mode)
+GPU_CHECK_ARGS ?=
+gpu-check:
+	$(GPU_CHECK_PYTHON) benchmarks/gpu_check.py $(GPU_CHECK_ARGS)
+
+## a torch.profiler summary of steady-state steps, the project against the bare loop at equal settings
+## (PROFILE_ARGS="--batch-size 512 --pipeline dataloader --compile") -> outputs/profile/profile.md and profile.json
+PROFILE_ARGS ?=
+profile:
+	$(GPU_CHECK_PYTHON) benchmarks/profile_step.py $(PROFILE_ARGS)
 
 ## the CPU fast path: the project's rate in fp32/bf16 x contiguous/channels-last and with its defaults (~10 min on 2 cores)
 BENCH_CPU_ARGS ?=
