@@ -159,6 +159,7 @@ class GpuCheck:
         self.sizes = sizes_for(cuda, info.get("gpus", []), args.batches)
         self.steps: list[dict[str, Any]] = []
         self.current: subprocess.Popen | None = None
+        self.under_way: dict[str, Any] | None = None  # the step running now
         self.env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
         self.env["PYTHONUNBUFFERED"] = "1"
 
@@ -348,10 +349,9 @@ class GpuCheck:
         try:
             self.execute(step, "tests", [sys.executable, "-m", "pytest", *present, "-q", "-p", "no:cacheprovider",
                                          f"--junitxml={report}"], 600)
-        finally:
-            counts = junit_counts(report)
-            step["figures"] = counts
-        step["summary"] = ", ".join(f"{n} {k}" for k, n in counts.items()) + f" ({', '.join(present)})"
+        finally:  # the counts of a failing run too
+            step["figures"] = counts = junit_counts(report)
+            step["summary"] = ", ".join(f"{n} {k}" for k, n in counts.items()) + f" ({', '.join(present)})"
         if self.cuda and counts.get("skipped"):
             step["note"] = (step.get("note", "") + f" {counts['skipped']} skipped on a GPU: the log says why").strip()
 
@@ -437,7 +437,7 @@ class GpuCheck:
             step = {"name": name, "status": "passed", "seconds": 0.0, "commands": [], "figures": {}, "summary": "",
                     "note": "", "output_tail": ""}
             self.steps.append(step)
-            began = time.time()
+            self.under_way, began = step, time.time()
             estimate = ESTIMATE_S[name][not self.cuda]
             try:
                 if name != "env" and name not in chosen:
@@ -456,6 +456,7 @@ class GpuCheck:
                 step.update(status="failed", note=f"{type(err).__name__}: {err}",
                             output_tail=traceback.format_exc()[-3000:])
             step["seconds"] = self.info.get("probe_s", 0.0) if name == "env" else round(time.time() - began, 1)
+            self.under_way = None
             print(f"[{time.time() - self.started:5.0f} s] {name:<13} {step['status']:<8} {step['seconds']:6.1f} s  "
                   f"{step['summary'] or step['note']}", flush=True)
             self.write_report()
@@ -514,7 +515,7 @@ class GpuCheck:
                              f"| {fmt(r.get('checkpoint_share'), 3)} | {r['status']} |")
         for st in self.steps:
             if st["status"] in ("failed", "timeout") and st["output_tail"]:
-                lines += ["", f"## {st['name']}: {st['note']}", "", "```", st["output_tail"], "```"]
+                lines += ["", f"## {st['name']}: {st['status']}", "", st["note"], "", "```", st["output_tail"], "```"]
         (self.out / "report.md").write_text("\n".join(lines) + "\n")
 
 
@@ -571,13 +572,20 @@ def main() -> int:
     for stale in ("runs", "logs", "bench"):  # this check's own outputs of an earlier run
         shutil.rmtree(args.out / stale, ignore_errors=True)
     check = GpuCheck(args, cuda, info)
+    signal.signal(signal.SIGTERM, interrupt)  # as Ctrl-C: the step's processes, in a session of their own, go too
     try:
         return check.run(chosen)
     except KeyboardInterrupt:
         check.stop_current()
+        if check.under_way is not None:
+            check.under_way.update(status="failed", note="interrupted")
         check.write_report()
         print(f"\ninterrupted: the report so far is in {args.out / 'report.md'}", file=sys.stderr)
         return 130
+
+
+def interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
 
 
 def setup() -> tuple[argparse.Namespace, list[str], bool, dict[str, Any]]:

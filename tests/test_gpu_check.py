@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -16,7 +17,7 @@ import torch
 
 from benchmarks.gpu_check import STEPS, GpuCheck, StepFailed, tail
 from src.fast_path import cpu_model
-from tests.conftest import ROOT, running
+from tests.conftest import ROOT, cmdline, descendants, running
 
 
 def gpu_check(*args: str, device: str | None = "cpu", timeout: float = 600) -> subprocess.CompletedProcess:
@@ -114,3 +115,19 @@ def test_a_command_past_its_time_is_stopped_with_every_process_it_started(tmp_pa
     grandchild = int(tail(stopped.value.log).split()[0])
     assert not running(grandchild)
     assert step["commands"] == ["bash -c 'sleep 300 & echo $!; wait'"]
+
+
+def test_sigterm_stops_the_check_and_the_run_under_way_and_keeps_the_report(tmp_path):
+    env = {**os.environ, "GPU_CHECK_DEVICE": "cpu"}
+    check = subprocess.Popen([sys.executable, "benchmarks/gpu_check.py", "--only=deterministic", f"--out={tmp_path}"],
+                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not (runs := [p for p in descendants(check.pid) if "src.train" in cmdline(p)]) and time.time() < deadline:
+        time.sleep(0.2)
+    assert runs, "no src.train run started"
+    check.send_signal(signal.SIGTERM)
+    _, err = check.communicate(timeout=60)
+    assert check.returncode == 130 and err.startswith("\ninterrupted: the report so far is in ")
+    assert not any(running(p) for p in runs)
+    steps = {step["name"]: step for step in json.loads((tmp_path / "report.json").read_text())["steps"]}
+    assert (steps["deterministic"]["status"], steps["deterministic"]["note"]) == ("failed", "interrupted")
