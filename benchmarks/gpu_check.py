@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-# module -> what to install; what the runs import beside torch (none of them pulls in another torch)
+# what the runs import (module: the package that provides it), checked before anything starts
 NEEDED = {"hydra": "hydra-core", "omegaconf": "omegaconf", "torch": "torch", "torchvision": "torchvision",
           "lightning": "lightning", "torchmetrics": "torchmetrics", "tensorboard": "tensorboard", "rich": "rich"}
 STEPS = ("env", "nccl", "deterministic", "resume", "eval", "two-rank", "tests", "throughput", "compile", "bench")
@@ -403,7 +403,8 @@ class GpuCheck:
     def finish_table(self, step: dict[str, Any], rows: list[dict[str, Any]]) -> None:
         done = [r for r in rows if r["status"] == "passed"]
         step["summary"] = "; ".join(f"{r['pipeline']} {r['batch']}{' compiled' if r['compiled'] else ''}: "
-                                    f"{fmt(r.get('images_per_second'))} img/s" for r in done)
+                                    f"{fmt(r.get('images_per_second'))} img/s"
+                                    + (f" ({r['vs_eager']:.2f}x eager)" if "vs_eager" in r else "") for r in done)
         bad = [r for r in rows if r["status"] in ("failed", "timeout")]
         skipped = [r for r in rows if r["status"] == "skipped"]
         if skipped:
