@@ -92,25 +92,37 @@ class ImageClassifier(L.LightningModule):
         images, labels = batch
         logits = self(images)
         loss = self.criterion(logits, labels)
-        self.train_acc(logits, labels)
+        # The epoch's values accumulate in torchmetrics states, exact across ranks and uneven batches, and are reduced
+        # once, at the epoch's end (on_train_epoch_end); per step, this rank's values, plain tensors, no sync.
+        self.train_acc.update(logits, labels)
         self.train_loss.update(loss.detach().expand(len(labels)))  # one value per image: the epoch mean weighs each once
-        # Per step, this rank's values (no sync); per epoch, the whole world's, synced once at the epoch's end.
-        # The epoch values are there however short the epoch: per-step values wait for log_every_n_steps.
-        # Not prog_bar=True: Lightning turns progress-bar values into numbers after every batch, a wait for the GPU
-        # each time; the bar reads train/loss itself at log steps (src/callbacks/progress.py).
-        self.log("train/loss", loss)
-        self.log("train/acc", self.train_acc)
-        self.log("train/loss_epoch", self.train_loss, on_step=False, on_epoch=True)
-        self.log("train/acc_epoch", self.train_acc, on_step=False, on_epoch=True)
+        # Logged at the steps whose values reach the loggers (every trainer.log_every_n_steps), and at the epoch's
+        # last (for callbacks that monitor them at its end), not at every step: each self.log costs the host about a
+        # millisecond of Lightning's bookkeeping (a torchmetrics object logged costs more: Lightning moves it to the
+        # device each time), more than the rest of the project's loop, where a GPU step at batch 512 takes a few tens
+        # of ms. Not prog_bar=True: Lightning turns progress-bar values into numbers after every batch, a wait for
+        # the GPU; the bar reads train/loss at log steps (src/callbacks/progress.py).
+        if self.trainer._logger_connector.should_update_logs or batch_idx + 1 >= self.trainer.num_training_batches:
+            self.log("train/loss", loss)
+            self.log("train/acc", (logits.argmax(dim=1) == labels).float().mean())
         return loss
 
+    def on_train_epoch_end(self) -> None:
+        self._log_epoch("train", self.train_loss, self.train_acc, suffix="_epoch")
+
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
-        self._evaluate(batch, "val", self.val_loss, self.val_acc)
+        self._evaluate(batch, self.val_loss, self.val_acc)
+
+    def on_validation_epoch_end(self) -> None:
+        self._log_epoch("val", self.val_loss, self.val_acc, prog_bar=True)
 
     def test_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
-        self._evaluate(batch, "test", self.test_loss, self.test_acc)
+        self._evaluate(batch, self.test_loss, self.test_acc)
 
-    def _evaluate(self, batch: tuple[torch.Tensor, torch.Tensor], stage: str, loss_metric: MeanMetric,
+    def on_test_epoch_end(self) -> None:
+        self._log_epoch("test", self.test_loss, self.test_acc, prog_bar=True)
+
+    def _evaluate(self, batch: tuple[torch.Tensor, torch.Tensor], loss_metric: MeanMetric,
                   acc_metric: MulticlassAccuracy) -> None:
         images, labels = batch
         logits = self(self._full_batch(images))[:len(labels)]
@@ -118,8 +130,17 @@ class ImageClassifier(L.LightningModule):
         # exact whatever the batches.
         loss_metric.update(F.cross_entropy(logits, labels, reduction="none"))
         acc_metric.update(logits, labels)
-        self.log(f"{stage}/loss", loss_metric, prog_bar=True)
-        self.log(f"{stage}/acc", acc_metric, prog_bar=True)
+
+    def _log_epoch(self, stage: str, loss_metric: MeanMetric, acc_metric: MulticlassAccuracy, suffix: str = "",
+                   prog_bar: bool = False) -> None:
+        """Log ``stage``'s loss and accuracy over the epoch, reduced across ranks (torchmetrics' compute: every rank
+        calls this), then start the next epoch's from zero."""
+        if not acc_metric.update_called:  # an epoch without a batch (trainer.limit_val_batches=0, ...)
+            return
+        self.log(f"{stage}/loss{suffix}", loss_metric.compute(), prog_bar=prog_bar)
+        self.log(f"{stage}/acc{suffix}", acc_metric.compute(), prog_bar=prog_bar)
+        loss_metric.reset()
+        acc_metric.reset()
 
     def _full_batch(self, images: torch.Tensor) -> torch.Tensor:
         """A compiled network's graph is built for the full batch: the last, smaller batch of an evaluation (5,000
