@@ -114,3 +114,18 @@ def cmdline(pid: int) -> str:
         return Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")
     except OSError:
         return ""
+
+
+@pytest.fixture(autouse=True)
+def _rank_zero_is_restored():
+    """A Trainer built in-process sets the process-wide rank Lightning's rank_zero_only reads (a test standing in
+    for rank 3 of an srun step leaves 3): the next in-process Trainer's rank-zero work (a logger's files) would be
+    skipped. What a test changed there is undone after it."""
+    from lightning.pytorch.utilities.rank_zero import rank_zero_only
+    from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+
+    saved = [(f, getattr(f, "rank", None)) for f in (rank_zero_only, utils_rank_zero_only)]
+    yield
+    for function, rank in saved:
+        if rank is not None:
+            function.rank = rank
