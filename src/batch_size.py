@@ -108,9 +108,14 @@ def _probe(trainer: Any, pl_module: Any, datamodule: Any) -> Choice:
             return None
 
     first = min(FIRST, 1 << max(0, cap.bit_length() - 1))  # a small dataset: its largest power of two
+    # With cuDNN's autotuning on, the probe of five ResNet-50 batches took about 35 s on an H100: it times every
+    # convolution's algorithms afresh at each new batch. Its heuristics' choice needs about the same memory (the
+    # margin is GiBs), and training autotunes once, for its own batch.
+    autotune, torch.backends.cudnn.benchmark = torch.backends.cudnn.benchmark, False
     try:
         best, measured = largest_fitting(measure, capacity, cap, first)
     finally:
+        torch.backends.cudnn.benchmark = autotune
         del net, optimizer
         gc.collect()
         torch.cuda.empty_cache()
