@@ -100,7 +100,7 @@ def test_a_count_that_disagrees_with_torchrun_is_one_line_naming_both(new_run_di
 
 
 def test_a_restart_resumes_in_the_same_run_dir_and_ends_at_the_uninterrupted_step(new_run_dirs):
-    """Issue 16's acceptance run, a third of its length (3 epochs of 20 steps, not 60: the suite's time): a worker
+    """docs/torchrun.md's restart run, a third of its length (3 epochs of 20 steps, not 60: the suite's time): a worker
     SIGKILLed after the first last.ckpt; torchrun restarts the group once."""
     args = ["data=synthetic", "trainer.accelerator=cpu", "backend=gloo", "model.arch=resnet18", "data.batch_size=4",
             "trainer.max_epochs=3", "trainer.limit_train_batches=20", "trainer.limit_val_batches=1", "test=false",
