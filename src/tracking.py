@@ -1,7 +1,7 @@
 """What ``logger=mlflow`` and ``logger=wandb`` need from outside the run, checked before any other process starts.
 
 A tracking server that does not answer would otherwise cost minutes and end in a cryptic error: MLflow retried a
-closed port for 4 min 18 s here, then failed with a multi-line exception; W&B, online with a key and no way to
+closed port for 4 min 18 s (mlflow 3.17), then failed with a multi-line exception; W&B, online with a key and no way to
 its server, gave up after 2 min with ``CommError: Failed to get resume status ...: context deadline exceeded``.
 Here it is one ``error:`` line within seconds. Any HTTP answer will do (even 401 or 404): what a server says of
 the run's requests is its client's to report.
