@@ -99,8 +99,11 @@ def compose_run(config_name: str, overrides: tuple[str, ...]) -> None:
         with read_write(cfg.hydra.runtime):
             cfg.hydra.runtime.output_dir = str(ROOT / "outputs" / "docs-check")  # never written: nothing runs
         HydraConfig.instance().set_config(cfg)
-        check_group_choices()  # src.entry's: an unknown option of an optional group (experiment=...)
-        OmegaConf.to_container(OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"]), resolve=True)
+        try:
+            check_group_choices()  # src.entry's: an unknown option of an optional group (experiment=...)
+            OmegaConf.to_container(OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"]), resolve=True)
+        finally:
+            HydraConfig.instance().cfg = None  # no later test in this process sees a run
 
 
 def jobs(overrides: list[str], multirun: bool) -> list[list[str]]:
