@@ -11,8 +11,8 @@ The choice follows what the machine reports and what it measures, never a guess 
   step ran at a tenth of the fp32 rate on an AVX2 AMD EPYC), and channels-last, which oneDNN runs faster;
 - a CPU with native bf16 (AVX512_BF16 or AMX, as torch reports them): channels-last, and bf16 autocast only
   where it is faster. Native bf16 alone does not say so: a ResNet-50 train step ran 2.4x the fp32 rate in
-  bf16 on an AVX512_BF16 AMD EPYC, and 0.8x on an AVX512_BF16 Intel Xeon without AMX (README, "CPU fast
-  path"). So the network's train step is timed once in both, and the result kept per CPU model, torch
+  bf16 on an AVX512_BF16 AMD EPYC, and 0.8x on an AVX512_BF16 Intel Xeon without AMX (docs/performance.md,
+  "The CPU fast path"). So the network's train step is timed once in both, and the result kept per CPU model, torch
   version and network in ``~/.cache/cifar10-ddp/cpu-bf16.json`` (``$XDG_CACHE_HOME``): the processes of a
   run, and every later run on such a CPU, read the same answer.
 

@@ -13,7 +13,7 @@ the pruner stops a bad trial there (src/callbacks/trial_pruning.py). When the se
 ``trials.csv`` hold the best values and every trial.
 
 hydra-optuna-sweeper (1.3.0) is not used: it requires optuna < 3, and optuna 2.10 cannot create an SQLite study
-with the SQLAlchemy 2 that pip installs beside this project's other packages (README, "Hyperparameter search").
+with the SQLAlchemy 2 that pip installs beside this project's other packages (docs/search.md).
 Optuna's own ask-and-tell API does the work here. Optuna is imported only when a search runs: it is an extra.
 Hydra imports this module at every start (hydra_plugins/cifar10_ddp), before a run's local ranks start: it loads
 neither torch nor Lightning.

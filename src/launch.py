@@ -219,7 +219,7 @@ def check_launch(accelerator: str, local_processes: int, timeout_s: Any, num_nod
     external = any(key in os.environ for key in _EXTERNAL_LAUNCHERS)
     if num_nodes > 1 and not external and (port is None or "MASTER_ADDR" not in os.environ):
         raise UserError(f"trainer.num_nodes={num_nodes} started by hand needs MASTER_ADDR and MASTER_PORT: set both, "
-                        "on every node, to node 0's address and a free port there (see README, Multi-node by hand)")
+                        "on every node, to node 0's address and a free port there (see docs/multi-node.md)")
     if port is None:
         return  # Lightning picks a free one
     if not port.strip().isdigit() or not 1 <= int(port) <= 65535:
