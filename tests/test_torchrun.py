@@ -164,7 +164,7 @@ def test_a_node_lost_leaves_the_other_to_finish_alone_with_the_same_global_batch
 def test_a_node_that_joins_scales_the_run_up_keeping_the_global_batch(new_run_dirs):
     """--nnodes=1:2 started with one agent; a second joins mid-run: torchrun restarts the group at world size 2,
     which resumes from last.ckpt with half the per-process batch. (torch 2.14's agents deadlock on a scale-up
-    that shares the rendezvous store with the workers: TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, as docs/torchrun.md says.)"""
+    that shares the rendezvous store with the workers: TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: docs/torchrun.md.)"""
     port, run_id = free_port(), f"scaleup{os.getpid()}"
     args = ["--nnodes=1:2", "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
             f"--rdzv-id={run_id}", "--max-restarts=3", "--monitor-interval=1",
