@@ -48,7 +48,7 @@ def build_strategy(
         return "auto"  # Lightning picks SingleDeviceStrategy: no process group, no DDP wrapper
     if ddp_kwargs.get("gradient_as_bucket_view") == "auto":
         # On GPUs the views save a copy of every gradient into its bucket. On CPUs they cost time instead: with gloo on
-        # an Intel Xeon, 2 processes trained ResNet-50 at 22.5 img/s with them and 23.8 without (5 runs each, README).
+        # an Intel Xeon, 2 processes trained ResNet-50 at 22.5 img/s with them and 23.8 without (docs/performance.md).
         ddp_kwargs["gradient_as_bucket_view"] = launch.uses_cuda(accelerator)
     return HydraDDPStrategy(
         start_method=_START_METHODS[resolved],

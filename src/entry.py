@@ -2,7 +2,7 @@
 
 A good end waits for the local ranks this process started. A failure ends as one line: ``error: ...`` on
 stderr, every process of the run stopped (src/supervision.py), and an exit status that says which kind —
-2 for a mistake found before training (the README's table), 1 for a run that failed under way (a rank that
+2 for a mistake found before training (docs/troubleshooting.md), 1 for a run that failed under way (a rank that
 died or raised, a run dir that stopped taking writes), ``128 + signal`` for a run stopped on request. A job
 of a sweep records ``failure.json`` instead and the sweep goes on. HYDRA_FULL_ERROR=1 keeps tracebacks.
 """
