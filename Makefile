@@ -1,29 +1,100 @@
 # make train ARGS="..." | make test | make demo | make bench | make bench-cpu | make recipes | make tensorboard
-# | make gpu-check | make profile
-# Each target creates .venv and installs the project into it on first use, but gpu-check and profile: they run
-# with the torch at hand (a GPU node's own), the venv's python if there is one, else $(PYTHON); they never pip.
+# | make gpu-check | make profile | make lock | make audit
+# Each target creates .venv and installs the project into it on first use, from requirements.lock with pip checking
+# every file's hash; but gpu-check and profile: they run with the torch at hand (a GPU node's own), the venv's
+# python if there is one, else $(PYTHON); they never pip.
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-# The torch pair this project is tested with (on this kind of machine pip takes them from local disk).
-TORCH_PINS ?= torch==2.14.1 torchvision==0.29.1
+# Every package and version the test suite passed with, each with its files' sha256 (pip-compile --generate-hashes),
+# for CPython 3.11 on x86-64 Linux; make lock writes it again. The tools that write and audit it live in a venv of
+# their own, locked the same way.
+LOCK ?= requirements.lock
+TOOLS ?= .venv-tools
+TOOLS_LOCK ?= requirements-tools.lock
 ARGS ?=
 PYTEST_ARGS ?=
 
 # gpu-check and profile: GPU_CHECK_PYTHON=python3.12 make gpu-check picks another interpreter
 GPU_CHECK_PYTHON ?= $(if $(wildcard $(PY)),$(PY),$(PYTHON))
 
-.PHONY: install train test demo eval tensorboard bench bench-cpu recipes gpu-check profile clean
+.PHONY: install lock audit train test demo eval tensorboard bench bench-cpu recipes gpu-check profile clean
 
 install: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml
+## the locked set, hash-checked (a file whose hash differs from the lock's stops the install); then the project
+## itself, which has no hash: editable, without dependencies and without a build env of its own (the lock's setuptools)
+$(VENV)/.installed: pyproject.toml $(LOCK)
+	@$(PYTHON) -c "$$CHECK_LOCK_PLATFORM" $(LOCK)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet $(TORCH_PINS)
-	$(PY) -m pip install --quiet -e ".[dev]"
+	$(PY) -m pip install --quiet --require-hashes -r $(LOCK)
+	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e .
+	@echo "installed from $(LOCK): $$(grep -c '^[a-z0-9]' $(LOCK)) packages, every file hash-checked"
 	touch $@
+
+# One error line, not a failed download, where the lock cannot hold: another Python or platform.
+define CHECK_LOCK_PLATFORM
+import platform, re, sys
+lock = open(sys.argv[1]).read()
+want = re.search(r"with Python (\S+)", lock).group(1), re.search(r"# for: (\S+)", lock).group(1)
+have = "%d.%d" % sys.version_info[:2], f"{platform.system()}-{platform.machine()}"
+if want != have:
+    print(f"error: {sys.argv[1]} is for Python {want[0]} on {want[1]}, but $(PYTHON) is Python {have[0]} on "
+          f"{have[1]}: run make lock to lock for this machine, PYTHON=python{want[0]} make ..., or "
+          "pip install -e '.[dev]' in an environment of your own", file=sys.stderr)
+    sys.exit(2)
+endef
+export CHECK_LOCK_PLATFORM
+
+$(TOOLS)/.installed: $(TOOLS_LOCK)
+	test -x $(TOOLS)/bin/python || $(PYTHON) -m venv $(TOOLS)
+	$(TOOLS)/bin/python -m pip install --quiet --require-hashes -r $(TOOLS_LOCK)
+	touch $@
+
+## write requirements.lock again from pyproject.toml: the newest versions its ranges admit, with every file's hash
+## (then make test, make audit, and commit the lock with the code it passed with). LOCK_ARGS="--upgrade-package X"
+## moves one package only; the default moves everything.
+LOCK_ARGS ?= --upgrade
+# the index this machine's pip is set up with stays out of the lock: the hashes are what a file must match
+COMPILE = CUSTOM_COMPILE_COMMAND="make lock" $(TOOLS)/bin/pip-compile --quiet --generate-hashes --allow-unsafe \
+    --strip-extras --no-emit-index-url --no-emit-find-links --no-emit-trusted-host $(LOCK_ARGS)
+lock: $(TOOLS)/.installed
+	$(COMPILE) --output-file $(TOOLS_LOCK) requirements-tools.in
+	$(COMPILE) --extra dev --output-file $(LOCK) pyproject.toml
+	@# the project names itself in its dev extra: its own line (a path, no hash) goes; make install adds it
+	awk '/^# WARNING: pip install will require/ {skip = 1} skip && /^[a-z0-9]/ && !/^cifar10-ddp @/ {skip = 0} \
+	    !skip' $(LOCK) > $(LOCK).tmp && mv $(LOCK).tmp $(LOCK)
+	sed -i "s|^# by the following command:|# for: $$(uname -s)-$$(uname -m)\n&|" $(LOCK)
+	@echo "$(LOCK): $$(grep -c '^[a-z0-9]' $(LOCK)) packages; now make test and make audit"
+
+## the locked set against the advisories the package index publishes (pip-audit): each finding with the version
+## that fixes it, exit 1 on any; exit 2 when the advisory service cannot be reached (nothing was audited)
+AUDIT_SERVICE ?= pypi
+audit:
+	@$(PYTHON) -c "$$CHECK_ADVISORIES_REACHABLE" $(AUDIT_SERVICE) $(LOCK)
+	@$(MAKE) --no-print-directory $(TOOLS)/.installed
+	$(TOOLS)/bin/pip-audit --strict --require-hashes --disable-pip --progress-spinner off \
+	    --vulnerability-service $(AUDIT_SERVICE) --desc off -r $(LOCK)
+
+# pip-audit reports a package the service does not know as skipped, and a service it cannot reach as a traceback:
+# ask the service about the lock's first package first, and say in one line when it cannot answer.
+define CHECK_ADVISORIES_REACHABLE
+import json, re, sys, urllib.error, urllib.request
+service, lock = sys.argv[1:]
+name, version = re.search(r"^([a-z0-9_.-]+)==(\S+)", open(lock).read(), re.M).groups()
+url, data = {"pypi": (f"https://pypi.org/pypi/{name}/{version}/json", None),
+             "osv": ("https://api.osv.dev/v1/query", json.dumps({"package": {"name": name, "ecosystem": "PyPI"},
+                                                                "version": version}).encode())}[service]
+try:
+    urllib.request.urlopen(urllib.request.Request(url, data=data), timeout=30).read()
+except (urllib.error.URLError, OSError) as err:
+    print(f"error: make audit cannot read the advisory data of {service} ({url}: {getattr(err, 'reason', err)}): "
+          "nothing was audited; run it where that service answers, or pick another with AUDIT_SERVICE=pypi|osv",
+          file=sys.stderr)
+    sys.exit(2)
+endef
+export CHECK_ADVISORIES_REACHABLE
 
 ## the real job: ResNet-50 on CIFAR-10 (downloaded once into data/), all local GPUs or the CPU
 train: install
