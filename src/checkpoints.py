@@ -346,13 +346,67 @@ def read_checkpoint(path: str | Path, key: str = "ckpt_path", trusted: bool = Fa
 def check_compatible(checkpoint: dict[str, Any], path: str | Path, model_hparams: dict[str, Any],
                      key: str = "ckpt_path") -> None:
     """A checkpoint of another network (arch, stem, classes) cannot be resumed: say which key differs."""
-    saved = checkpoint.get("hyper_parameters")
-    if not isinstance(saved, dict) or "state_dict" not in checkpoint or "pytorch-lightning_version" not in checkpoint:
+    if "state_dict" not in checkpoint or "pytorch-lightning_version" not in checkpoint:
         raise UserError(f"{key}={path} is not a checkpoint of this project's model (no hyper_parameters, state_dict "
                         "or pytorch-lightning_version): pass a .ckpt written by src.train")
+    saved = model_hparams_of(checkpoint, path, key)
     for name in ("arch", "stem", "num_classes"):
         if name in saved and saved[name] != model_hparams.get(name):
             raise UserError(
                 f"{key}={path} holds a {saved.get('arch')} (model.{name}={saved[name]}) but this run builds "
                 f"model.{name}={model_hparams.get(name)}: pass model.{name}={saved[name]}, or another checkpoint"
             )
+
+
+# What ImageClassifier saves as hyperparameters, and what each may hold. A checkpoint's values are data from
+# whoever wrote the file: none may name code to import or call (Lightning's ``_instantiator``, a ``_target_``),
+# an architecture beyond torchvision's ResNets, or a path.
+_SCALARS = (bool, int, float, str)
+_NESTED = {
+    "optimizer": {"lr", "momentum", "nesterov", "weight_decay", "decay_norm_and_bias", "lr_scaling",
+                  "reference_batch_size"},
+    "scheduler": {"warmup_epochs", "warmup_start_factor", "decay", "min_lr_factor"},
+}
+
+
+def model_hparams_of(checkpoint: dict[str, Any], path: str | Path, key: str = "ckpt_path") -> dict[str, Any]:
+    """The checkpoint's model hyperparameters, checked to be the plain values ImageClassifier saves; anything else
+    (an unknown key, ``_instantiator``, an unknown arch, a value that is no number or string) is one UserError."""
+    import inspect
+
+    from src.models.classifier import ImageClassifier
+    from src.models.resnet import STEMS, resnet_names
+
+    saved = checkpoint.get("hyper_parameters")
+    if not isinstance(saved, dict):
+        raise UserError(f"{key}={path} is not a checkpoint of this project's model (no hyper_parameters, state_dict "
+                        "or pytorch-lightning_version): pass a .ckpt written by src.train")
+    known = set(inspect.signature(ImageClassifier.__init__).parameters) - {"self"}
+
+    def refuse(name: str, why: str) -> UserError:
+        return UserError(f"{key}={path} holds hyperparameter {name} {why}: it is not a checkpoint src.train wrote, "
+                         "or was altered; pass another checkpoint")
+
+    for name, value in saved.items():
+        if name not in known:
+            raise refuse(repr(name)[:80], f"which this project's model does not have (it has "
+                                          f"{', '.join(sorted(known))})")
+        if name in _NESTED:
+            if not isinstance(value, dict):
+                raise refuse(name, f"= {type(value).__name__}, not a mapping")
+            for inner, item in value.items():
+                if inner not in _NESTED[name]:
+                    raise refuse(f"{name}.{repr(inner)[:80]}", f"which model.{name} does not have")
+                if not isinstance(item, _SCALARS):
+                    raise refuse(f"{name}.{inner}", f"= {type(item).__name__}, not a number, string or boolean")
+        elif not isinstance(value, _SCALARS):
+            raise refuse(name, f"= {type(value).__name__}, not a number, string or boolean")
+    arch, stem = saved.get("arch", "resnet50"), saved.get("stem", "cifar")
+    if arch not in resnet_names():
+        raise refuse(f"arch={str(arch)[:80]!r}", "that is no torchvision ResNet this project builds")
+    if stem not in STEMS:
+        raise refuse(f"stem={str(stem)[:80]!r}", f"that is not one of {', '.join(STEMS)}")
+    num_classes = saved.get("num_classes", 10)
+    if isinstance(num_classes, bool) or not isinstance(num_classes, int) or not 1 <= num_classes <= 1_000_000:
+        raise refuse(f"num_classes={str(num_classes)[:80]!r}", "that is not a class count")
+    return saved

@@ -10,7 +10,7 @@ import hydra
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from src.checkpoints import read_checkpoint
+from src.checkpoints import model_hparams_of, read_checkpoint
 from src.entry import handle_errors, run
 from src.errors import UserError
 from src.models.classifier import ImageClassifier
@@ -29,7 +29,7 @@ def main(cfg: DictConfig) -> dict[str, float]:
     checkpoint = read_checkpoint(path, trusted=cfg.ckpt_trusted)
     datamodule = instantiate(cfg.data)
     try:
-        model = ImageClassifier(**checkpoint["hyper_parameters"])
+        model = ImageClassifier(**model_hparams_of(checkpoint, path))  # values checked: data, never code
         model.load_state_dict(checkpoint["state_dict"])
     except (KeyError, TypeError, RuntimeError) as err:
         raise UserError(f"ckpt_path={path} is not a checkpoint of this project's model "
