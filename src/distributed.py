@@ -4,16 +4,19 @@ Lightning owns the process group, the samplers and rank-zero IO. This module onl
 lacks for a Hydra application: a ``backend`` key (auto | nccl | gloo), a rendezvous timeout that
 fails with a readable message, local ranks started from *this job's* overrides (src/launch.py),
 ranks that stop together when one of them or their launcher dies (src/supervision.py), srun tasks that
-each see one GPU of their own (TaskGPU), and spawned ranks that keep the parent's TF32 settings.
+each see one GPU of their own (TaskGPU), spawned ranks that keep the parent's TF32 settings, and a rendezvous
+that listens only where the ranks are (:func:`rendezvous_store`).
 """
 
 from __future__ import annotations
 
 import ctypes
+import errno
 import logging
 import multiprocessing
 import os
 import signal
+import socket
 import sys
 import threading
 from datetime import timedelta
@@ -122,8 +125,12 @@ class HydraDDPStrategy(DDPStrategy):
         if launcher_pid is not None:  # a started rank: it must not outlive the process that started it
             supervision.watch_launcher(self.node_rank * self.num_processes + self.local_rank, launcher_pid)
         try:
+            if self.num_nodes == 1:
+                keep_to_loopback()
             if torchrun.active() and not torch.distributed.is_initialized():  # fit forms it; test reuses it
                 self._init_attempt_group()
+            if not torch.distributed.is_initialized():
+                self._init_bound_group()
             super().setup_distributed()  # Lightning's own: it leaves a process group that exists as it is
             # from here on, a failure of any rank stops every rank of the run, on every node
             supervision.watch_failures(self.global_rank, self.node_rank, self.local_rank, self.world_size,
@@ -138,6 +145,17 @@ class HydraDDPStrategy(DDPStrategy):
                 f"or raise strategy.timeout_s ({type(err).__name__})"
             ) from err
 
+    def _init_bound_group(self) -> None:
+        """Form the process group on :func:`rendezvous_store` (Lightning's env:// store listens on every interface)."""
+        self.set_world_ranks()
+        env = self.cluster_environment
+        os.environ["MASTER_ADDR"] = LOOPBACK if self.num_nodes == 1 else env.main_address
+        os.environ["MASTER_PORT"] = str(env.main_port)  # src/supervision.py's failure record reads both
+        store = rendezvous_store(self.global_rank, self.world_size, self._timeout)
+        torch.distributed.init_process_group(self._get_process_group_backend(), rank=self.global_rank,
+                                             world_size=self.world_size, store=store, timeout=self._timeout,
+                                             device_id=self.root_device if self.root_device.type != "cpu" else None)
+
     def _init_attempt_group(self) -> None:
         """Under torchrun: form the process group on this attempt's own keys (src/torchrun.py says why)."""
         self.set_world_ranks()
@@ -148,6 +166,61 @@ class HydraDDPStrategy(DDPStrategy):
                                              world_size=self.world_size, store=store, timeout=self._timeout,
                                              device_id=self.root_device if self.root_device.type != "cpu" else None)
         torchrun.group_formed()
+
+
+LOOPBACK = "127.0.0.1"
+
+
+def keep_to_loopback() -> None:
+    """A run on one node: gloo's and NCCL's own sockets on the loopback interface (they take the hostname's address
+    otherwise), unless GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME already name one."""
+    names = [name for _, name in socket.if_nameindex()]
+    loopback = next((name for name in ("lo", "lo0") if name in names), None)
+    if loopback is not None:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback)
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", loopback)
+
+
+def rendezvous_store(rank: int, world_size: int, timeout: timedelta) -> torch.distributed.TCPStore:
+    """The run's rendezvous store at MASTER_ADDR:MASTER_PORT; rank 0 hosts it on MASTER_ADDR's own address only.
+
+    torch's TCPStore binds every interface unless handed a bound socket: 127.0.0.1 on one node, the interface that
+    carries MASTER_ADDR across nodes. Where MASTER_ADDR is no address of this node (NAT, a virtual IP) it listens on
+    every interface, and says so.
+    """
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    listener = _bound_listener(host, port) if rank == 0 else None
+    try:
+        return torch.distributed.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout,
+                                          multi_tenant=True,
+                                          master_listen_fd=None if listener is None else listener.detach())
+    finally:
+        if listener is not None and listener.fileno() != -1:
+            listener.close()
+
+
+def _bound_listener(host: str, port: int) -> socket.socket | None:
+    """A socket bound to ``host``'s address at ``port`` (SO_REUSEADDR, as torch binds), or None if this node does
+    not have that address."""
+    try:
+        family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as err:
+        raise UserError(f"MASTER_ADDR={host} does not resolve to an address ({err.strerror}): set it to node 0's "
+                        "address or hostname") from err
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        listener.bind(address)
+    except OSError as err:
+        listener.close()
+        if err.errno != errno.EADDRNOTAVAIL:
+            raise UserError(f"MASTER_PORT={port} cannot be used on {host} ({err.strerror}): pick a free port, or "
+                            "unset MASTER_PORT and Lightning picks a free one") from err
+        logging.getLogger(__name__).warning(
+            "MASTER_ADDR=%s (%s) is not an address of this node: the rendezvous store listens on every interface "
+            "at port %s", host, address[0], port)
+        return None
+    return listener
 
 
 class HydraJobLauncher(_SubprocessScriptLauncher):

@@ -16,6 +16,8 @@ from PIL import Image
 
 from src.report import load_jobs, scaling_mode, write_report
 from tests.conftest import FAST, ROOT, output, run_module, train
+from tests.test_security import assert_loopback_only
+from tests.test_serving import watch_listeners
 
 SWEEP = [*FAST, "trainer.limit_train_batches=3", "test=false"]
 
@@ -78,8 +80,10 @@ def test_a_failing_job_is_reported_and_the_sweep_goes_on(tmp_path):
 
 def test_sweeping_the_strategy_reports_one_series_per_strategy(tmp_path):
     sweep_dir = tmp_path / "sweep"
-    result = train("-m", *SWEEP, "trainer.devices=2", "strategy=ddp,ddp_spawn", f"hydra.sweep.dir={sweep_dir}")
+    result, listeners = watch_listeners(train("-m", *SWEEP, "trainer.devices=2", "strategy=ddp,ddp_spawn",
+                                              f"hydra.sweep.dir={sweep_dir}", background=True))
     assert result.returncode == 0, output(result)[-4000:]
+    assert_loopback_only(listeners, "a sweep's ddp and ddp_spawn jobs")  # rendezvous and gloo: tests/test_security.py
     report = (sweep_dir / "scaling.md").read_text()
     assert "## strategy=ddp:" in report and "## strategy=ddp_spawn:" in report
     # the report is rebuilt from the throughput.json files alone

@@ -16,6 +16,8 @@ import pytest
 import torch
 
 from tests.conftest import FAST, ROOT, descendants, free_port, output, running
+from tests.test_security import assert_loopback_only
+from tests.test_serving import watch_listeners
 
 RUNS = ROOT / "outputs" / "runs"
 
@@ -79,9 +81,13 @@ def wait_for(condition, timeout: float, what: str, proc: subprocess.Popen | None
 
 def test_two_workers_of_torchrun_train_one_ddp_world_with_the_launchers_counts(new_run_dirs):
     """The command a torchrun user types first: no trainer.devices, no strategy, no hydra.run.dir."""
-    result = torchrun("--standalone", "--nproc-per-node=2", "-m", "src.train", *FAST, "test=false")
+    agent = torchrun("--standalone", "--nproc-per-node=2", "-m", "src.train", *FAST, "test=false", background=True)
+    result, listeners = watch_listeners(agent)
     assert result.returncode == 0, output(result)[-3000:]
     assert "world size 2 | strategy ddp | backend gloo" in result.stdout
+    # the workers (gloo) listen on loopback only; the agent's two stores (the rendezvous and the workers') listen on
+    # every interface: torch gives them no address to bind (docs/security.md)
+    assert_loopback_only({found for found in listeners if found[2] != agent.pid}, "torchrun's workers")
     (run_dir,) = new_run_dirs()
     assert re.fullmatch(r"torchrun-[0-9a-f-]{36}", run_dir.name)  # the id --standalone makes
     assert sorted(p.name for p in run_dir.glob("*.log")) == ["train.log", "train_rank1.log"]
