@@ -168,6 +168,8 @@ def test_each_documented_command_composes(page, command):
     if command.startswith("make"):
         check_make(command)
         return
+    for script in (w for w in shlex.split(command) if re.fullmatch(r"[\w./-]+/[\w-]+\.(py|sbatch)", w)):
+        assert (ROOT / script).is_file(), f"{command}: {script} does not exist"
     call = src_call(command)
     if call is not None:
         check_src_command(*call)
