@@ -217,6 +217,15 @@ def test_every_relative_link_and_anchor_resolves(page):
             assert anchor in set(anchors(target.read_text())), f"{page.name}: {link}: no such heading"
 
 
+@pytest.mark.parametrize("page", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_file_the_documentation_names_exists(page):
+    """A path in inline code (``src/launch.py``, ``conf/hydra/default.yaml``, ``tests/slurm/``) is a file or folder."""
+    for tick, span in INLINE.findall(FENCE.sub("", page.read_text())):
+        for path in re.findall(r"(?<![\w./-])((?:src|tests|conf|benchmarks|slurm|hydra_plugins|docs)/[\w./-]*[\w/])",
+                               span):
+            assert (ROOT / path).exists(), f"{page.name}: {path} does not exist"
+
+
 def test_the_anchor_rules_are_githubs():
     text = "# The GPU path\n## `make gpu-check`: the first run\n## Notes\n## Notes\n```\n# not a heading\n```\n"
     assert list(anchors(text)) == ["the-gpu-path", "make-gpu-check-the-first-run", "notes", "notes-1"]
