@@ -3,8 +3,9 @@
 A good end waits for the local ranks this process started. A failure ends as one line: ``error: ...`` on
 stderr, every process of the run stopped (src/supervision.py), and an exit status that says which kind —
 2 for a mistake found before training (docs/troubleshooting.md), 1 for a run that failed under way (a rank that
-died or raised, a run dir that stopped taking writes), ``128 + signal`` for a run stopped on request. A job
-of a sweep records ``failure.json`` instead and the sweep goes on. HYDRA_FULL_ERROR=1 keeps tracebacks.
+died or raised, a run dir that stopped taking writes, a rank that hung), ``128 + signal`` for a run stopped on
+request (130 for Ctrl-C, 143 for SIGTERM). A job of a sweep records ``failure.json`` instead and the sweep goes
+on; a sweep stopped on request stops, saying how to resume it. HYDRA_FULL_ERROR=1 keeps tracebacks.
 """
 
 from __future__ import annotations
@@ -13,13 +14,14 @@ import functools
 import json
 import logging
 import os
+import signal
 import sys
 import threading
 import traceback
 from pathlib import Path
 from typing import Any, Callable
 
-from src import launch, supervision, torchrun, tracking
+from src import heartbeat, launch, supervision, torchrun, tracking
 from src.errors import (EXIT_FAILED, EXIT_USER_ERROR, FAILURE_FILE, USER_FULL_ERROR, ToldElsewhere, UserError,
                         hydra_error_message, one_line, out_of_memory_in, report, require, storage_error_in,
                         user_error_in, wants_traceback)
@@ -42,6 +44,8 @@ def run(main: Callable[[], Any]) -> Any:
     os.environ["HYDRA_FULL_ERROR"] = "1"
     try:
         return main()
+    except KeyboardInterrupt:  # Ctrl-C outside training (GracefulStop's) and outside the task (Hydra's own start)
+        interrupted()
     except Exception as err:  # noqa: BLE001 - what is not a user's mistake is raised again below
         message = hydra_error_message(err, _task_started)
         if message is None:
@@ -60,6 +64,7 @@ def handle_errors(task: Callable[..., Any]) -> Callable[..., Any]:
         # one when its write fails (it raises the error again in the training loop, where it becomes one line)
         logging.raiseExceptions = False
         threading.excepthook = _quiet_storage_errors
+        heartbeat.register_stack_dump(supervision.rank_label())  # kill -USR2 PID: this process's stacks to its log
         try:
             check_group_choices()
             if torchrun.active():  # its process counts; a worker never outlives its agent
@@ -72,6 +77,8 @@ def handle_errors(task: Callable[..., Any]) -> Callable[..., Any]:
             check_extras(cfg)
             _resolve_all(cfg)
             result = task(cfg)
+        except KeyboardInterrupt:
+            interrupted()
         except Exception as err:  # noqa: BLE001 - every failure ends the run the same way
             return _failed(err)
         supervision.stop_watching_failures()
@@ -97,8 +104,12 @@ def _failed(err: Exception) -> None:
     if stopping is not None and isinstance(err, stopping.Terminated):
         supervision.stop_watching_failures()  # every rank stops at this very step: a good end of sorts
         if launch.is_launch_rank_zero():
-            print(f"stopped: {err}", file=sys.stderr, flush=True)
+            print(err.line, file=sys.stderr, flush=True)
         supervision.reap_started(grace_s=60)  # they stop at the same batch; let them finish writing
+        if launch.in_sweep() and launch.is_launch_rank_zero():
+            from src.sweep import stopped_line
+
+            print(stopped_line(), file=sys.stderr, flush=True)
         sys.exit(err.exit_code)
     line, code = describe(err)
     if launch.in_sweep():
@@ -107,6 +118,19 @@ def _failed(err: Exception) -> None:
     if wants_traceback():
         traceback.print_exception(err)
     supervision.end_run(line, code)
+
+
+def interrupted() -> None:
+    """Ctrl-C where no training step can stop cleanly (starting, between a sweep's jobs): exit 130, one line."""
+    supervision.stop_watching_failures(wait=False)
+    supervision.stop_processes(supervision.STARTED, grace_s=5.0)
+    if launch.is_launch_rank_zero():
+        print("interrupted (Ctrl-C) outside a training step: nothing more was saved", file=sys.stderr, flush=True)
+        if launch.in_sweep():
+            from src.sweep import stopped_line
+
+            print(stopped_line(), file=sys.stderr, flush=True)
+    sys.exit(128 + signal.SIGINT)
 
 
 def describe(err: BaseException, log_dir: str | None = None) -> tuple[str | None, int]:

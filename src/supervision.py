@@ -18,6 +18,12 @@ collective until the timeout, or keep training as orphans of a launcher that was
 was on another node and the outputs are not merged, as they are under srun), stops the processes this one
 started, and exits. A rank that exits with ``1``, ``2`` or ``128 + SIGTERM`` has said why itself; one that
 dies of a signal has not, and its watcher says it for it.
+
+A rank can also hang without dying (a deadlock, a stuck read on a network filesystem, a stopped process): the
+others then wait for it in the next collective until ``strategy.timeout_s``. ``HangWatch`` finds it sooner:
+every rank publishes where it is (src/heartbeat.py) and a pulse from a thread of its own; when no rank has
+moved for ``strategy.hang_timeout_s`` while one of them is behind the others (or its pulse stopped), that rank
+writes its stack to its log and the run ends with one line naming it.
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ import sys
 import threading
 import time
 from datetime import timedelta
-from typing import Any, NoReturn, Sequence
+from typing import Any, Callable, NoReturn, Sequence
 
 from src import torchrun
 from src.errors import EXIT_FAILED, EXIT_USER_ERROR
@@ -42,9 +48,13 @@ POLL_S = 0.25
 SEEN_WAIT_S = 5.0  # how long a failing store host waits for the others to read the record before it goes
 DONE_WAIT_S = 10.0  # ... and, at a good end, for the others to stop watching
 _STOPPED_ON_REQUEST = 128 + signal.SIGTERM
-_SAID_WHY = {EXIT_FAILED, EXIT_USER_ERROR, _STOPPED_ON_REQUEST}  # exit codes of a rank that told its own story
+_INTERRUPTED = 128 + signal.SIGINT  # Ctrl-C: rank zero says where the run stopped
+# exit codes of a rank that told its own story
+_SAID_WHY = {EXIT_FAILED, EXIT_USER_ERROR, _STOPPED_ON_REQUEST, _INTERRUPTED}
 _stopped_here: set[int] = set()  # pids this process stopped on purpose: their ending is no failure
 _ending = threading.Lock()  # held by the thread that is ending this process
+
+KILL_NOTES: list[Callable[[int], None]] = []  # told the pid of a stuck rank this process kills (ddp_spawn's parent)
 
 # Local ranks started by this process, so a job can wait for (or stop) its own before the next one starts.
 STARTED: list[subprocess.Popen] = []
@@ -88,7 +98,7 @@ def failed_child(procs: Sequence[subprocess.Popen], ranks: Sequence[int]) -> tup
     ended = []
     for proc, rank in zip(procs, ranks):
         code = proc.poll()
-        if code not in (None, 0, _STOPPED_ON_REQUEST) and proc.pid not in _stopped_here:
+        if code not in (None, 0, _STOPPED_ON_REQUEST, _INTERRUPTED) and proc.pid not in _stopped_here:
             ended.append((f"rank {rank} (pid {proc.pid}) died: {how_it_ended(code)}", code))
     return min(ended, key=lambda failure: said_why(failure[1]), default=None)
 
@@ -206,10 +216,12 @@ class FailureRecord:
                 self._closed = True
                 return None
 
-    def publish(self, line: str | None, code: int, dead: int = 0) -> bool:
-        """Write this rank's failure unless one is there already; True if this one is the run's failure."""
+    def publish(self, line: str | None, code: int, dead: int = 0, stuck: dict[str, Any] | None = None) -> bool:
+        """Write this rank's failure unless one is there already; True if this one is the run's failure.
+
+        ``stuck``: the host and pid of a rank that cannot run Python, for its host's ranks to kill."""
         record = json.dumps({"rank": self.rank, "node": self.node_rank, "host": socket.gethostname(),
-                             "line": line, "code": code})
+                             "line": line, "code": code, "stuck": stuck})
         current = self._call("compare_set", self._prefix + "failure", "", record)
         self._call("add", self._prefix + "seen", 1 + dead)
         return current is None or current.decode() == record  # no store: nobody else can have reported
@@ -229,6 +241,7 @@ class FailureRecord:
             return None
         self._call("add", self._prefix + "seen", 1)
         self.echoing = True
+        kill_stuck(record.get("stuck"))
         return self.line_for_this_rank(record), record["code"]
 
     def wait_for(self, key: str, seconds: float) -> None:
@@ -278,18 +291,220 @@ class FailureRecord:
 FAILURES: FailureRecord | None = None
 
 
-def watch_failures(rank: int, node_rank: int, local_rank: int, world_size: int, in_sweep: bool = False) -> None:
-    """Once the process group exists: join the run's failure record and watch it (see the module's docstring)."""
-    global FAILURES
+def kill_stuck(stuck: dict[str, Any] | None) -> None:
+    """SIGKILL a rank found unable to run Python (stopped, stuck in C code) if it runs on this host: nothing else
+    ends it (SIGTERM waits while a process is stopped)."""
+    if not stuck or stuck.get("host") != socket.gethostname() or stuck.get("pid") in (None, os.getpid()):
+        return
+    _stopped_here.add(stuck["pid"])
+    for note in KILL_NOTES:
+        note(stuck["pid"])
+    try:
+        os.kill(stuck["pid"], signal.SIGKILL)
+    except OSError:
+        pass
+
+
+class HangWatch:
+    """Publishes this rank's progress to the run's store; a judge (each node's first rank, and rank 1) reads every
+    rank's and ends a run that has stopped moving while one rank holds the others back (module docstring).
+
+    The store host is rank 0 (torchrun's agent under torchrun): when it stops answering for ``timeout_s``, every
+    rank ends, and the line says it was that rank.
+    """
+
+    def __init__(self, rank: int, node_rank: int, local_rank: int, world_size: int, timeout_s: float,
+                 run_dir: str | None) -> None:
+        self.rank, self.node_rank, self.local_rank, self.world_size = rank, node_rank, local_rank, world_size
+        self.timeout_s, self.run_dir = float(timeout_s), run_dir
+        self.poll_s = min(max(self.timeout_s / 20, 0.2), 5.0)
+        self.judge = local_rank == 0 or rank == 1
+        self._prefix = torchrun.attempt_prefix() + "progress/"
+        self._store: Any = None
+        self._closed = False
+        self._pulse = 0
+        self._seen: dict[int, dict[str, Any]] = {}  # rank -> its last record, and when its activity and pulse moved
+        self.log = None
+
+    def _connect(self) -> Any:
+        import torch.distributed as dist
+
+        if self._store is None:
+            wait = timedelta(seconds=min(10.0, max(2.0, self.timeout_s / 4)))
+            self._store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                                        timeout=wait, wait_for_workers=False)
+        return self._store
+
+    def record(self) -> dict[str, Any]:
+        from src import heartbeat
+
+        progress = heartbeat.PROGRESS
+        return {"tick": progress.tick, "activity": progress.activity(), "where": progress.where(),
+                "waiting": progress.phase.startswith("waiting") or _in_collective(),
+                "step": progress.step, "pulse": self._pulse, "pid": os.getpid(), "host": socket.gethostname(),
+                "log": str(self.log) if self.log else None}
+
+    def start(self) -> threading.Thread:
+        from src import heartbeat
+
+        self.log = heartbeat.stack_file(self.run_dir, f"rank {self.rank}")
+        thread = threading.Thread(target=self._loop, name="hang-watch", daemon=True)
+        thread.start()
+        return thread
+
+    def close(self) -> None:
+        self._closed = True
+
+    def _loop(self) -> None:
+        last_ok = last_round = time.monotonic()
+        host_record: dict[str, Any] | None = None
+        while not self._closed:
+            now = time.monotonic()
+            if now - last_round > 3 * self.poll_s + 2:  # this process was stopped or starved (Ctrl-Z): start afresh
+                self._seen.clear()
+                last_ok = now
+            last_round = now
+            self._pulse += 1
+            try:
+                store = self._connect()
+                store.set(f"{self._prefix}{self.rank}", json.dumps(self.record()))
+                if host_record is None and store.check([f"{self._prefix}0"]):
+                    host_record = json.loads(store.get(f"{self._prefix}0"))
+                if store.check([self._prefix + "verdict"]):
+                    self._answer(json.loads(store.get(self._prefix + "verdict")))
+                elif self.judge:
+                    self._judge(store, now)
+                last_ok = now
+            except Exception:  # noqa: BLE001 - the store's host does not answer (or is gone): reconnect next round
+                self._store = None
+                if self._closed or launcher_gone() is not None:
+                    return
+                if time.monotonic() - last_ok >= self.timeout_s:
+                    self._store_host_silent(host_record, time.monotonic() - last_ok)
+            time.sleep(self.poll_s)
+
+    def _judge(self, store: Any, now: float) -> None:
+        keys = [f"{self._prefix}{r}" for r in range(self.world_size)]
+        if not store.check(keys):  # a rank that has not reported yet is still starting
+            return
+        for rank, raw in enumerate(store.multi_get(keys)):
+            record = json.loads(raw)
+            seen = self._seen.get(rank)
+            if seen is None:
+                seen = self._seen[rank] = {"moved": now, "beat": now}
+            else:
+                if record["activity"] != seen["record"]["activity"]:
+                    seen["moved"] = now
+                if record["pulse"] != seen["record"]["pulse"]:
+                    seen["beat"] = now
+            seen["record"] = record
+        if len(self._seen) < self.world_size or now - max(s["moved"] for s in self._seen.values()) < self.timeout_s:
+            return
+        silent = [r for r, s in self._seen.items() if now - s["beat"] >= max(self.timeout_s / 2, 3 * self.poll_s)]
+        ticks = {r: s["record"]["tick"] for r, s in self._seen.items()}
+        behind = [r for r, t in ticks.items() if t == min(ticks.values())] if len(set(ticks.values())) > 1 else []
+        # at the same mark, the ranks waiting in a collective wait for the one that is not
+        idle = [r for r, s in self._seen.items() if not s["record"]["waiting"]]
+        culprits = silent or behind or (idle if len(idle) < self.world_size else [])
+        if not culprits:  # every rank busy alike (a first compile) or waiting alike (a deadlock): timeout_s's to end
+            return
+        rank = culprits[0]
+        record = self._seen[rank]["record"]
+        verdict = {"rank": rank, "can_run": rank not in silent, "line": self._line(rank, record, now, rank in silent),
+                   "host": record["host"], "pid": record["pid"]}
+        won = store.compare_set(self._prefix + "verdict", "", json.dumps(verdict))
+        verdict = json.loads(won)
+        if verdict["rank"] == self.rank:
+            self._answer(verdict)
+        if not verdict["can_run"]:
+            end_run(verdict["line"], EXIT_FAILED, stuck={"host": verdict["host"], "pid": verdict["pid"]})
+        deadline = time.monotonic() + ANSWER_WAIT_S  # the stuck rank writes its stack, then ends the run itself
+        while time.monotonic() < deadline:
+            time.sleep(self.poll_s)
+        end_run(verdict["line"].split("; its Python stack")[0] + "; it did not answer, so its stack could not be "
+                "written: look at it with py-spy dump --pid "
+                f"{verdict['pid']} on {verdict['host']}; every rank stopped", EXIT_FAILED)
+
+    def _line(self, rank: int, record: dict[str, Any], now: float, silent: bool) -> str:
+        seconds = now - self._seen[rank]["moved"]
+        others = "the other ranks" if self.world_size > 2 else f"rank {1 - rank}"
+        head = (f"rank {rank} (host {record['host']}, pid {record['pid']}) made no progress for {seconds:.0f} s "
+                f"{record['where']}, while {others} waited for it")
+        tail = "; every rank stopped, the previous last.ckpt is intact: resume with ckpt_path=last"
+        if silent:
+            return (f"{head}; it cannot run Python (stopped, e.g. by SIGSTOP or a debugger, or stuck in C code), so "
+                    f"its stack could not be written: look at it with py-spy dump --native --pid {record['pid']} on "
+                    f"{record['host']}{tail}")
+        return f"{head}; its Python stack is in {record['log']}{tail}"
+
+    def _answer(self, verdict: dict[str, Any]) -> None:
+        """The judges found this rank stuck: its stack goes to its log, then the run ends with the verdict's line."""
+        from src import heartbeat
+
+        if verdict["rank"] != self.rank or not verdict["can_run"]:
+            return
+        if self.log is None or not heartbeat.dump_stacks(self.log, "the run stopped: this rank made no progress"):
+            verdict["line"] = verdict["line"].split("; its Python stack")[0] + "; its stack could not be written"
+        heartbeat.write_nccl_trace(self.rank)
+        end_run(verdict["line"], EXIT_FAILED)
+
+    def _store_host_silent(self, host: dict[str, Any] | None, seconds: float) -> None:
+        """The store stopped answering: its host (rank 0, unless torchrun's agent holds it) is stopped or gone."""
+        merged = "SLURM_STEP_ID" in os.environ
+        says = self.rank == 1 or (self.local_rank == 0 and self.node_rank != 0 and not merged)
+        if torchrun.active():
+            who = f"the torchrun agent at {os.environ['MASTER_ADDR']}, which hosts the run's store,"
+        elif host is None:
+            who = "rank 0, which hosts the run's store,"
+        else:
+            who = f"rank 0 (host {host['host']}, pid {host['pid']}), which hosts the run's store,"
+        where = f" (last seen {host['where']})" if host else ""
+        line = (f"{who} stopped answering for {seconds:.0f} s{where}: it cannot run (stopped, e.g. by SIGSTOP or a "
+                "debugger, or stuck in C code) or its host is gone; every rank stopped, the previous last.ckpt is "
+                "intact: resume with ckpt_path=last")
+        stuck = {"host": host["host"], "pid": host["pid"]} if host and not torchrun.active() else None
+        end_run(line if says else None, EXIT_FAILED, publish=False, stuck=stuck)
+
+
+# Python files whose functions wait for the other ranks: a main thread inside one is in a collective
+_COLLECTIVES = (os.path.join("torch", "distributed", ""), os.path.join("torch", "nn", "parallel", "distributed.py"))
+
+
+def _in_collective() -> bool:
+    """Whether the main thread is inside torch.distributed (or DDP's own collectives) now: a look at its stack,
+    nothing more."""
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    while frame is not None:
+        if any(part in frame.f_code.co_filename for part in _COLLECTIVES):
+            return True
+        frame = frame.f_back
+    return False
+
+
+ANSWER_WAIT_S = 10.0  # how long a judge waits for a stuck rank that can run Python to write its stack
+HANGS: HangWatch | None = None
+
+
+def watch_failures(rank: int, node_rank: int, local_rank: int, world_size: int, in_sweep: bool = False,
+                   hang_timeout_s: float | None = None, run_dir: str | None = None) -> None:
+    """Once the process group exists: join the run's failure record and watch it, and (``hang_timeout_s``) watch
+    for a rank that hangs (see the module's docstring)."""
+    global FAILURES, HANGS
     if world_size < 2 or "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
         return
     FAILURES = FailureRecord(rank, node_rank, local_rank, world_size, in_sweep)
     FAILURES.watch()
+    if hang_timeout_s:
+        HANGS = HangWatch(rank, node_rank, local_rank, world_size, hang_timeout_s, run_dir)
+        HANGS.start()
 
 
 def stop_watching_failures(wait: bool = True) -> None:
     """At a good end (or a job's end in a sweep): this rank no longer follows the run's failure record."""
-    global FAILURES
+    global FAILURES, HANGS
+    if HANGS is not None:
+        HANGS.close()
+        HANGS = None
     if FAILURES is not None:
         FAILURES.close(wait)
         FAILURES = None
@@ -317,20 +532,25 @@ def rank_label() -> str:
     return f"rank {local}" if node == "0" else f"node {node} local rank {local}"
 
 
-def end_run(line: str | None, code: int, publish: bool = True, dead: int = 0) -> NoReturn:
+def end_run(line: str | None, code: int, publish: bool = True, dead: int = 0,
+            stuck: dict[str, Any] | None = None) -> NoReturn:
     """End this process of a failed run: record the failure for the other ranks, print ``error: line`` if this
     is the run's first failure, stop the local ranks it started, and exit with ``code``.
 
-    ``dead``: ranks known dead, which will never read the record. Several threads may get here at once (the
+    ``dead``: ranks known dead, which will never read the record; ``stuck``: the host and pid of a rank that
+    cannot run Python, killed by its host's ranks. Several threads may get here at once (the
     main one with an exception, a watch); the first ends the process, the others wait for it.
     """
     if not _ending.acquire(blocking=False):
         while True:
             time.sleep(60)
     publish = publish and FAILURES is not None and not FAILURES.echoing
-    first = FAILURES.publish(line, code, dead) if publish else True
+    if HANGS is not None:
+        HANGS.close()
+    first = FAILURES.publish(line, code, dead + bool(stuck), stuck) if publish else True
     if line and first:
         print(f"error: {line}", file=sys.stderr, flush=True)
+    kill_stuck(stuck)
     if FAILURES is not None and FAILURES.rank == 0 and not torchrun.active():
         FAILURES.wait_for("seen", SEEN_WAIT_S)  # it hosts the store: the others must read the record first
         # (torchrun's agent hosts it there, and outlives this rank)

@@ -147,6 +147,20 @@ class _SkipFinished:
         return returns
 
 
+def stopped_line() -> str:
+    """What a sweep (or a search) stopped on request (Ctrl-C, SIGTERM) says: the same command resumes it."""
+    from hydra.core.hydra_config import HydraConfig
+
+    hydra_cfg = HydraConfig.get()
+    sweep_dir = Path(hydra_cfg.sweep.dir).resolve()
+    job = hydra_cfg.job.num
+    kept = ("the study keeps its trials and this one goes on from its last.ckpt"
+            if hydra_cfg.runtime.choices.get("hparams_search") else
+            f"finished jobs are skipped and job {job} goes on from its last.ckpt")
+    return (f"the sweep stopped at job {job}: run the same command again (with hydra.sweep.dir={sweep_dir}) to "
+            f"resume it: {kept}")
+
+
 def job_dir(hydra_context: HydraContext, config: DictConfig, num: int, overrides: list[str]) -> Path:
     """Where job ``num`` of a sweep writes: ``hydra.sweep.dir``/``hydra.sweep.subdir``, as Hydra's launcher
     computes it."""

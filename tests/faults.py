@@ -54,3 +54,66 @@ class CountAlive(L.Callback):
 
         kind = get_class(self.class_path)  # its exact type: Lightning's profiler holds a weakref.proxy to the module
         Path(self.path).write_text(json.dumps({"alive": sum(type(o) is kind for o in gc.get_objects())}))
+
+
+class SleepAt(L.Callback):
+    """Sleep ``seconds`` on one rank when training reaches ``step``, inside the training step: a rank that hangs in
+    Python (a deadlock, a stuck read) while the others wait for it in the step's all-reduce."""
+
+    def __init__(self, rank: int = 1, step: int = 3, seconds: float = 3600) -> None:
+        self.rank, self.step, self.seconds = rank, step, seconds
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+                             ) -> None:
+        import time
+
+        if trainer.global_rank == self.rank and trainer.global_step == self.step:
+            time.sleep(self.seconds)  # the hang
+
+
+class SlowCheckpoint(L.Callback):
+    """Make rank zero's checkpoint writes after the first ``after`` take ``seconds`` at least, as on a slow
+    filesystem: the file grows in steps of ``chunk`` bytes, evenly spread (its progress is visible, as a live
+    write's is)."""
+
+    def __init__(self, seconds: float = 8.0, chunk: int = 1 << 20, after: int = 0) -> None:
+        self.seconds, self.chunk, self.after = seconds, chunk, after
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        import io
+        import time
+
+        import torch
+
+        real = torch.save
+        seconds, chunk, fast = self.seconds, self.chunk, [self.after]
+
+        def slow_save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
+            if not hasattr(f, "write") or isinstance(f, io.BytesIO) or fast[0] > 0:
+                fast[0] -= 1
+                return real(obj, f, *args, **kwargs)
+            buffer = io.BytesIO()
+            real(obj, buffer, *args, **kwargs)
+            data = buffer.getvalue()
+            pieces = max(1, len(data) // chunk)
+            for i in range(pieces):
+                f.write(data[i * len(data) // pieces:(i + 1) * len(data) // pieces])
+                f.flush()
+                time.sleep(seconds / pieces)
+
+        if trainer.is_global_zero and getattr(torch.save, "__name__", "") != "slow_save":
+            torch.save = slow_save  # this process's: src/checkpoints.py writes through it
+
+
+class SlowValidation(L.Callback):
+    """Sleep ``seconds`` in every validation batch on one rank (a slow disk, a busy node), the sanity check's too."""
+
+    def __init__(self, rank: int = 1, seconds: float = 1.0) -> None:
+        self.rank, self.seconds = rank, seconds
+
+    def on_validation_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int,
+                                  dataloader_idx: int = 0) -> None:
+        import time
+
+        if trainer.global_rank == self.rank:
+            time.sleep(self.seconds)

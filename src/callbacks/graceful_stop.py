@@ -1,5 +1,5 @@
-"""SIGTERM (a preempted VM, ``kubectl delete``, ``scancel``, a Slurm requeue): stop every rank at the same step,
-write ``last.ckpt``, exit ``128 + 15``.
+"""SIGTERM (a preempted VM, ``kubectl delete``, ``scancel``, a Slurm requeue) and Ctrl-C (SIGINT): stop every rank
+at the same step, write ``last.ckpt``, exit ``128 + signal`` (143, 130). A second Ctrl-C quits at once.
 
 This replaces Lightning's own SIGTERM handling, which (2.6.6) exits with code 0 and writes no checkpoint,
 acts only on rank zero's signal, and runs a collective inside the signal handler. Here a signal only
@@ -14,8 +14,11 @@ so every rank saves one batch after any of them found it due: one agreement per 
 
 from __future__ import annotations
 
+import os
 import signal
+import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -23,8 +26,10 @@ import lightning as L
 import torch
 import torch.distributed as dist
 
-from src import torchrun
+from src import heartbeat, supervision, torchrun
 from src.checkpoints import LAST, LastCheckpoint
+
+SAME_PRESS_S = 1.0  # SIGINTs this close together are one Ctrl-C (the terminal's, and ddp_spawn's parent passing it on)
 
 
 class Terminated(Exception):
@@ -33,6 +38,11 @@ class Terminated(Exception):
     def __init__(self, signum: int, message: str) -> None:
         super().__init__(message)
         self.signum, self.exit_code = signum, 128 + signum
+
+    @property
+    def line(self) -> str:
+        """What rank zero prints: ``interrupted (Ctrl-C) ...`` already says it; ``stopped: SIGTERM ...``."""
+        return str(self) if self.signum == signal.SIGINT else f"stopped: {self}"
 
 
 class GracefulStop(L.Callback):
@@ -43,11 +53,18 @@ class GracefulStop(L.Callback):
         self._group: Any = None
         self._pending: tuple[torch.Tensor, Any, int] | None = None  # flags, their all-reduce, saves when sent
         self._last: LastCheckpoint | None = None
+        self._pressed: float | None = None  # when Ctrl-C first came
+        self._run_dir: Path | None = None
+        self._rank_zero = True
+        self._saved_stop = False  # last.ckpt holds the step this run stopped at
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if dist.is_available() and dist.is_initialized() and trainer.world_size > 1 and self._group is None:
             self._group = dist.new_group(backend="gloo")  # every rank creates it, in the same order
         self._last = next((cb for cb in trainer.callbacks if isinstance(cb, LastCheckpoint)), None)
+        self._run_dir, self._rank_zero = Path(trainer.default_root_dir), trainer.is_global_zero
+        if threading.current_thread() is threading.main_thread():  # Lightning leaves SIGINT alone: take it early
+            signal.signal(signal.SIGINT, self._on_signal)
         if self._last is not None and self._group is not None:
             self._last.agreed_due = self._due_as_agreed
         # Lightning's SIGTERM path broadcasts rank zero's flag before every training step: under NCCL a
@@ -67,13 +84,40 @@ class GracefulStop(L.Callback):
     def on_test_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._install()
 
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        # a sweep's next job, or the code after fit, must not leave a Ctrl-C to this callback's flag
+        if threading.current_thread() is threading.main_thread() and not self._saved_stop:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+
     def _install(self) -> None:
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self._on_signal)
+            signal.signal(signal.SIGINT, self._on_signal)
 
     def _on_signal(self, signum: int, frame: Any) -> None:
+        if signum == signal.SIGINT:
+            if self._pressed is not None and time.monotonic() - self._pressed > SAME_PRESS_S:
+                self._quit_now()
+            self._pressed = self._pressed or time.monotonic()
         if self._signum is None:
             self._signum = signum
+
+    def _quit_now(self) -> None:
+        """A second Ctrl-C: every process goes at once; last.ckpt is whichever whole file the rename left."""
+        if self._rank_zero:
+            path = self._last.path if self._last is not None else (self._run_dir or Path(".")) / "checkpoints" / LAST
+            # LastCheckpoint's own record of the step it last wrote: a resumed run's first file is not counted there
+            step = getattr(self._last, "_saved_at_step", -1) if self._last is not None else -1
+            if self._saved_stop:
+                said = f"{path} was written at the step the run stopped"
+            elif step >= 0:
+                said = f"{path} is the previous one (step {step})"
+            else:
+                said = f"{path}, if there is one, is the previous one"
+            print(f"interrupted again (Ctrl-C): quit at once; {said}; resume with hydra.run.dir={path.parent.parent} "
+                  "ckpt_path=last", file=sys.stderr, flush=True)
+        supervision.stop_processes(supervision.STARTED, grace_s=2.0)
+        os._exit(128 + signal.SIGINT)
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
@@ -84,6 +128,11 @@ class GracefulStop(L.Callback):
             self._send(self._last)  # after the save: the flag it sends reads a clock the save has reset
             return
         path = self._save(trainer)
+        self._saved_stop = True
+        if self._signal_or_sigterm() == signal.SIGINT:
+            raise Terminated(signal.SIGINT, f"interrupted (Ctrl-C) at step {trainer.global_step} of epoch "
+                             f"{trainer.current_epoch}; {path} written; resume with hydra.run.dir={path.parent.parent} "
+                             "ckpt_path=last")
         then = ("torchrun's next attempt resumes from there" if torchrun.active()
                 else f"resume with ckpt_path={path}")
         raise Terminated(self._signal_or_sigterm(), f"{self._name()} after step {trainer.global_step}: every rank stopped "
@@ -94,7 +143,9 @@ class GracefulStop(L.Callback):
         stop, _ = self._agreed(None)
         self._send(None)
         if stop:
-            raise Terminated(self._signal_or_sigterm(), f"{self._name()} during the test pass; "
+            self._saved_stop = True
+            what = "interrupted (Ctrl-C)" if self._signal_or_sigterm() == signal.SIGINT else self._name()
+            raise Terminated(self._signal_or_sigterm(), f"{what} during the test pass; "
                              "training had finished and its checkpoints are complete")
 
     def _agreed(self, last: LastCheckpoint | None) -> tuple[bool, bool]:
@@ -106,6 +157,7 @@ class GracefulStop(L.Callback):
             return False, False
         flags, work, saves = self._pending
         self._pending = None
+        heartbeat.mark("waiting for the other ranks to agree on stopping and checkpointing")
         work.wait()
         stop, due = (bool(flag) for flag in flags.tolist())
         return stop, due and last is not None and last.saves == saves  # a save since then has reset the clocks

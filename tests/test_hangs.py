@@ -1,0 +1,200 @@
+"""A rank that hangs is named, with where it was and its stack, within strategy.hang_timeout_s; a slow but live one
+is not; kill -USR2 writes a rank's stacks without stopping it; Ctrl-C stops every rank at one step with last.ckpt
+and exit code 130, and a second Ctrl-C quits at once."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import FAST, ROOT, cmdline, descendants, free_port, running, train
+from tests.test_supervision import LONG, error_lines, finish, last_step, rank_pids, start_and_wait_for_step
+
+HANG_S = 6
+HANG = [*LONG, f"strategy.hang_timeout_s={HANG_S}", "strategy.timeout_s=120"]  # a collective alone would wait 120 s
+SLEEP = ["+callbacks.fault._target_=tests.faults.SleepAt", "+callbacks.fault.rank=1", "+callbacks.fault.step=4"]
+SLEEP_LINE = next(n for n, line in enumerate(Path(ROOT, "tests", "faults.py").read_text().splitlines(), 1)
+                  if "# the hang" in line)
+
+
+def hang_line(out: str, rank: int) -> str:
+    errors = error_lines(out)
+    assert len(errors) == 1, out[-3000:]
+    assert re.match(rf"error: rank {rank} \(host \S+, pid \d+\) made no progress for \d+ s at step \d+ of epoch 0, ",
+                    errors[0]), errors[0]
+    return errors[0]
+
+
+def test_a_rank_stopped_with_sigstop_is_named_and_every_process_ends(tmp_path):
+    proc = start_and_wait_for_step(tmp_path, 2, *HANG, "strategy=ddp", "trainer.devices=2", ranks=2)
+    everyone = [proc.pid, *descendants(proc.pid)]
+    victim = rank_pids(proc.pid)[1]
+    os.kill(victim, signal.SIGSTOP)
+    out, seconds = finish(proc, everyone, limit_s=HANG_S + 30)
+    assert proc.returncode == 1 and seconds < HANG_S + 30, out[-3000:]
+    line = hang_line(out, 1)
+    assert f"pid {victim})" in line and "it cannot run Python (stopped" in line and "py-spy dump" in line
+    assert not [p for p in everyone if running(p)], "processes were left behind"
+    assert last_step(tmp_path) >= 2  # the previous last.ckpt, whole
+    assert "Traceback" not in out
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "ddp_spawn"])
+def test_a_rank_stuck_in_python_writes_its_stack_and_is_named(strategy, tmp_path):
+    proc = train(*HANG, *SLEEP, f"strategy={strategy}", "trainer.devices=2", f"hydra.run.dir={tmp_path}",
+                 background=True)
+    out, seconds = finish(proc, [proc.pid], limit_s=120)
+    assert proc.returncode == 1, out[-3000:]
+    line = hang_line(out, 1)
+    assert "at step 4 of epoch 0, in a training step, while rank 0 waited for it" in line
+    log = Path(re.search(r"its Python stack is in (\S+);", line).group(1))
+    stacks = log.read_text()
+    assert f'File "{ROOT}/tests/faults.py", line {SLEEP_LINE} in on_train_batch_start' in stacks, stacks[-3000:]
+    assert "resume with ckpt_path=last" in line and last_step(tmp_path) == 4
+    assert "Traceback" not in out
+    assert not [p for p in descendants(proc.pid) if running(p)]
+
+
+def test_a_rank_stuck_on_another_node_is_named_on_both(tmp_path):
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    args = [*HANG, *SLEEP, "strategy=ddp", "trainer.devices=1", "trainer.num_nodes=2", f"hydra.run.dir={tmp_path}"]
+    node1 = train(*args, env={**env, "NODE_RANK": "1"}, background=True)
+    node0 = train(*args, env={**env, "NODE_RANK": "0"}, background=True)
+    out0, seconds = finish(node0, [node0.pid], limit_s=120)
+    out1, _ = finish(node1, [node1.pid], limit_s=30)
+    assert node0.returncode == node1.returncode == 1, (out0[-2000:], out1[-2000:])
+    line = hang_line(out1, 1)
+    assert "in a training step" in line and "train_node1_local0.log" in line
+    assert error_lines(out0) == [f"{line} [on {socket.gethostname()}]; this node's ranks stopped too"], out0[-3000:]
+    assert seconds < 120
+    assert f"line {SLEEP_LINE} in on_train_batch_start" in (tmp_path / "train_node1_local0.log").read_text()
+
+
+def test_a_slow_checkpoint_write_and_a_slow_validation_are_not_a_hang_and_usr2_dumps_stacks(tmp_path):
+    slow = ["+callbacks.slow_save._target_=tests.faults.SlowCheckpoint", "+callbacks.slow_save.seconds=8",
+            "+callbacks.slow_val._target_=tests.faults.SlowValidation", "+callbacks.slow_val.seconds=2.5",
+            "trainer.limit_val_batches=3", "trainer.num_sanity_val_steps=0"]
+    args = [*FAST, "data.num_train=400", "trainer.limit_train_batches=3", "callbacks.progress_bar=null", "test=false",
+            "strategy.hang_timeout_s=5", *slow, "strategy=ddp", "trainer.devices=2", f"hydra.run.dir={tmp_path}"]
+    proc = train(*args, background=True)
+    log = tmp_path / "train_node0_local1.log"
+    deadline = time.monotonic() + 120
+    while not (tmp_path / "checkpoints").is_dir() or not log.is_file():  # training has started
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0][-3000:]
+        time.sleep(0.1)
+    rank1 = rank_pids(proc.pid)[1]
+    os.kill(rank1, signal.SIGUSR2)
+    out, seconds = finish(proc, [proc.pid], limit_s=150)
+    assert proc.returncode == 0, out[-3000:]  # 8 s of writing and 7.5 s of validation, with 5 s allowed
+    assert not error_lines(out)
+    assert f"stacks: every thread's Python stack of rank 1 (pid {rank1}) written to {log}" in out
+    assert "Thread 0x" in log.read_text() and 'File "' in log.read_text()
+    assert last_step(tmp_path) == 3
+
+
+def start_in_own_group(*overrides: str) -> subprocess.Popen:
+    """Start a run as a terminal's foreground job would: its own process group, SIGINT at its default."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE",
+                                                           "MASTER_ADDR", "MASTER_PORT")}
+    return subprocess.Popen([sys.executable, "-m", "src.train", *overrides], cwd=ROOT,
+                            env={**env, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+
+
+def wait_for(condition, proc: subprocess.Popen, seconds: float = 180) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert proc.poll() is None, proc.communicate()[0][-3000:]
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "ddp_spawn"])
+def test_ctrl_c_stops_every_rank_at_one_step_with_last_ckpt_and_exit_130(strategy, tmp_path):
+    proc = start_in_own_group(*LONG, f"strategy={strategy}", "trainer.devices=2", f"hydra.run.dir={tmp_path}")
+    wait_for(lambda: last_step(tmp_path) >= 2 and len(rank_pids(proc.pid)) == 2, proc)
+    everyone = [proc.pid, *descendants(proc.pid)]
+    os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C at the terminal does
+    out, seconds = finish(proc, everyone, limit_s=60)
+    assert proc.returncode == 130 and seconds < 60, out[-3000:]
+    lines = [line for line in out.splitlines() if line.startswith("interrupted")]
+    assert len(lines) == 1, out[-3000:]
+    match = re.fullmatch(rf"interrupted \(Ctrl-C\) at step (\d+) of epoch 0; {tmp_path}/checkpoints/last.ckpt written; "
+                         rf"resume with hydra.run.dir={tmp_path} ckpt_path=last", lines[0])
+    assert match, lines[0]
+    assert last_step(tmp_path) == int(match.group(1)) > 2
+    assert not [p for p in everyone if running(p)], "processes were left behind"
+    assert "Traceback" not in out and not error_lines(out)
+
+
+def test_a_second_ctrl_c_during_the_save_quits_at_once_and_keeps_the_previous_last_ckpt(tmp_path):
+    slow = ["+callbacks.slow_save._target_=tests.faults.SlowCheckpoint", "+callbacks.slow_save.seconds=120",
+            "+callbacks.slow_save.after=1"]  # the save at step 2 is quick, the next ones take two minutes
+    proc = start_in_own_group(*LONG, *slow, "strategy=ddp", "trainer.devices=2", f"hydra.run.dir={tmp_path}")
+    wait_for(lambda: last_step(tmp_path) >= 2 and len(rank_pids(proc.pid)) == 2, proc)
+    everyone = [proc.pid, *descendants(proc.pid)]
+    os.killpg(proc.pid, signal.SIGINT)
+    wait_for(lambda: any(p.name.startswith(".last.ckpt.tmp-") for p in (tmp_path / "checkpoints").iterdir()), proc)
+    time.sleep(1.5)  # a second press, not the same one
+    os.killpg(proc.pid, signal.SIGINT)
+    out, seconds = finish(proc, everyone, limit_s=30)
+    assert proc.returncode == 130 and seconds < 15, out[-3000:]
+    lines = [line for line in out.splitlines() if line.startswith("interrupted")]
+    assert lines == [f"interrupted again (Ctrl-C): quit at once; {tmp_path}/checkpoints/last.ckpt is the previous one "
+                     f"(step 2); resume with hydra.run.dir={tmp_path} ckpt_path=last"], out[-3000:]
+    assert last_step(tmp_path) == 2
+    assert not [p for p in everyone if running(p)], "processes were left behind"
+    assert "Traceback" not in out and not error_lines(out)
+
+
+def test_ctrl_c_in_a_sweep_stops_the_job_and_says_the_same_command_resumes_it(tmp_path):
+    proc = start_in_own_group("-m", *LONG, "trainer.max_epochs=1,2", f"hydra.sweep.dir={tmp_path}")
+    job = tmp_path / "0"
+    wait_for(lambda: last_step(job) >= 2, proc)
+    os.killpg(proc.pid, signal.SIGINT)
+    out, _ = finish(proc, [proc.pid], limit_s=60)
+    assert proc.returncode == 130, out[-3000:]
+    assert re.search(rf"^interrupted \(Ctrl-C\) at step \d+ of epoch 0; {job}/checkpoints/last.ckpt written", out, re.M)
+    assert (f"the sweep stopped at job 0: run the same command again (with hydra.sweep.dir={tmp_path}) to resume it: "
+            "finished jobs are skipped and job 0 goes on from its last.ckpt") in out
+    assert not (tmp_path / "1").exists() and "Traceback" not in out
+
+
+def test_hang_timeout_must_be_a_positive_number_below_timeout_s():
+    from src.distributed import check_hang_timeout
+    from src.errors import UserError
+
+    assert check_hang_timeout(None, 300) is None and check_hang_timeout(120, 300) == 120.0
+    for bad in (0, -1, "abc", True):
+        with pytest.raises(UserError, match=rf"strategy.hang_timeout_s={bad} must be a number of seconds > 0"):
+            check_hang_timeout(bad, 300)
+    with pytest.raises(UserError, match="strategy.hang_timeout_s=300 must be below strategy.timeout_s=60"):
+        check_hang_timeout(300, 60)
+
+
+def test_a_cuda_rank_gets_nccl_watchdog_and_flight_recorder_dumping_into_the_run_dir(tmp_path, monkeypatch):
+    from src import heartbeat
+
+    for key in list(os.environ):
+        if key.startswith(("TORCH_NCCL_", "TORCH_FR_")):
+            monkeypatch.delenv(key)
+    monkeypatch.setenv("TORCH_NCCL_TRACE_BUFFER_SIZE", "100")  # the user's own value stays
+    folder = heartbeat.switch_on_nccl_trace(tmp_path)
+    assert folder == tmp_path / "nccl_trace" and folder.is_dir()
+    assert os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] == os.environ["TORCH_FR_DUMP_ON_TIMEOUT"] == "1"
+    prefix = str(folder / "rank_")
+    assert os.environ["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == os.environ["TORCH_FR_DUMP_TEMP_FILE"] == prefix
+    assert os.environ["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "100" and os.environ["TORCH_FR_BUFFER_SIZE"] == "2000"
+    assert heartbeat.write_nccl_trace(0) is None  # no CUDA process group here: nothing to write, no error
+    if not torch.cuda.is_available():
+        assert not list(folder.iterdir())
