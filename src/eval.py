@@ -13,6 +13,7 @@ from omegaconf import DictConfig, OmegaConf
 from src.checkpoints import model_hparams_of, read_checkpoint
 from src.entry import handle_errors, run
 from src.errors import UserError
+from src.launch import start_local_ranks
 from src.models.classifier import ImageClassifier
 from src.trainer import build_trainer, describe_checkpoint, record_config, test_summary
 
@@ -27,6 +28,7 @@ def main(cfg: DictConfig) -> dict[str, float]:
         raise UserError("ckpt_path=PATH is required: the checkpoint to evaluate (e.g. outputs/.../checkpoints/last.ckpt)")
     path = Path(cfg.ckpt_path)
     checkpoint = read_checkpoint(path, trusted=cfg.ckpt_trusted)
+    start_local_ranks(cfg.strategy)  # every device by default: the test shards count each image once at any world size
     datamodule = instantiate(cfg.data)
     try:
         model = ImageClassifier(**model_hparams_of(checkpoint, path))  # values checked: data, never code

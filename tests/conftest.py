@@ -129,3 +129,29 @@ def _rank_zero_is_restored():
     for function, rank in saved:
         if rank is not None:
             function.rank = rank
+
+
+@pytest.fixture(scope="session")
+def sample_checkpoint(tmp_path_factory) -> Path:
+    """A ResNet-18 (ImageNet stem: cheap at 32x32) trained for 60 steps on the CIFAR-10 sample: better than chance,
+    so its predictions have something to agree on. Its run dir; the checkpoint is checkpoints/last.ckpt."""
+    if not (SAMPLE / "cifar-10-batches-py").is_dir():
+        pytest.skip(f"the CIFAR-10 sample is not at {SAMPLE} (it comes with ../shared)")
+    run_dir = tmp_path_factory.mktemp("sample") / "run"
+    result = train("data=cifar10", f"data.root={SAMPLE}", "data.download=false", "model.arch=resnet18",
+                   "model.stem=imagenet", "model.optimizer.lr=0.05", "data.batch_size=32", "trainer.accelerator=cpu",
+                   "trainer.max_epochs=1", "trainer.limit_train_batches=60", "trainer.limit_val_batches=4", "test=false",
+                   "trainer.enable_model_summary=false", f"hydra.run.dir={run_dir}")
+    assert result.returncode == 0, output(result)[-4000:]
+    return run_dir
+
+
+@pytest.fixture(scope="session")
+def exported_sample_model(sample_checkpoint, tmp_path_factory) -> tuple[Path, str]:
+    """``sample_checkpoint`` exported by src.export in both formats and validated on the sample's test images: the
+    folder of the files, and what src.export printed."""
+    out = tmp_path_factory.mktemp("exported")
+    result = run_module("src.export", f"ckpt_path={sample_checkpoint}/checkpoints/last.ckpt", f"export.dir={out}",
+                        f"hydra.run.dir={out}/run")
+    assert result.returncode == 0, output(result)[-4000:]
+    return out, output(result)

@@ -169,7 +169,7 @@ def test_eval_reports_test_loss_and_accuracy_of_a_checkpoint(single_run, tmp_pat
     assert_ok(result)
     assert "test loss" in output(result) and "test accuracy" in output(result) and "resnet18" in output(result)
     metrics = json.loads((tmp_path / "test_metrics.json").read_text())
-    assert set(metrics) == {"test/loss", "test/acc"} and 0 <= metrics["test/acc"] <= 1
+    assert set(metrics) == {"test/loss", "test/acc", "test/images"} and 0 <= metrics["test/acc"] <= 1
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "ddp_spawn"])

@@ -57,6 +57,7 @@ class GracefulStop(L.Callback):
         self._run_dir: Path | None = None
         self._rank_zero = True
         self._saved_stop = False  # last.ckpt holds the step this run stopped at
+        self._shared_batches = 0  # test batches every rank has
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if dist.is_available() and dist.is_initialized() and trainer.world_size > 1 and self._group is None:
@@ -83,6 +84,12 @@ class GracefulStop(L.Callback):
 
     def on_test_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._install()
+        # test shards are not padded (src/data), so a rank may have one batch fewer: agree on the batches all have
+        self._shared_batches = sum(trainer.num_test_batches)
+        if self._group is not None:
+            fewest = torch.tensor([self._shared_batches])
+            dist.all_reduce(fewest, op=dist.ReduceOp.MIN, group=self._group)
+            self._shared_batches = int(fewest)
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         # a sweep's next job, or the code after fit, must not leave a Ctrl-C to this callback's flag
@@ -141,7 +148,8 @@ class GracefulStop(L.Callback):
     def on_test_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                           batch_idx: int, dataloader_idx: int = 0) -> None:
         stop, _ = self._agreed(None)
-        self._send(None)
+        if batch_idx + 1 < self._shared_batches:
+            self._send(None)
         if stop:
             self._saved_stop = True
             what = "interrupted (Ctrl-C)" if self._signal_or_sigterm() == signal.SIGINT else self._name()

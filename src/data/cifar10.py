@@ -32,6 +32,8 @@ RELEASE_MD5[CIFAR10.meta["filename"]] = CIFAR10.meta["md5"]
 TRAIN_FILES = [name for name, _ in CIFAR10.train_list]
 TEST_FILE = CIFAR10.test_list[0][0]
 ARCHIVE_MD5 = CIFAR10.tgz_md5  # cifar-10-python.tar.gz's
+# batches.meta's label_names, in label order
+CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
 DOWNLOAD_TIMEOUT_S = 30  # per read: a dead network fails in this long, a slow download takes the time it needs
 # in data.root: the download's lock, and the record a failed download leaves for the processes that waited for it
 DOWNLOAD_LOCK = ".cifar-10-download.lock"
@@ -94,6 +96,10 @@ class CIFAR10DataModule(InMemoryImageDataModule):
             raise UserError(f"CIFAR-10 has 10 classes, not data.num_classes={self.num_classes}")
         self.root, self.download, self.download_url = Path(root).expanduser(), download, download_url
         self._checked = False
+
+    @property
+    def class_names(self) -> list[str]:
+        return list(CLASSES)
 
     @property
     def folder(self) -> Path:

@@ -6,7 +6,9 @@ Python call per image on the CPU and a host-to-device copy per batch. On a CPU t
 on in-memory tensors.
 
 Each rank takes exactly the shard a ``DistributedSampler(shuffle, seed)`` would give it, reshuffled
-every epoch the same way, so a run sees the same images per epoch on any pipeline. The random
+every epoch the same way, so a run sees the same images per epoch on any pipeline. Evaluation shards are not
+padded (``pad=False``, as Lightning's ``UnrepeatedDistributedSampler``): every image is counted once at any world
+size, and ranks may differ by one image, hence by one batch. The random
 crop and flip of an image depend only on (seed, epoch, image), so a resumed run repeats them exactly.
 """
 
@@ -19,9 +21,10 @@ import torch
 import torch.nn.functional as F
 
 
-def shard_indices(n: int, rank: int, world_size: int, epoch: int, seed: int, shuffle: bool, skip: int = 0
-                  ) -> torch.Tensor:
-    """The indices ``DistributedSampler(n, world_size, rank, shuffle, seed)`` yields in ``epoch``, as a tensor.
+def shard_indices(n: int, rank: int, world_size: int, epoch: int, seed: int, shuffle: bool, skip: int = 0,
+                  pad: bool = True) -> torch.Tensor:
+    """The indices ``DistributedSampler(n, world_size, rank, shuffle, seed)`` yields in ``epoch``, as a tensor;
+    with ``pad=False`` those of ``UnrepeatedDistributedSampler``: no image repeated to even out the shards.
 
     ``skip``: images of the epoch's order trained on already, by a world of another size (a run resumed after
     torchrun re-formed its group). The sampler interleaves the order over the ranks, so what any world has
@@ -34,6 +37,8 @@ def shard_indices(n: int, rank: int, world_size: int, epoch: int, seed: int, shu
     order = order[min(skip, n):]
     if len(order) == 0:
         return order
+    if not pad:
+        return order[rank::world_size]
     total = math.ceil(len(order) / world_size) * world_size
     if total > len(order):  # pad by repeating from the start, as the sampler does, so every rank has as many
         order = torch.cat([order] * math.ceil(total / len(order)))[:total]
@@ -57,11 +62,11 @@ class DeviceBatches:
 
     def __init__(self, images: torch.Tensor, labels: torch.Tensor, batch_size: int, *, device: torch.device,
                  rank: int = 0, world_size: int = 1, seed: int = 0, shuffle: bool = False, drop_last: bool = False,
-                 augment: bool = False, padding: int = 4, mean: tuple[float, ...] = (0.0, 0.0, 0.0),
+                 augment: bool = False, pad_shards: bool = True, padding: int = 4, mean: tuple[float, ...] = (0.0, 0.0, 0.0),
                  std: tuple[float, ...] = (1.0, 1.0, 1.0), epoch_of: Callable[[], int] = lambda: 0) -> None:
         self.batch_size, self.rank, self.world_size, self.seed = batch_size, rank, world_size, seed
         self.shuffle, self.drop_last, self.augment, self.padding = shuffle, drop_last, augment, padding
-        self.epoch_of, self.device = epoch_of, device
+        self.epoch_of, self.device, self.pad_shards = epoch_of, device, pad_shards
         self.num_images = len(labels)
         self.image_size = images.shape[-2:]
         # Stored channels-last (N, H, W, C): one gather then yields channels-last batches, the layout
@@ -72,7 +77,8 @@ class DeviceBatches:
         mean, std = torch.tensor(mean), torch.tensor(std)
         self.scale = (1.0 / (255.0 * std)).to(device)  # (x / 255 - mean) / std == x * scale + shift
         self.shift = (-mean / std).to(device)
-        self.per_rank = math.ceil(self.num_images / world_size)
+        self.per_rank = (math.ceil(self.num_images / world_size) if pad_shards
+                         else len(range(rank, self.num_images, world_size)))
         self.epoch, self.consumed, self.base = -1, 0, 0
         self._resume_at: dict[str, int] | None = None
 
@@ -90,7 +96,7 @@ class DeviceBatches:
             base, start = self._continue_from(at)
         self.epoch, self.consumed, self.base = epoch, start, base
         indices = shard_indices(self.num_images, self.rank, self.world_size, epoch, self.seed, self.shuffle,
-                                skip=base).to(self.device)
+                                skip=base, pad=self.pad_shards).to(self.device)
         params = None
         if self.augment:
             params = crop_and_flip_params(self.num_images, epoch, self.seed, self.padding).to(self.device)

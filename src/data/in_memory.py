@@ -7,6 +7,7 @@ from typing import Any
 
 import lightning as L
 import torch
+from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
 from torch.utils.data import DataLoader, Dataset
 from torchvision.transforms import v2
 
@@ -50,7 +51,8 @@ class InMemoryImageDataModule(L.LightningDataModule):
     Two pipelines serve the same shards, order and augmentation: ``device`` (the default) keeps the
     images on the training device and augments whole batches there (src/data/device_batches.py);
     ``dataloader`` is the classic DataLoader with per-image transforms, where Lightning swaps in a
-    DistributedSampler under DDP.
+    DistributedSampler under DDP for training. Validation and test count every image once at any world size:
+    their shards are not padded with repeated images, so ranks may differ by one batch.
     """
 
     def __init__(self, batch_size: int | str = 128, num_workers: int | str = "auto", val_size: float = 0.1,
@@ -119,11 +121,31 @@ class InMemoryImageDataModule(L.LightningDataModule):
             return self._train_batches
         return self._loader(self.train_set, shuffle=shuffle, drop_last=True)
 
+    @property
+    def class_names(self) -> list[str]:
+        """What each label means, in label order."""
+        return [f"class {i}" for i in range(self.num_classes)]
+
     def val_dataloader(self) -> DataLoader | DeviceBatches:
-        return self._device_batches(self.val_set) if self.pipeline == "device" else self._loader(self.val_set)
+        return self._evaluation_batches(self.val_set, "validation", "data.val_size")
 
     def test_dataloader(self) -> DataLoader | DeviceBatches:
-        return self._device_batches(self.test_set) if self.pipeline == "device" else self._loader(self.test_set)
+        return self._evaluation_batches(self.test_set, "test", "the test set")
+
+    def _evaluation_batches(self, dataset: ImageTensors | None, what: str, key: str) -> DataLoader | DeviceBatches:
+        """Each image once across the ranks. Lightning's DistributedSampler pads the shards to equal length with
+        repeated images, so an evaluation's figures would depend on the number of processes."""
+        world = self.trainer.world_size if self.trainer is not None else 1
+        if dataset is not None and len(dataset) < world:  # a rank without a batch would skip the metrics' reduction
+            raise UserError(f"{len(dataset)} {what} images for {world} processes: every process needs at least one; "
+                            f"enlarge {key} or use fewer processes")
+        if self.pipeline == "device":
+            return self._device_batches(dataset, pad_shards=False)
+        sampler = None
+        if world > 1:  # a DistributedSampler of its own: Lightning leaves it in place
+            sampler = UnrepeatedDistributedSampler(dataset, num_replicas=world, rank=self.trainer.global_rank,
+                                                   shuffle=False)
+        return self._loader(dataset, sampler=sampler)
 
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         # Lightning prefetches a batch ahead; this hook runs as a batch reaches the model, so the position a
@@ -144,7 +166,7 @@ class InMemoryImageDataModule(L.LightningDataModule):
             self._train_batches.resume_from(self._resume_position)
 
     def _device_batches(self, dataset: ImageTensors | None, shuffle: bool = False, drop_last: bool = False,
-                        augment: bool = False) -> DeviceBatches:
+                        augment: bool = False, pad_shards: bool = True) -> DeviceBatches:
         if dataset is None:
             raise RuntimeError("setup() must run before the dataloaders are asked for")
         trainer = self.trainer
@@ -153,16 +175,17 @@ class InMemoryImageDataModule(L.LightningDataModule):
             device=trainer.strategy.root_device if trainer is not None else torch.device("cpu"),
             rank=trainer.global_rank if trainer is not None else 0,
             world_size=trainer.world_size if trainer is not None else 1,
-            seed=self.seed, shuffle=shuffle, drop_last=drop_last, augment=augment,
+            seed=self.seed, shuffle=shuffle, drop_last=drop_last, augment=augment, pad_shards=pad_shards,
             mean=CIFAR10_MEAN, std=CIFAR10_STD,
             epoch_of=(lambda: trainer.current_epoch) if trainer is not None else (lambda: 0),
         )
 
-    def _loader(self, dataset: ImageTensors | None, shuffle: bool = False, drop_last: bool = False) -> DataLoader:
+    def _loader(self, dataset: ImageTensors | None, shuffle: bool = False, drop_last: bool = False,
+                sampler: UnrepeatedDistributedSampler | None = None) -> DataLoader:
         if dataset is None:
             raise RuntimeError("setup() must run before the dataloaders are asked for")
         workers = self._workers()
-        return DataLoader(dataset, batch_size=self.batch_size, shuffle=shuffle, drop_last=drop_last,
+        return DataLoader(dataset, batch_size=self.batch_size, shuffle=shuffle, drop_last=drop_last, sampler=sampler,
                           num_workers=workers, persistent_workers=workers > 0, pin_memory=self._pin())
 
     def _on_gpu(self) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any
 
 import lightning as L
@@ -18,6 +19,9 @@ from src.fast_path import fast_path
 from src.models.resnet import build_resnet
 
 DECAYS = ("cosine", "linear", "none")
+# The epoch's values logged here are torchmetrics' results, reduced across the ranks already (every rank computes
+# them together): Lightning's advice to reduce them again does not apply.
+warnings.filterwarnings("ignore", message=r"It is recommended to use `self.log\('(train|val|test)/.*sync_dist=True")
 LR_SCALINGS = ("linear", "none")
 
 
@@ -65,12 +69,18 @@ class ImageClassifier(L.LightningModule):
         self.train_acc, self.val_acc, self.test_acc = (
             MulticlassAccuracy(num_classes, average="micro", validate_args=False) for _ in range(3))
         self.train_loss, self.val_loss, self.test_loss = (MeanMetric(nan_strategy="disable") for _ in range(3))
+        # Evaluation losses summed in float64: the same mean to 1e-6 whatever the world size's order of additions
+        for metric in (self.val_loss, self.test_loss):
+            metric.set_dtype(torch.float64)
         self.memory_format = torch.contiguous_format
 
     def setup(self, stage: str) -> None:
         channels_last = self.hparams.channels_last
         if channels_last == "auto":  # what the hardware found runs faster: src/fast_path.py
             channels_last = fast_path(self.trainer.strategy.root_device.type, self.hparams.arch).channels_last
+        if self.trainer.strategy.root_device.type == "mps":  # no float64 there
+            for metric in (self.val_loss, self.test_loss):
+                metric.set_dtype(torch.float32)
         if channels_last:
             self.memory_format = torch.channels_last
             self.net.to(memory_format=self.memory_format)
@@ -139,6 +149,9 @@ class ImageClassifier(L.LightningModule):
             return
         self.log(f"{stage}/loss{suffix}", loss_metric.compute(), prog_bar=prog_bar)
         self.log(f"{stage}/acc{suffix}", acc_metric.compute(), prog_bar=prog_bar)
+        if stage == "test":  # the images the ranks tested together: each once, whatever the world size
+            with loss_metric.sync_context():
+                self.log("test/images", loss_metric.weight.clone())
         loss_metric.reset()
         acc_metric.reset()
 
