@@ -1,0 +1,129 @@
+"""`python -m src.export`: ONNX and safetensors files that onnxruntime and plain torchvision run as the checkpoint does."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from src.errors import UserError
+from src.export import Normalised, chosen_formats, export_safetensors, load_classifier
+from src.models.classifier import ImageClassifier
+from tests.conftest import ROOT, output, run_module
+
+BOUNDS = {"min_top1_agreement": 0.999, "max_abs_logit_diff": 1e-3}
+
+
+def test_a_trained_checkpoint_exports_to_onnx_and_safetensors_that_agree_with_pytorch_on_the_samples_test_images(
+        exported_sample_model, sample_checkpoint):
+    out, printed = exported_sample_model
+    record = json.loads((out / "export.json").read_text())["last.ckpt"]
+    assert record["validated_on"]["images"] == 1000  # the sample's test set: the data the run trained on
+    for name in ("onnx", "safetensors"):
+        figures = record[name]
+        assert figures["top1_agreement"] >= 0.999 and figures["max_abs_logit_diff"] <= 1e-3, figures
+        assert figures["bounds"] == BOUNDS and "failed" not in figures
+        assert (out / f"last.{name}").is_file()
+    assert re.search(r"onnx: onnxruntime \S+ vs PyTorch on 1000 images: top-1 agreement 1\.0000, max \|logit diff\| "
+                     r"\d\.\d\de-0[4-9]", printed), printed[-3000:]
+    assert "onnxscript" not in printed  # the exporter's passes keep their INFO lines to themselves
+    meta = json.loads((out / "last.json").read_text())
+    assert meta["arch"] == "resnet18" and meta["stem"] == "imagenet" and meta["num_classes"] == 10
+    assert meta["class_names"][:3] == ["airplane", "automobile", "bird"] and len(meta["mean"]) == 3
+    assert meta["checkpoint"]["step"] == 60 and 0 < meta["checkpoint"]["val_acc"] <= 1
+    assert len(meta["config_sha256"]) == 64
+    assert not list(out.glob(".*tmp*"))
+
+
+def test_the_onnx_model_takes_any_batch_of_images_in_0_1_and_names_its_classes(exported_sample_model,
+                                                                              sample_checkpoint):
+    from src.export import onnx_session
+
+    session = onnx_session(exported_sample_model[0] / "last.onnx")
+    assert [(i.name, i.shape[1:], i.type) for i in session.get_inputs()] == [("images", [3, 32, 32], "tensor(float)")]
+    model, _ = load_classifier(sample_checkpoint / "checkpoints" / "last.ckpt", trusted=False)
+    for batch in (1, 3):
+        images = torch.rand(batch, 3, 32, 32)
+        with torch.inference_mode():
+            expected = Normalised(model.net).eval()(images)
+        got = torch.from_numpy(session.run(None, {"images": images.numpy()})[0])
+        assert got.shape == (batch, 10) and (got - expected).abs().max() <= 1e-3
+    names = json.loads(session.get_modelmeta().custom_metadata_map["class_names"])
+    assert names[-1] == "truck"
+
+
+def documented_loader() -> str:
+    """The loader docs/export.md shows, as written there."""
+    page = (ROOT / "docs" / "export.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", page, re.S)
+    loaders = [b for b in blocks if "load_file" in b]
+    assert len(loaders) == 1, "docs/export.md shows one safetensors loader"
+    return loaders[0]
+
+
+@pytest.mark.parametrize("stem", ["cifar", "imagenet"])
+def test_the_documented_loader_rebuilds_torchvisions_network_with_the_same_logits(stem, tmp_path, monkeypatch):
+    model = ImageClassifier(arch="resnet18", stem=stem).eval()
+    with torch.no_grad():  # running statistics other than the initial ones: the loader must restore them too
+        for module in model.net.modules():
+            if isinstance(module, torch.nn.BatchNorm2d):
+                module.running_mean.uniform_(-0.5, 0.5)
+                module.running_var.uniform_(0.5, 2.0)
+    meta = {"arch": "resnet18", "stem": stem, "num_classes": 10, "mean": [0.4914, 0.4822, 0.4465],
+            "std": [0.247, 0.2435, 0.2616]}
+    config = OmegaConf.create({"batch_size": 4, **BOUNDS})
+    export_safetensors(Normalised(model.net).eval(), tmp_path / "last.safetensors", meta, None, None, config)
+    images = torch.rand(4, 3, 32, 32)
+    monkeypatch.chdir(tmp_path)
+    scope = {"images": images}
+    exec(documented_loader(), scope)  # noqa: S102 - the page's own code, as a user would paste it
+    with torch.inference_mode():
+        expected = Normalised(model.net).eval()(images)
+    assert (scope["logits"] - expected).abs().max() <= 1e-5
+
+
+def test_a_failed_validation_keeps_no_file_and_says_why_in_one_line(sample_checkpoint, tmp_path):
+    result = run_module("src.export", f"ckpt_path={sample_checkpoint}/checkpoints/last.ckpt", "format=onnx",
+                        "export.max_abs_logit_diff=0", "export.validation_images=64", f"export.dir={tmp_path}",
+                        f"hydra.run.dir={tmp_path}/run")
+    text = output(result)
+    assert result.returncode == 2 and "Traceback" not in text, text[-3000:]
+    errors = [line for line in text.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "export.max_abs_logit_diff=0" in errors[0] and "not kept" in errors[0], text[-3000:]
+    assert not (tmp_path / "last.onnx").exists() and not list(tmp_path.glob(".*tmp*"))
+    figures = json.loads((tmp_path / "export.json").read_text())["last.ckpt"]["onnx"]
+    assert figures["top1_agreement"] >= 0.999 and figures["max_abs_logit_diff"] > 0 and "failed" in figures
+
+
+def test_without_the_export_extra_one_line_names_the_install_command(tmp_path):
+    # onnxruntime made unimportable in this process only: sys.modules[name] = None is how Python marks a blocked module
+    code = ("import runpy, sys; sys.modules['onnxruntime'] = None; sys.argv[0] = 'src.export'; "
+            "runpy.run_module('src.export', run_name='__main__', alter_sys=True)")
+    result = subprocess.run([sys.executable, "-c", code, "ckpt_path=any.ckpt", "format=onnx",
+                             f"hydra.run.dir={tmp_path}"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, output(result)[-3000:]
+    assert output(result).strip().splitlines()[-1] == (
+        'error: format=onnx needs the onnxruntime package, which is not installed: pip install -e ".[export]" '
+        "(or pip install onnxruntime)")
+
+
+def test_formats_are_one_name_or_several_and_an_unknown_one_is_refused():
+    assert chosen_formats("onnx") == ["onnx"]
+    assert chosen_formats(["safetensors", "onnx"]) == ["safetensors", "onnx"]
+    assert chosen_formats("onnx,safetensors") == ["onnx", "safetensors"]
+    with pytest.raises(UserError, match="format=torchscript is not known: choose one or more of onnx, safetensors"):
+        chosen_formats("torchscript")
+
+
+def test_an_untrusted_checkpoint_with_python_objects_is_not_unpickled(tmp_path):
+    import datetime
+
+    path = tmp_path / "odd.ckpt"
+    torch.save({"hyper_parameters": {"made": datetime.date(2026, 11, 25)}, "state_dict": {}}, path)
+    with pytest.raises(UserError, match="ckpt_trusted=true"):
+        load_classifier(path, trusted=False)
