@@ -85,12 +85,12 @@ def chosen_formats(value: Any) -> list[str]:
 
 def load_classifier(path: Path, trusted: bool):  # noqa: ANN201 - (ImageClassifier, the checkpoint)
     """The project's model from a checkpoint, read weights-only unless ``trusted`` (src/checkpoints.py)."""
-    from src.checkpoints import read_checkpoint
+    from src.checkpoints import model_hparams_of, read_checkpoint
     from src.models.classifier import ImageClassifier
 
     checkpoint = read_checkpoint(path, trusted=trusted)
     try:
-        model = ImageClassifier(**checkpoint["hyper_parameters"])
+        model = ImageClassifier(**model_hparams_of(checkpoint, path))  # values checked: data, never code
         model.load_state_dict(checkpoint["state_dict"])
     except (KeyError, TypeError, RuntimeError) as err:
         raise UserError(f"ckpt_path={path} is not a checkpoint of this project's model "
@@ -107,9 +107,21 @@ def run_config(ckpt_path: Path) -> tuple[DictConfig | None, Path | None]:
                 loaded = OmegaConf.load(candidate)
             except Exception:  # noqa: BLE001 - not a config of ours: as if there were none
                 continue
-            if isinstance(loaded, DictConfig) and "data" in loaded:
+            if isinstance(loaded, DictConfig) and _plain_data(loaded.get("data")):
                 return loaded, candidate
+            log.warning("%s: its data is not one of this project's datamodules with plain values; not used",
+                        candidate)
     return None, None
+
+
+DATAMODULES = ("src.data.cifar10.CIFAR10DataModule", "src.data.synthetic.SyntheticDataModule")
+
+
+def _plain_data(data: Any) -> bool:
+    """Whether a config file's ``data`` builds one of the project's datamodules from plain values: a file beside a
+    checkpoint is as untrusted as the checkpoint, and ``instantiate`` would import whatever ``_target_`` names."""
+    return (isinstance(data, DictConfig) and data.get("_target_") in DATAMODULES
+            and all(isinstance(v, (str, int, float, bool)) or v is None for v in data.values()))
 
 
 def class_names(data_cfg: DictConfig | None, num_classes: int) -> list[str]:

@@ -127,3 +127,14 @@ def test_an_untrusted_checkpoint_with_python_objects_is_not_unpickled(tmp_path):
     torch.save({"hyper_parameters": {"made": datetime.date(2026, 11, 25)}, "state_dict": {}}, path)
     with pytest.raises(UserError, match="ckpt_trusted=true"):
         load_classifier(path, trusted=False)
+
+
+def test_a_run_config_whose_data_would_import_something_else_is_not_used(tmp_path):
+    from src.export import run_config
+
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "config.yaml").write_text("data:\n  _target_: os.system\n  command: touch pwned\n")
+    assert run_config(tmp_path / "checkpoints" / "last.ckpt") == (None, None)
+    (tmp_path / "config.yaml").write_text("data:\n  _target_: src.data.synthetic.SyntheticDataModule\n  num_test: 8\n")
+    config, found = run_config(tmp_path / "checkpoints" / "last.ckpt")
+    assert found == tmp_path / "config.yaml" and config.data.num_test == 8
