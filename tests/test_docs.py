@@ -5,7 +5,8 @@ Every ``python -m src.<module> ...``, ``torchrun ... -m src.train ...``, ``sbatc
 a Hydra entry point's config is composed in-process with the command's overrides (an option, key or sweep
 value that does not exist fails). Placeholders: a word ``...``, ``OVERRIDES`` or ``[...]`` in a command is
 left out; a value written in capitals (``DIR``, ``PATH``) stays as it is, since composing reads no files; a
-command with ``…`` in it (``python -m src.…``) names a family of commands, not one, and is not checked.
+command with ``…`` in it (``python -m src.…``) names a family of commands, not one, and is not checked. A synopsis,
+a command with ``a|b`` alternatives or ``[key=value]`` optional parts, is checked for its keys only.
 """
 
 from __future__ import annotations
@@ -125,6 +126,9 @@ def _values(override) -> list[str]:
 
 def check_src_command(module: str, args: list[str]) -> None:
     config_name = hydra_config_name(module)
+    if config_name is not None and any("|" in a or (a.startswith("[") and "=" in a) for a in args):
+        check_synopsis_keys(config_name, " ".join(args))
+        return
     if module == "src.slurm_sweep":  # its overrides after "--" are src.train's, swept
         module, args, config_name = "src.train", ["-m", *args[args.index("--") + 1:]], "train"
     if config_name is None:
@@ -134,6 +138,17 @@ def check_src_command(module: str, args: list[str]) -> None:
                  and not (i and args[i - 1] == "--cfg")]
     for job in jobs(overrides, "-m" in args or "--multirun" in args):
         compose_run(config_name, tuple(job))
+
+
+def check_synopsis_keys(config_name: str, synopsis: str) -> None:
+    """Every ``key=`` of a synopsis (``ckpt_path=PATH [format=onnx|safetensors] [top_k=3]``) is a key or a group."""
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose(config_name=config_name, return_hydra_config=True)
+    for key in re.findall(r"(?<![\w.\-])([a-z_][\w.]*)=", synopsis):
+        parent, _, leaf = key.rpartition(".")
+        node = OmegaConf.select(cfg, parent) if parent else cfg
+        assert key in cfg.hydra.runtime.choices or (OmegaConf.is_dict(node) and leaf in node.keys()), \
+            f"{synopsis}: {key} is not a key of conf/{config_name}.yaml"
 
 
 @cache
@@ -182,6 +197,8 @@ def test_a_renamed_key_or_option_fails_the_check():
         check_src_command("src.train", ["-m", "strategy=ddp,horovod"])
     with pytest.raises(Exception, match="resnet50"):
         check_src_command("src.train", ["experiment=resnet50"])  # an optional group Hydra alone would skip
+    with pytest.raises(AssertionError, match="formt"):
+        check_src_command("src.train", ["ckpt_path=PATH", "[formt=onnx|safetensors]"])
     with pytest.raises(AssertionError, match="no target"):
         check_make("make bench-gpu")
     with pytest.raises(AssertionError, match="no variable"):
