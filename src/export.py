@@ -212,7 +212,8 @@ def export_onnx(net: Any, target: Path, meta: dict[str, Any], images: Any, refer
                                     input_names=["images"], output_names=["logits"], opset_version=export_cfg.opset,
                                     dynamic_shapes={"images": {0: batch}}, external_data=False, verbose=False)
         model = program.model_proto
-        for key, value in {**meta, "input": "float32 RGB images in [0, 1], N x 3 x 32 x 32 (normalised inside)"}.items():
+        described = {**meta, "input": "float32 RGB images in [0, 1], N x 3 x 32 x 32 (normalised inside)"}
+        for key, value in described.items():
             model.metadata_props.add(key=key, value=value if isinstance(value, str) else json.dumps(value))
         onnx.save(model, staged)
         figures: dict[str, Any] = {"file": str(target), "opset": model.opset_import[0].version}

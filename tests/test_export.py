@@ -1,4 +1,4 @@
-"""`python -m src.export`: ONNX and safetensors files that onnxruntime and plain torchvision run as the checkpoint does."""
+"""`python -m src.export`: ONNX and safetensors files that onnxruntime and plain torchvision run as the checkpoint."""
 
 from __future__ import annotations
 
