@@ -152,11 +152,15 @@ def test_the_rendezvous_store_across_nodes_listens_on_master_addr_only(monkeypat
     del store
 
 
-def test_a_master_addr_of_another_machine_leaves_torch_binding_every_interface_and_says_so(caplog):
+@pytest.mark.parametrize("host, why", [
+    ("203.0.113.1", "(203.0.113.1) is not an address of this node"),  # TEST-NET-3: no address of this machine
+    ("localhost", "(127.0.0.1) resolves to loopback on this node"),  # as a node's name in /etc/hosts often does
+])
+def test_a_master_addr_other_nodes_cannot_reach_here_leaves_the_store_on_every_interface_and_says_so(caplog, host, why):
     with caplog.at_level(logging.WARNING, logger="src.distributed"):
-        assert _bound_listener("203.0.113.1", free_port()) is None  # TEST-NET-3: no address of this machine
-    assert "MASTER_ADDR=203.0.113.1 (203.0.113.1) is not an address of this node: the rendezvous store listens on " \
-           "every interface" in caplog.text
+        assert _bound_listener(host, free_port()) is None
+    assert f"MASTER_ADDR={host} {why}" in caplog.text
+    assert "the rendezvous store listens on every interface" in caplog.text
 
 
 def test_a_taken_master_port_is_one_error_line():
