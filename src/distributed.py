@@ -29,9 +29,9 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
-from src import launch, supervision, torchrun
+from src import heartbeat, launch, supervision, torchrun
 from src.entry import describe
-from src.errors import UserError
+from src.errors import EXIT_FAILED, UserError
 
 _START_METHODS = {"ddp": "popen", "ddp_spawn": "spawn"}
 
@@ -48,8 +48,10 @@ def build_strategy(
     """Return the Trainer's strategy: Lightning's single-device choice for a world of one, else DDP."""
     resolved, local = launch.check_strategy(name, backend, timeout_s, accelerator, devices, num_nodes)
     check_slurm_allocation(local, num_nodes)
+    hang_timeout_s = ddp_kwargs.pop("hang_timeout_s", None)
     if resolved == "auto":
         return "auto"  # Lightning picks SingleDeviceStrategy: no process group, no DDP wrapper
+    hang_timeout_s = check_hang_timeout(hang_timeout_s, timeout_s)
     if ddp_kwargs.get("gradient_as_bucket_view") == "auto":
         # On GPUs the views save a copy of every gradient into its bucket. On CPUs they cost time instead: with gloo on
         # an Intel Xeon, 2 processes trained ResNet-50 at 22.5 img/s with them and 23.8 without (docs/performance.md).
@@ -58,8 +60,22 @@ def build_strategy(
         start_method=_START_METHODS[resolved],
         process_group_backend=None if backend == "auto" else backend,  # Lightning: nccl on CUDA, else gloo
         timeout=timedelta(seconds=timeout_s),
+        hang_timeout_s=hang_timeout_s,
         **ddp_kwargs,
     )
+
+
+def check_hang_timeout(hang_timeout_s: Any, timeout_s: float) -> float | None:
+    """``strategy.hang_timeout_s``: seconds without progress before a stuck rank stops the run (null: never)."""
+    if hang_timeout_s is None:
+        return None
+    if isinstance(hang_timeout_s, bool) or not isinstance(hang_timeout_s, (int, float)) or not hang_timeout_s > 0:
+        raise UserError(f"strategy.hang_timeout_s={hang_timeout_s} must be a number of seconds > 0 (or null to never "
+                        "stop a run whose rank hangs before strategy.timeout_s)")
+    if hang_timeout_s >= timeout_s:
+        raise UserError(f"strategy.hang_timeout_s={hang_timeout_s} must be below strategy.timeout_s={timeout_s}: "
+                        "a collective would give up first, without naming the stuck rank")
+    return float(hang_timeout_s)
 
 
 def check_slurm_allocation(devices: int, num_nodes: int) -> None:
@@ -112,7 +128,11 @@ class TaskGPU(CUDAAccelerator):
 
 class HydraDDPStrategy(DDPStrategy):
     """DDP whose local ranks join this Hydra job, watch their launcher, and whose rendezvous failure says what is
-    missing."""
+    missing; a rank that hangs is found within ``hang_timeout_s`` (src/supervision.py's HangWatch)."""
+
+    def __init__(self, *args: Any, hang_timeout_s: float | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.hang_timeout_s = hang_timeout_s
 
     def _configure_launcher(self) -> None:
         super()._configure_launcher()
@@ -130,12 +150,16 @@ class HydraDDPStrategy(DDPStrategy):
                 keep_to_loopback()
             if torchrun.active() and not torch.distributed.is_initialized():  # fit forms it; test reuses it
                 self._init_attempt_group()
+            run_dir = self._run_dir()
+            if self.root_device.type == "cuda" and run_dir is not None:  # NCCL reads it as the group forms
+                heartbeat.switch_on_nccl_trace(run_dir)
             if not torch.distributed.is_initialized():
                 self._init_bound_group()
             super().setup_distributed()  # Lightning's own: it leaves a process group that exists as it is
-            # from here on, a failure of any rank stops every rank of the run, on every node
+            # from here on, a failure of any rank stops every rank of the run, on every node, and so does one that hangs
+            self._report_progress()
             supervision.watch_failures(self.global_rank, self.node_rank, self.local_rank, self.world_size,
-                                       in_sweep=launch.in_sweep())
+                                       in_sweep=launch.in_sweep(), hang_timeout_s=self.hang_timeout_s, run_dir=run_dir)
         except torch.distributed.DistError as err:
             env = self.cluster_environment
             raise UserError(
@@ -145,6 +169,17 @@ class HydraDDPStrategy(DDPStrategy):
                 "MASTER_PORT and trainer.num_nodes, check the address is reachable, "
                 f"or raise strategy.timeout_s ({type(err).__name__})"
             ) from err
+
+    def _run_dir(self) -> str | None:
+        trainer = getattr(self._lightning_module, "_trainer", None)
+        return getattr(trainer, "default_root_dir", None)
+
+    def _report_progress(self) -> None:
+        """Mark where this rank is, first of the callbacks, so a hook that hangs has its place marked already."""
+        trainer = getattr(self._lightning_module, "_trainer", None)
+        if self.hang_timeout_s and trainer is not None and not any(
+                type(cb).__name__ == "ProgressReport" for cb in trainer.callbacks):
+            trainer.callbacks.insert(0, heartbeat.progress_callback())
 
     def _init_bound_group(self) -> None:
         """Form the process group on :func:`rendezvous_store` (Lightning's env:// store listens on every interface)."""
@@ -269,13 +304,29 @@ class HydraSpawnLauncher(_MultiProcessingLauncher):
         # torch warns "Terminating process N via signal SIGTERM" for every rank it stops after one failed; the
         # failed rank (or, for a death, src/supervision.py) has said what happened
         logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
+        # a rank that kills a stuck one (src/supervision.py) notes its pid here: that death was the run's own doing
+        self._killed = multiprocessing.get_context("spawn").Value("i", 0)
         if threading.current_thread() is not threading.main_thread():
-            return super().launch(function, *args, trainer=trainer, **kwargs)
-        previous = signal.signal(signal.SIGTERM, lambda signum, frame: self.kill(signum))
+            return self._launch(function, *args, trainer=trainer, **kwargs)
+        # Ctrl-C reaches the ranks from the terminal too; they take a second one within a second for the same
+        previous = {signum: signal.signal(signum, lambda signum, frame: self.kill(signum))
+                    for signum in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            return self._launch(function, *args, trainer=trainer, **kwargs)
+        finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+
+    def _launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+        from torch.multiprocessing import ProcessExitedException
+
         try:
             return super().launch(function, *args, trainer=trainer, **kwargs)
-        finally:
-            signal.signal(signal.SIGTERM, previous)
+        except ProcessExitedException as err:
+            if err.error_pid != self._killed.value:
+                raise
+            # the rank that killed it has said why
+            raise ProcessExitedException(str(err), err.error_index, err.error_pid, EXIT_FAILED) from None
 
     def _wrapping_function(self, process_idx: int, *args: Any, **kwargs: Any) -> Any:
         from src.callbacks.graceful_stop import Terminated
@@ -288,15 +339,17 @@ class HydraSpawnLauncher(_MultiProcessingLauncher):
         _clear_parent_death_signal()
         rank = self._strategy.node_rank * self._strategy.num_processes + process_idx
         supervision.watch_launcher(rank, multiprocessing.parent_process().pid)
+        supervision.KILL_NOTES.append(lambda pid: setattr(self._killed, "value", pid))
+        trainer = args[0] if args else None
+        heartbeat.register_stack_dump(f"rank {rank}", getattr(trainer, "default_root_dir", None))
         try:
             result = super()._wrapping_function(process_idx, *args, **kwargs)
         except Terminated as stop:
             supervision.stop_watching_failures()
             if self._strategy.global_rank == 0:
-                print(f"stopped: {stop}", file=sys.stderr, flush=True)
+                print(stop.line, file=sys.stderr, flush=True)
             sys.exit(stop.exit_code)
         except Exception as err:  # noqa: BLE001 - any failure of a rank ends the run, told once
-            trainer = args[0] if args else None
             supervision.end_run(*describe(err, log_dir=getattr(trainer, "default_root_dir", None)))
         supervision.stop_watching_failures()
         return result
