@@ -30,7 +30,8 @@ $(VENV)/.installed: pyproject.toml $(LOCK)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --require-hashes -r $(LOCK)
 	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e .
-	@echo "installed from $(LOCK): $$(grep -c '^[a-z0-9]' $(LOCK)) packages, every file hash-checked"
+	@echo "installed from $(LOCK): $$(grep -c '^[a-z0-9]' $(LOCK)) packages, every file pip fetched checked" \
+	    "against its sha256"
 	touch $@
 
 # One error line, not a failed download, where the lock cannot hold: another Python or platform.
