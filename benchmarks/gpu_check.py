@@ -44,6 +44,28 @@ RUN_ESTIMATE_S = (25, 10)  # one src.train run of the throughput table
 KILL_GRACE_S = 10  # after SIGTERM at a timeout (a run then writes last.ckpt), before SIGKILL
 LAUNCH_VARS = ("RANK", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
+# One rank on NCCL with the flight recorder as src.train switches it on; two all-reduces; its dump written and read.
+NCCL_TRACE_PROBE = r"""
+import os, pickle, socket, sys
+import torch, torch.distributed as dist
+from src import heartbeat
+heartbeat.switch_on_nccl_trace(sys.argv[1])
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(s.getsockname()[1]))
+torch.cuda.set_device(0)
+dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
+x = torch.ones(1024, device="cuda")
+for _ in range(2):
+    dist.all_reduce(x)
+torch.cuda.synchronize()
+path = heartbeat.write_nccl_trace(0)
+assert path is not None and path.is_file(), f"no dump written under {sys.argv[1]}"
+dump = pickle.loads(path.read_bytes())
+print("entries", len(dump.get("entries", [])))
+dist.destroy_process_group()
+"""
+
 PROBE = r"""
 import json, platform, shutil, subprocess
 import lightning, torch, torchmetrics
@@ -267,6 +289,21 @@ class GpuCheck:
             raise StepFailed(f"throughput.json says backend {r.get('backend')}, world size {r.get('world_size')}: "
                              f"expected {s.backend} at world size 1")
         step["summary"] = f"strategy=ddp, backend {r['backend']}, world size 1: trained {s.check_steps} steps"
+        if self.cuda:  # NCCL's flight recorder: no such thing on gloo, so the CPU mode leaves it out
+            step["summary"] += "; " + self.check_nccl_trace(step, run_dir)
+
+    def check_nccl_trace(self, step: dict[str, Any], run_dir: Path) -> str:
+        """The training run switched the flight recorder on (its run dir holds nccl_trace/), and a rank's dump of it
+        is written there and read back with the collectives it recorded."""
+        if not (run_dir / "nccl_trace").is_dir():
+            raise StepFailed(f"{run_dir}/nccl_trace was not made: the flight recorder was not switched on")
+        folder = self.out / "runs" / "nccl-trace"
+        log = self.execute(step, "nccl-trace", [sys.executable, "-c", NCCL_TRACE_PROBE, str(folder)], 120)
+        entries = [line for line in log.read_text().splitlines() if line.startswith("entries ")]
+        if not entries or int(entries[-1].split()[1]) < 1:
+            raise StepFailed(f"{folder}/nccl_trace/rank_0 holds no collective", log)
+        step["figures"]["nccl_trace_entries"] = int(entries[-1].split()[1])
+        return f"flight recorder dump {folder}/nccl_trace/rank_0: {entries[-1].split()[1]} collectives"
 
     def step_deterministic(self, step: dict[str, Any]) -> None:
         import torch

@@ -304,6 +304,7 @@ class HydraSpawnLauncher(_MultiProcessingLauncher):
         # torch warns "Terminating process N via signal SIGTERM" for every rank it stops after one failed; the
         # failed rank (or, for a death, src/supervision.py) has said what happened
         logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
+        heartbeat.register_stack_dump("ddp_spawn's parent process")  # kill -USR2: the ranks say their own
         # a rank that kills a stuck one (src/supervision.py) notes its pid here: that death was the run's own doing
         self._killed = multiprocessing.get_context("spawn").Value("i", 0)
         if threading.current_thread() is not threading.main_thread():

@@ -79,6 +79,10 @@ def handle_errors(task: Callable[..., Any]) -> Callable[..., Any]:
             result = task(cfg)
         except KeyboardInterrupt:
             interrupted()
+        except SystemExit as stop:
+            if isinstance(stop.__context__, KeyboardInterrupt):  # Lightning's own handling (Ctrl-C before training)
+                interrupted()
+            raise
         except Exception as err:  # noqa: BLE001 - every failure ends the run the same way
             return _failed(err)
         supervision.stop_watching_failures()

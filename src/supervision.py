@@ -324,6 +324,8 @@ class HangWatch:
         self._closed = False
         self._pulse = 0
         self._seen: dict[int, dict[str, Any]] = {}  # rank -> its last record, and when its activity and pulse moved
+        self._host: dict[str, Any] | None = None  # rank 0's first record: its host and pid
+        self._last_ok = 0.0  # when the store last answered
         self.log = None
 
     def _connect(self) -> Any:
@@ -356,32 +358,41 @@ class HangWatch:
         self._closed = True
 
     def _loop(self) -> None:
-        last_ok = last_round = time.monotonic()
-        host_record: dict[str, Any] | None = None
+        self._last_ok = last_round = time.monotonic()
+        worker: threading.Thread | None = None
         while not self._closed:
             now = time.monotonic()
             if now - last_round > 3 * self.poll_s + 2:  # this process was stopped or starved (Ctrl-Z): start afresh
                 self._seen.clear()
-                last_ok = now
+                self._last_ok = now
             last_round = now
             self._pulse += 1
-            try:
-                store = self._connect()
-                store.set(f"{self._prefix}{self.rank}", json.dumps(self.record()))
-                if host_record is None and store.check([f"{self._prefix}0"]):
-                    host_record = json.loads(store.get(f"{self._prefix}0"))
-                if store.check([self._prefix + "verdict"]):
-                    self._answer(json.loads(store.get(self._prefix + "verdict")))
-                elif self.judge:
-                    self._judge(store, now)
-                last_ok = now
-            except Exception:  # noqa: BLE001 - the store's host does not answer (or is gone): reconnect next round
-                self._store = None
-                if self._closed or launcher_gone() is not None:
-                    return
-                if time.monotonic() - last_ok >= self.timeout_s:
-                    self._store_host_silent(host_record, time.monotonic() - last_ok)
+            # a call to a stopped store host never returns (its timeout bounds waits for keys, not replies): the
+            # store's calls run in a thread of their own, which such a call holds, and this one keeps counting
+            if worker is None or not worker.is_alive():
+                worker = threading.Thread(target=self._round, args=(now,), name="hang-watch-store", daemon=True)
+                worker.start()
+                worker.join(self.poll_s)
+            if self._closed or launcher_gone() is not None:
+                return
+            if time.monotonic() - self._last_ok >= self.timeout_s:
+                self._store_host_silent((self._seen.get(0) or {}).get("record"), time.monotonic() - self._last_ok)
             time.sleep(self.poll_s)
+
+    def _round(self, now: float) -> None:
+        """Publish this rank's record; answer a verdict, or judge."""
+        try:
+            store = self._connect()
+            store.set(f"{self._prefix}{self.rank}", json.dumps(self.record()))
+            if self._host is None and store.check([f"{self._prefix}0"]):
+                self._host = json.loads(store.get(f"{self._prefix}0"))
+            self._last_ok = time.monotonic()
+            if store.check([self._prefix + "verdict"]):
+                self._answer(json.loads(store.get(self._prefix + "verdict")))
+            elif self.judge:
+                self._judge(store, now)
+        except Exception:  # noqa: BLE001 - the store's host does not answer (or is gone): reconnect next round
+            self._store = None
 
     def _judge(self, store: Any, now: float) -> None:
         keys = [f"{self._prefix}{r}" for r in range(self.world_size)]
@@ -421,6 +432,7 @@ class HangWatch:
         deadline = time.monotonic() + ANSWER_WAIT_S  # the stuck rank writes its stack, then ends the run itself
         while time.monotonic() < deadline:
             time.sleep(self.poll_s)
+            self._last_ok = time.monotonic()  # waiting for it, not for the store
         end_run(verdict["line"].split("; its Python stack")[0] + "; it did not answer, so its stack could not be "
                 "written: look at it with py-spy dump --pid "
                 f"{verdict['pid']} on {verdict['host']}; every rank stopped", EXIT_FAILED)
@@ -445,11 +457,12 @@ class HangWatch:
             return
         if self.log is None or not heartbeat.dump_stacks(self.log, "the run stopped: this rank made no progress"):
             verdict["line"] = verdict["line"].split("; its Python stack")[0] + "; its stack could not be written"
-        heartbeat.write_nccl_trace(self.rank)
         end_run(verdict["line"], EXIT_FAILED)
 
-    def _store_host_silent(self, host: dict[str, Any] | None, seconds: float) -> None:
-        """The store stopped answering: its host (rank 0, unless torchrun's agent holds it) is stopped or gone."""
+    def _store_host_silent(self, last: dict[str, Any] | None, seconds: float) -> None:
+        """The store stopped answering: its host (rank 0, unless torchrun's agent holds it) is stopped or gone.
+        ``last``: rank 0's latest record, where this rank judges (its first one, read by every rank, has its pid)."""
+        host = self._host
         merged = "SLURM_STEP_ID" in os.environ
         says = self.rank == 1 or (self.local_rank == 0 and self.node_rank != 0 and not merged)
         if torchrun.active():
@@ -458,7 +471,7 @@ class HangWatch:
             who = "rank 0, which hosts the run's store,"
         else:
             who = f"rank 0 (host {host['host']}, pid {host['pid']}), which hosts the run's store,"
-        where = f" (last seen {host['where']})" if host else ""
+        where = f" (last seen {last['where']})" if last else ""
         line = (f"{who} stopped answering for {seconds:.0f} s{where}: it cannot run (stopped, e.g. by SIGSTOP or a "
                 "debugger, or stuck in C code) or its host is gone; every rank stopped, the previous last.ckpt is "
                 "intact: resume with ckpt_path=last")
@@ -551,6 +564,10 @@ def end_run(line: str | None, code: int, publish: bool = True, dead: int = 0,
     if line and first:
         print(f"error: {line}", file=sys.stderr, flush=True)
     kill_stuck(stuck)
+    if FAILURES is not None:  # on CUDA, NCCL's flight recorder: this rank's last collectives, into the run dir
+        from src import heartbeat
+
+        heartbeat.write_nccl_trace(FAILURES.rank)
     if FAILURES is not None and FAILURES.rank == 0 and not torchrun.active():
         FAILURES.wait_for("seen", SEEN_WAIT_S)  # it hosts the store: the others must read the record first
         # (torchrun's agent hosts it there, and outlives this rank)

@@ -64,8 +64,6 @@ class GracefulStop(L.Callback):
             self._group = dist.new_group(backend="gloo")  # every rank creates it, in the same order
         self._last = next((cb for cb in trainer.callbacks if isinstance(cb, LastCheckpoint)), None)
         self._run_dir, self._rank_zero = Path(trainer.default_root_dir), trainer.is_global_zero
-        if threading.current_thread() is threading.main_thread():  # Lightning leaves SIGINT alone: take it early
-            signal.signal(signal.SIGINT, self._on_signal)
         if self._last is not None and self._group is not None:
             self._last.agreed_due = self._due_as_agreed
         # Lightning's SIGTERM path broadcasts rank zero's flag before every training step: under NCCL a
@@ -92,7 +90,13 @@ class GracefulStop(L.Callback):
             self._shared_batches = int(fewest)
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        # a sweep's next job, or the code after fit, must not leave a Ctrl-C to this callback's flag
+        self._release_sigint()
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        self._release_sigint()  # Lightning skips teardown hooks after an exception
+
+    def _release_sigint(self) -> None:
+        # the code after fit, or a sweep's next job, must not leave a Ctrl-C to this callback's flag
         if threading.current_thread() is threading.main_thread() and not self._saved_stop:
             signal.signal(signal.SIGINT, signal.default_int_handler)
 

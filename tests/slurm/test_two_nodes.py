@@ -61,3 +61,21 @@ def test_srun_torchrun_across_two_nodes_trains_one_world_with_torchruns_ranks(cl
     assert [p.relative_to(run_dir) for p in run_dir.rglob("last.ckpt")] == [Path("checkpoints/last.ckpt")]
     assert "Run: 2 node(s) x 1 device(s) = world size 2 | strategy ddp" in log
     assert "error:" not in log
+
+
+def test_a_rank_that_hangs_on_the_second_node_is_named_with_its_stack_within_seconds(cluster):
+    job = cluster.sbatch("--nodes=2", "--ntasks-per-node=1", "--gpus-per-node=0", "slurm/train.sbatch", *FAST,
+                         "test=false", "data.num_train=2000", "trainer.limit_train_batches=null",
+                         "strategy.hang_timeout_s=6", "+callbacks.fault._target_=tests.faults.SleepAt",
+                         "+callbacks.fault.rank=1", "+callbacks.fault.step=3")
+    info = cluster.wait(job, timeout=180)
+    log = cluster.log(job)
+    assert info["JobState"] == "FAILED", log
+    errors = [line for line in log.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith("error: rank 1 (host node2, pid "), log
+    assert "at step 3 of epoch 0, in a training step, while rank 0 waited for it" in errors[0]
+    stacks = ROOT / "outputs" / "slurm" / job / "train_rank1.log"
+    assert f"its Python stack is in {stacks};" in errors[0] and "tests/faults.py" in stacks.read_text()
+    days, _, clock = info["RunTime"].rpartition("-")
+    hours, minutes, seconds = (int(part) for part in clock.split(":"))
+    assert not days and hours * 3600 + minutes * 60 + seconds < 90, info["RunTime"]  # not strategy.timeout_s's 300
