@@ -317,7 +317,7 @@ class HangWatch:
                  run_dir: str | None) -> None:
         self.rank, self.node_rank, self.local_rank, self.world_size = rank, node_rank, local_rank, world_size
         self.timeout_s, self.run_dir = float(timeout_s), run_dir
-        self.poll_s = min(max(self.timeout_s / 20, 0.2), 5.0)
+        self.poll_s = min(max(self.timeout_s / 20, 0.2), 1.0)  # a record a second: the line says where it stopped
         self.judge = local_rank == 0 or rank == 1
         self._prefix = torchrun.attempt_prefix() + "progress/"
         self._store: Any = None

@@ -34,15 +34,23 @@ def hang_line(out: str, rank: int) -> str:
     return errors[0]
 
 
-def test_a_rank_stopped_with_sigstop_is_named_and_every_process_ends(tmp_path):
+@pytest.mark.parametrize("rank", [1, 0])
+def test_a_rank_stopped_with_sigstop_is_named_and_every_process_ends(rank, tmp_path):
     proc = start_and_wait_for_step(tmp_path, 2, *HANG, "strategy=ddp", "trainer.devices=2", ranks=2)
     everyone = [proc.pid, *descendants(proc.pid)]
-    victim = rank_pids(proc.pid)[1]
+    victim = rank_pids(proc.pid)[rank]
     os.kill(victim, signal.SIGSTOP)
     out, seconds = finish(proc, everyone, limit_s=HANG_S + 30)
-    assert proc.returncode == 1 and seconds < HANG_S + 30, out[-3000:]
-    line = hang_line(out, 1)
-    assert f"pid {victim})" in line and "it cannot run Python (stopped" in line and "py-spy dump" in line
+    assert seconds < HANG_S + 30, out[-3000:]
+    if rank == 1:
+        line = hang_line(out, 1)
+        assert proc.returncode == 1 and f"pid {victim})" in line
+        assert "it cannot run Python (stopped" in line and "py-spy dump" in line
+    else:  # rank 0 hosts the run's store: the others find it silent, say so, and kill it
+        assert proc.returncode == -signal.SIGKILL, out[-3000:]
+        assert len(error_lines(out)) == 1 and re.match(
+            rf"error: rank 0 \(host \S+, pid {victim}\), which hosts the run's store, stopped answering for \d+ s "
+            r"\(last seen at step \d+ of epoch 0, .*\): it cannot run \(stopped", error_lines(out)[0]), out[-3000:]
     assert not [p for p in everyone if running(p)], "processes were left behind"
     assert last_step(tmp_path) >= 2  # the previous last.ckpt, whole
     assert "Traceback" not in out
@@ -50,10 +58,9 @@ def test_a_rank_stopped_with_sigstop_is_named_and_every_process_ends(tmp_path):
 
 @pytest.mark.parametrize("strategy", ["ddp", "ddp_spawn"])
 def test_a_rank_stuck_in_python_writes_its_stack_and_is_named(strategy, tmp_path):
-    proc = train(*HANG, *SLEEP, f"strategy={strategy}", "trainer.devices=2", f"hydra.run.dir={tmp_path}",
-                 background=True)
-    out, seconds = finish(proc, [proc.pid], limit_s=120)
-    assert proc.returncode == 1, out[-3000:]
+    proc = start_and_wait_for_step(tmp_path, 2, *HANG, *SLEEP, f"strategy={strategy}", "trainer.devices=2", ranks=2)
+    out, seconds = finish(proc, [proc.pid], limit_s=HANG_S + 30)  # it sleeps from step 4 on
+    assert proc.returncode == 1 and seconds < HANG_S + 30, out[-3000:]
     line = hang_line(out, 1)
     assert "at step 4 of epoch 0, in a training step, while rank 0 waited for it" in line
     log = Path(re.search(r"its Python stack is in (\S+);", line).group(1))
@@ -66,16 +73,16 @@ def test_a_rank_stuck_in_python_writes_its_stack_and_is_named(strategy, tmp_path
 
 def test_a_rank_stuck_on_another_node_is_named_on_both(tmp_path):
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
-    args = [*HANG, *SLEEP, "strategy=ddp", "trainer.devices=1", "trainer.num_nodes=2", f"hydra.run.dir={tmp_path}"]
-    node1 = train(*args, env={**env, "NODE_RANK": "1"}, background=True)
-    node0 = train(*args, env={**env, "NODE_RANK": "0"}, background=True)
-    out0, seconds = finish(node0, [node0.pid], limit_s=120)
+    args = [*HANG, *SLEEP, "strategy=ddp", "trainer.devices=1", "trainer.num_nodes=2"]
+    node1 = train(*args, f"hydra.run.dir={tmp_path}", env={**env, "NODE_RANK": "1"}, background=True)
+    node0 = start_and_wait_for_step(tmp_path, 2, *args, env={**env, "NODE_RANK": "0"})
+    out0, seconds = finish(node0, [node0.pid], limit_s=HANG_S + 30)
     out1, _ = finish(node1, [node1.pid], limit_s=30)
     assert node0.returncode == node1.returncode == 1, (out0[-2000:], out1[-2000:])
     line = hang_line(out1, 1)
     assert "in a training step" in line and "train_node1_local0.log" in line
     assert error_lines(out0) == [f"{line} [on {socket.gethostname()}]; this node's ranks stopped too"], out0[-3000:]
-    assert seconds < 120
+    assert seconds < HANG_S + 30
     assert f"line {SLEEP_LINE} in on_train_batch_start" in (tmp_path / "train_node1_local0.log").read_text()
 
 
