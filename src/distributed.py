@@ -65,13 +65,19 @@ def build_strategy(
     )
 
 
+HANG_TIMEOUT_AUTO_S = 120.0
+
+
 def check_hang_timeout(hang_timeout_s: Any, timeout_s: float) -> float | None:
-    """``strategy.hang_timeout_s``: seconds without progress before a stuck rank stops the run (null: never)."""
+    """``strategy.hang_timeout_s``: seconds without progress before a stuck rank stops the run (null: never; auto:
+    120 s, or half of ``strategy.timeout_s`` where that is shorter, so a lowered collective timeout keeps it below)."""
     if hang_timeout_s is None:
         return None
+    if hang_timeout_s == "auto":
+        return min(HANG_TIMEOUT_AUTO_S, timeout_s / 2)
     if isinstance(hang_timeout_s, bool) or not isinstance(hang_timeout_s, (int, float)) or not hang_timeout_s > 0:
-        raise UserError(f"strategy.hang_timeout_s={hang_timeout_s} must be a number of seconds > 0 (or null to never "
-                        "stop a run whose rank hangs before strategy.timeout_s)")
+        raise UserError(f"strategy.hang_timeout_s={hang_timeout_s} must be a number of seconds > 0, auto, or null to "
+                        "never stop a run whose rank hangs before strategy.timeout_s")
     if hang_timeout_s >= timeout_s:
         raise UserError(f"strategy.hang_timeout_s={hang_timeout_s} must be below strategy.timeout_s={timeout_s}: "
                         "a collective would give up first, without naming the stuck rank")

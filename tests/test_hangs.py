@@ -182,6 +182,8 @@ def test_hang_timeout_must_be_a_positive_number_below_timeout_s():
     from src.errors import UserError
 
     assert check_hang_timeout(None, 300) is None and check_hang_timeout(120, 300) == 120.0
+    # auto stays below a collective timeout the user lowered, instead of refusing a value they never set
+    assert check_hang_timeout("auto", 300) == 120.0 and check_hang_timeout("auto", 60) == 30.0
     for bad in (0, -1, "abc", True):
         with pytest.raises(UserError, match=rf"strategy.hang_timeout_s={bad} must be a number of seconds > 0"):
             check_hang_timeout(bad, 300)
