@@ -369,6 +369,20 @@ _NESTED = {
 }
 
 
+def model_from(checkpoint: dict[str, Any], path: str | Path):  # noqa: ANN201 - an ImageClassifier
+    """The project's model with a read checkpoint's weights, built from its checked hyperparameters only; a file that
+    holds another model is one UserError."""
+    from src.models.classifier import ImageClassifier
+
+    try:
+        model = ImageClassifier(**model_hparams_of(checkpoint, path))  # values checked: data, never code
+        model.load_state_dict(checkpoint["state_dict"])
+    except (KeyError, TypeError, RuntimeError) as err:
+        raise UserError(f"ckpt_path={path} is not a checkpoint of this project's model "
+                        f"({type(err).__name__}: {str(err).splitlines()[0]})") from err
+    return model
+
+
 def model_hparams_of(checkpoint: dict[str, Any], path: str | Path, key: str = "ckpt_path") -> dict[str, Any]:
     """The checkpoint's model hyperparameters, checked to be the plain values ImageClassifier saves; anything else
     (an unknown key, ``_instantiator``, an unknown arch, a value that is no number or string) is one UserError."""

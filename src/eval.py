@@ -10,11 +10,10 @@ import hydra
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from src.checkpoints import model_hparams_of, read_checkpoint
+from src.checkpoints import model_from, read_checkpoint
 from src.entry import handle_errors, run
 from src.errors import UserError
 from src.launch import start_local_ranks
-from src.models.classifier import ImageClassifier
 from src.trainer import build_trainer, describe_checkpoint, record_config, test_summary
 
 log = logging.getLogger("src.eval")
@@ -30,12 +29,7 @@ def main(cfg: DictConfig) -> dict[str, float]:
     checkpoint = read_checkpoint(path, trusted=cfg.ckpt_trusted)
     start_local_ranks(cfg.strategy)  # every device by default: the test shards count each image once at any world size
     datamodule = instantiate(cfg.data)
-    try:
-        model = ImageClassifier(**model_hparams_of(checkpoint, path))  # values checked: data, never code
-        model.load_state_dict(checkpoint["state_dict"])
-    except (KeyError, TypeError, RuntimeError) as err:
-        raise UserError(f"ckpt_path={path} is not a checkpoint of this project's model "
-                        f"({type(err).__name__}: {str(err).splitlines()[0]})") from err
+    model = model_from(checkpoint, path)
     trainer = build_trainer(cfg, model.hparams.arch)
     record_config(cfg, trainer)
     datamodule.prepare_data()

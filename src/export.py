@@ -84,18 +84,11 @@ def chosen_formats(value: Any) -> list[str]:
 
 
 def load_classifier(path: Path, trusted: bool):  # noqa: ANN201 - (ImageClassifier, the checkpoint)
-    """The project's model from a checkpoint, read weights-only unless ``trusted`` (src/checkpoints.py)."""
-    from src.checkpoints import model_hparams_of, read_checkpoint
-    from src.models.classifier import ImageClassifier
+    """The project's model from a checkpoint, in eval mode, read weights-only unless ``trusted`` (src/checkpoints.py)."""
+    from src.checkpoints import model_from, read_checkpoint
 
     checkpoint = read_checkpoint(path, trusted=trusted)
-    try:
-        model = ImageClassifier(**model_hparams_of(checkpoint, path))  # values checked: data, never code
-        model.load_state_dict(checkpoint["state_dict"])
-    except (KeyError, TypeError, RuntimeError) as err:
-        raise UserError(f"ckpt_path={path} is not a checkpoint of this project's model "
-                        f"({type(err).__name__}: {str(err).splitlines()[0]})") from err
-    return model.eval(), checkpoint
+    return model_from(checkpoint, path).eval(), checkpoint
 
 
 def run_config(ckpt_path: Path) -> tuple[DictConfig | None, Path | None]:
