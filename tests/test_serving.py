@@ -37,14 +37,15 @@ def listening_addresses(port: int) -> set[str]:
 
 
 def listeners_of(pids: list[int]) -> set[tuple[str, int, int]]:
-    """(address, port, pid) of every socket the processes ``pids`` listen on."""
-    owner = {}
+    """(address, port, pid) of every socket the processes ``pids`` listen on; a socket a child inherited (between
+    fork and exec it holds its parent's) is its first holder's in ``pids``, so list parents before children."""
+    owner: dict[int, int] = {}
     for pid in pids:
         try:
             for fd in Path(f"/proc/{pid}/fd").iterdir():
                 target = os.readlink(fd)
                 if target.startswith("socket:["):
-                    owner[int(target[8:-1])] = pid
+                    owner.setdefault(int(target[8:-1]), pid)
         except OSError:  # the process ended meanwhile
             continue
     return {(address, port, owner[inode]) for address, port, inode in listening_sockets() if inode in owner}
