@@ -364,7 +364,7 @@ def check_compatible(checkpoint: dict[str, Any], path: str | Path, model_hparams
 _SCALARS = (bool, int, float, str)
 _NESTED = {
     "optimizer": {"lr", "momentum", "nesterov", "weight_decay", "decay_norm_and_bias", "lr_scaling",
-                  "reference_batch_size"},
+                  "reference_batch_size", "fused"},
     "scheduler": {"warmup_epochs", "warmup_start_factor", "decay", "min_lr_factor"},
 }
 
@@ -375,7 +375,8 @@ def model_from(checkpoint: dict[str, Any], path: str | Path):  # noqa: ANN201 - 
     from src.models.classifier import ImageClassifier
 
     try:
-        model = ImageClassifier(**model_hparams_of(checkpoint, path))  # values checked: data, never code
+        # values checked: data, never code; not compiled: one pass over a test set costs less than compiling for it
+        model = ImageClassifier(**{**model_hparams_of(checkpoint, path), "compile": False})
         model.load_state_dict(checkpoint["state_dict"])
     except (KeyError, TypeError, RuntimeError) as err:
         raise UserError(f"ckpt_path={path} is not a checkpoint of this project's model "

@@ -31,10 +31,16 @@ from pathlib import Path
 
 import torch
 
+from src.errors import UserError
 from src.run_dir import locked, read_json, write_json
 
 log = logging.getLogger(__name__)
 
+# torch.compile's modes; model.compile=true is "default" (inductor's kernels, no CUDA graphs)
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+# model.compile=auto compiles a GPU fit of at least this many optimizer steps: below, the compilation (a minute or
+# more the first time, seconds from the cache) costs more than the faster steps save (docs/gpu.md)
+COMPILE_MIN_STEPS = 2000
 BF16_MIN_SPEEDUP = 1.1  # below this, bf16's rounding is not worth it: a tie within the noise stays 32-bit
 PROBE_BATCH, PROBE_STEPS = 8, 2  # images per timed step, timed steps per round (two rounds, alternating)
 
@@ -89,6 +95,39 @@ def fast_path(device_type: str, arch: str = "resnet50", gpus: tuple[int, ...] = 
             return FastPath("bf16-mixed", True, f"the CPU has native bf16 ({isa}) and {measured}")
         return FastPath("32-true", True, f"the CPU has native bf16 ({isa}) but {measured}")
     return FastPath("32-true", False, f"no fast path known for {device_type}")
+
+
+def check_compile(value: object) -> None:
+    """``model.compile``: auto, true, false or one of torch.compile's modes; anything else is one line."""
+    if not (isinstance(value, bool) or value == "auto" or value in COMPILE_MODES):
+        raise UserError(f"model.compile={value} is not known: choose auto, true, false or a torch.compile mode "
+                        f"({', '.join(COMPILE_MODES)})")
+
+
+def compile_choice(value: bool | str, device_type: str, steps: float | None = None,
+                   deterministic: bool = False) -> tuple[str | None, str]:
+    """What ``model.compile=value`` becomes: the torch.compile mode to compile the network with, or None (eager), and
+    why, for the run line. ``steps``: the optimizer steps the fit will take (None: not a fit).
+
+    ``auto`` compiles with CUDA graphs (``reduce-overhead``) on a CUDA GPU: eager ResNet-50 at batch 128 waits for
+    the host to launch its kernels, and a graph replay launches them all at once. It stays eager on CPUs, under
+    ``trainer.deterministic`` (inductor picks among kernel variants by timing them, which may sum in another order
+    in the next process) and for fits too short to pay for the compilation.
+    """
+    check_compile(value)
+    if value is False:
+        return None, "model.compile=false"
+    if value is not True and value != "auto":
+        return value, f"model.compile={value}"
+    if value is True:
+        return "default", "model.compile=true"
+    if device_type != "cuda":
+        return None, f"auto: on {'a CPU' if device_type == 'cpu' else device_type.upper()}"
+    if deterministic:
+        return None, "auto: trainer.deterministic, and inductor chooses its kernels by timing them"
+    if steps is not None and steps < COMPILE_MIN_STEPS:
+        return None, f"auto: {steps:.0f} steps are too few to pay for compiling, from {COMPILE_MIN_STEPS:,}"
+    return "reduce-overhead", "auto: CUDA graphs on a GPU"
 
 
 def bf16_speedup(arch: str) -> float:

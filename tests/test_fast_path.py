@@ -174,3 +174,24 @@ def test_ddp_spawn_ranks_compute_with_the_tf32_settings_the_parent_chose(monkeyp
     finally:
         set_backend_flags(before)
     assert seen == chosen
+
+
+def test_model_compile_auto_uses_cuda_graphs_only_for_long_gpu_fits_and_refuses_unknown_modes():
+    from src.errors import UserError
+    from src.fast_path import COMPILE_MIN_STEPS, compile_choice
+    from src.models.classifier import ImageClassifier
+
+    assert compile_choice("auto", "cuda", 30 * 351) == ("reduce-overhead", "auto: CUDA graphs on a GPU")
+    assert compile_choice("auto", "cuda", None)[0] == "reduce-overhead"  # not a fit: no steps to weigh
+    assert compile_choice("auto", "cuda", COMPILE_MIN_STEPS - 1) == (
+        None, f"auto: {COMPILE_MIN_STEPS - 1} steps are too few to pay for compiling, from 2,000")
+    assert compile_choice("auto", "cuda", 10**5, deterministic=True)[0] is None
+    assert compile_choice("auto", "cpu", 10**5) == (None, "auto: on a CPU")
+    assert compile_choice(True, "cpu") == ("default", "model.compile=true")
+    assert compile_choice(False, "cuda", 10**5) == (None, "model.compile=false")
+    assert compile_choice("max-autotune", "cpu") == ("max-autotune", "model.compile=max-autotune")
+    with pytest.raises(UserError, match=r"model.compile=fast is not known: choose auto, true, false or a "
+                                        r"torch.compile mode \(default, reduce-overhead"):
+        ImageClassifier(arch="resnet18", compile="fast")
+    with pytest.raises(UserError, match=r"model.optimizer.fused=yes must be true, false or auto"):
+        ImageClassifier(arch="resnet18", optimizer={"fused": "yes"})

@@ -73,7 +73,7 @@ def test_label_smoothing_and_sgd_settings_come_from_config():
     assert model.criterion.label_smoothing == 0.1
     assert model.hparams.optimizer == {"lr": 0.2, "momentum": 0.8, "nesterov": False, "weight_decay": 1e-4,
                                        "decay_norm_and_bias": False, "lr_scaling": "linear",
-                                       "reference_batch_size": 128}
+                                       "reference_batch_size": 128, "fused": "auto"}
     with pytest.raises(UserError, match="model.label_smoothing"):
         ImageClassifier(arch="resnet18", label_smoothing=1.5)
 

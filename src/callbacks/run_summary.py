@@ -41,6 +41,13 @@ def number_format(trainer: L.Trainer, pl_module: L.LightningModule, precision: s
     return f"precision {trainer.precision}, {layout}{why}"
 
 
+def compilation(pl_module: L.LightningModule) -> str:
+    """'compiled reduce-overhead (auto: CUDA graphs on a GPU)', 'eager (auto: on a CPU)'."""
+    mode = getattr(pl_module, "compile_mode", None)
+    why = getattr(pl_module, "compile_why", "")
+    return f"{f'compiled {mode}' if mode else 'eager'}{f' ({why})' if why else ''}"
+
+
 class RunSummary(L.Callback):
     """Prints, on rank zero when fitting starts, nodes x devices, strategy, backend, precision and global batch.
 
@@ -59,6 +66,7 @@ class RunSummary(L.Callback):
             f"Run: {trainer.num_nodes} node(s) x {trainer.num_devices} device(s) = world size {trainer.world_size}"
             f" | strategy {strategy_name(trainer.strategy)} | backend {backend}"
             f" | device {trainer.strategy.root_device.type} | {number_format(trainer, pl_module, self.precision)}"
+            f" | {compilation(pl_module)}"
             f" | global batch {global_batch} ({per_process} per process"
             f"{f' x {accumulate} accumulated' if accumulate > 1 else ''}"
             f"{f'; {why}' if (why := getattr(trainer.datamodule, 'batch_size_why', None)) else ''})"

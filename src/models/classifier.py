@@ -15,7 +15,7 @@ from torchmetrics.classification import MulticlassAccuracy
 
 from src.batch_size import record_in_config, resolve as resolve_batch_size
 from src.errors import UserError
-from src.fast_path import fast_path
+from src.fast_path import check_compile, compile_choice, fast_path
 from src.models.resnet import build_resnet
 
 DECAYS = ("cosine", "linear", "none")
@@ -40,11 +40,11 @@ class ImageClassifier(L.LightningModule):
         optimizer: dict[str, Any] | None = None,
         scheduler: dict[str, Any] | None = None,
         channels_last: bool | str = "auto",
-        compile: bool = False,
+        compile: bool | str = "auto",
     ) -> None:
         super().__init__()
         optimizer = {"lr": 0.1, "momentum": 0.9, "nesterov": True, "weight_decay": 5e-4, "decay_norm_and_bias": False,
-                     "lr_scaling": "linear", "reference_batch_size": 128, **(optimizer or {})}
+                     "lr_scaling": "linear", "reference_batch_size": 128, "fused": "auto", **(optimizer or {})}
         scheduler = {"warmup_epochs": 1.0, "warmup_start_factor": 0.1, "decay": "cosine", "min_lr_factor": 0.0,
                      **(scheduler or {})}
         if scheduler["decay"] not in DECAYS:
@@ -56,6 +56,9 @@ class ImageClassifier(L.LightningModule):
                             f"choose one of {', '.join(LR_SCALINGS)}")
         if channels_last not in (True, False, "auto"):
             raise UserError(f"model.channels_last={channels_last} must be true, false or auto")
+        check_compile(compile)
+        if optimizer["fused"] not in (True, False, "auto"):
+            raise UserError(f"model.optimizer.fused={optimizer['fused']} must be true, false or auto")
         self.save_hyperparameters(
             {"arch": arch, "num_classes": num_classes, "stem": stem, "label_smoothing": label_smoothing,
              "optimizer": optimizer, "scheduler": scheduler, "channels_last": channels_last, "compile": compile},
@@ -73,6 +76,10 @@ class ImageClassifier(L.LightningModule):
         for metric in (self.val_loss, self.test_loss):
             metric.set_dtype(torch.float64)
         self.memory_format = torch.contiguous_format
+        # what model.compile became (src/fast_path.py's compile_choice): a torch.compile mode, or None (eager)
+        self.compile_mode: str | None = None
+        self.compile_why = ""
+        self.cuda_graphs = False  # the compiled network replays CUDA graphs: its outputs live until the next replay
 
     def setup(self, stage: str) -> None:
         channels_last = self.hparams.channels_last
@@ -88,9 +95,19 @@ class ImageClassifier(L.LightningModule):
         resolve_batch_size(self.trainer, self, datamodule)  # data.batch_size=auto: probe now, on the run's device
         if getattr(datamodule, "batch_size_why", None) and self.trainer.is_global_zero:  # what auto became
             record_in_config(self.trainer.default_root_dir, datamodule.batch_size)
-        if self.hparams.compile:
-            if not getattr(self.net, "_compiled_call_impl", None):  # once per process, fit and test alike
-                self.net.compile()  # in place: the state dict keeps its keys, so checkpoints stay interchangeable
+        if not self.compile_why:  # decided once per process: a test after fit keeps fit's choice and its graphs
+            device = self.trainer.strategy.root_device.type
+            steps = None
+            if stage == "fit" and self.hparams.compile == "auto" and device == "cuda":
+                steps = self.trainer.estimated_stepping_batches  # loads the training batches (once, as fit would)
+            self.compile_mode, self.compile_why = compile_choice(
+                self.hparams.compile, device, steps,
+                torch.are_deterministic_algorithms_enabled())  # Lightning sets it for trainer.deterministic
+            if self.compile_mode is not None:
+                # in place: the state dict keeps its keys, so checkpoints stay interchangeable
+                self.net.compile(mode=self.compile_mode)
+                self.cuda_graphs = device == "cuda" and self.compile_mode in ("reduce-overhead", "max-autotune")
+        if self.compile_mode is not None:
             # Lightning tests under inference_mode but validates under no_grad within fit; the two differ in what the
             # compiled graph is guarded on, so a test after fit would compile the network once more
             self.trainer.test_loop.inference_mode = self.trainer.validate_loop.inference_mode = False
@@ -100,6 +117,8 @@ class ImageClassifier(L.LightningModule):
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         images, labels = batch
+        if self.cuda_graphs:  # a new step: the previous step's graph outputs are no longer read
+            torch.compiler.cudagraph_mark_step_begin()
         logits = self(images)
         loss = self.criterion(logits, labels)
         # The epoch's values accumulate in torchmetrics states, exact across ranks and uneven batches, and are reduced
@@ -135,6 +154,8 @@ class ImageClassifier(L.LightningModule):
     def _evaluate(self, batch: tuple[torch.Tensor, torch.Tensor], loss_metric: MeanMetric,
                   acc_metric: MulticlassAccuracy) -> None:
         images, labels = batch
+        if self.cuda_graphs:
+            torch.compiler.cudagraph_mark_step_begin()
         logits = self(self._full_batch(images))[:len(labels)]
         # Plain cross-entropy, so evaluation loss compares across label-smoothing settings; per image, so the mean is
         # exact whatever the batches.
@@ -160,14 +181,19 @@ class ImageClassifier(L.LightningModule):
         images in batches of 128 leave 8) is padded with blank images up to it rather than compiled again. In eval
         mode BatchNorm uses its running statistics, so the padding changes no other image's output."""
         full = getattr(self.trainer.datamodule, "batch_size", None) if self._trainer is not None else None
-        if not self.hparams.compile or full is None or len(images) >= full:
+        if self.compile_mode is None or full is None or len(images) >= full:
             return images
         return torch.cat([images, images.new_zeros((full - len(images), *images.shape[1:]))])
 
     def configure_optimizers(self) -> dict[str, Any]:
         opt = self.hparams.optimizer
+        fused = opt.get("fused", "auto")
+        if fused == "auto":  # one kernel launch for the whole update, where the host is what a step waits for;
+            # not where Lightning's gradient scaler must unscale before clipping (fp16: 16-mixed), which it refuses
+            fused = self.trainer.strategy.root_device.type == "cuda" and not (
+                self.trainer.gradient_clip_val and str(self.trainer.precision).startswith("16"))
         optimizer = torch.optim.SGD(self.parameter_groups(), lr=self.learning_rate(), momentum=opt["momentum"],
-                                    nesterov=opt["nesterov"], weight_decay=opt["weight_decay"])
+                                    nesterov=opt["nesterov"], weight_decay=opt["weight_decay"], fused=fused or None)
         total_steps = self.trainer.estimated_stepping_batches
         per_epoch = max(1, math.ceil(self.trainer.num_training_batches / self.trainer.accumulate_grad_batches))
         schedule = warmup_then_decay(
