@@ -7,8 +7,9 @@ torchrun's environment, a DistributedSampler + DataLoader with per-image crop/fl
 model wrapped in DistributedDataParallel, SGD. Nothing else: no logging, no checkpoints, no metrics. It trains the
 very network and images the project trains (imported from src/). To meet the project at equal settings it also
 takes the project's device-resident batches (``--pipeline device``), DataLoader workers, bf16 autocast,
-channels-last, ``torch.compile`` and no DDP for one process. Writes images/s and the time of its first step as
-JSON; with ``--profile-steps N`` it profiles N steps after the warm-up instead (benchmarks/profile_step.py).
+channels-last, ``torch.compile`` (any mode), SGD's fused update and no DDP for one process. Writes images/s and
+the time of its first step as JSON; with ``--profile-steps N`` it profiles N steps after the warm-up instead
+(benchmarks/profile_step.py).
 """
 
 from __future__ import annotations
@@ -50,7 +51,10 @@ def main() -> None:
     parser.add_argument("--gradient-as-bucket-view", action="store_true", help="DDP's option of that name")
     parser.add_argument("--channels-last", action="store_true")
     parser.add_argument("--bf16", action="store_true", help="bf16 autocast (GPU, or CPU)")
-    parser.add_argument("--compile", action="store_true", help="torch.compile the network")
+    parser.add_argument("--compile", nargs="?", const="default", default=None, metavar="MODE",
+                        help="torch.compile the network, in torch.compile's MODE "
+                             "(default; reduce-overhead: CUDA graphs)")
+    parser.add_argument("--fused", action="store_true", help="SGD's fused update (one kernel launch)")
     parser.add_argument("--profile-steps", type=int, default=0, help="profile this many steps instead of timing")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
@@ -86,11 +90,13 @@ def main() -> None:
     memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
     model = build_resnet(args.arch).to(device, memory_format=memory_format)
     if args.compile:
-        model.compile()  # in place, as the project's model.compile=true does, then wrapped in DDP
+        model.compile(mode=args.compile)  # in place, as the project's model.compile does, then wrapped in DDP
+    cuda_graphs = cuda and args.compile in ("reduce-overhead", "max-autotune")
     if not args.no_ddp:
         model = DistributedDataParallel(model, device_ids=[local_rank] if cuda else None,
                                         gradient_as_bucket_view=args.gradient_as_bucket_view)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, nesterov=True, weight_decay=5e-4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, nesterov=True, weight_decay=5e-4,
+                                fused=args.fused or None)
     criterion = torch.nn.CrossEntropyLoss(label_smoothing=0.1)
 
     profile = None
@@ -111,6 +117,8 @@ def main() -> None:
                 profile.next_step(step == args.warmup)
             x = x.to(device, non_blocking=True).contiguous(memory_format=memory_format)
             y = y.to(device, non_blocking=True)
+            if cuda_graphs:  # the previous step's graph outputs are no longer read
+                torch.compiler.cudagraph_mark_step_begin()
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):
                 with span("forward"):
                     logits = model(x)

@@ -70,11 +70,11 @@ class Setting:
     pipeline: str      # device | dataloader
     workers: int       # DataLoader worker processes (dataloader)
     ddp: bool
-    compile: bool
+    compile: str | None  # a torch.compile mode, or None: eager
 
     def columns(self) -> list[str]:
         data = "device" if self.pipeline == "device" else f"DataLoader, {self.workers} workers"
-        return [data, "DDP" if self.ddp else "no DDP", "compiled" if self.compile else "eager"]
+        return [data, "DDP" if self.ddp else "no DDP", f"compiled {self.compile}" if self.compile else "eager"]
 
 
 BARE_DEFAULTS = ["DataLoader, 0 workers", "DDP", "eager"]  # bare_ddp.py as it comes, as the seed script has it
@@ -107,7 +107,7 @@ def project_command(args: argparse.Namespace, s: Setting, cuda: bool, run_dir: P
                "trainer.max_epochs=1", f"trainer.limit_train_batches={args.warmup + args.steps}",
                "trainer.limit_val_batches=1", "trainer.num_sanity_val_steps=0", "test=false",
                f"callbacks.throughput_record.warmup_steps={args.warmup}", f"data.pipeline={s.pipeline}",
-               f"data.num_workers={s.workers}", f"model.compile={str(s.compile).lower()}", f"hydra.run.dir={run_dir}"]
+               f"data.num_workers={s.workers}", f"model.compile={s.compile or 'false'}", f"hydra.run.dir={run_dir}"]
     return command + ([] if cuda else ["trainer.accelerator=cpu"])
 
 
@@ -123,7 +123,8 @@ def bare_command(args: argparse.Namespace, s: Setting, cuda: bool, result: Path,
     chosen = auto_choice(cuda, args.arch)
     command += [f"--pipeline={s.pipeline}", f"--workers={s.workers}"]
     command += [] if s.ddp else ["--no-ddp"]
-    command += ["--compile"] if s.compile else []
+    command += [f"--compile={s.compile}"] if s.compile else []
+    command += ["--fused"] if cuda else []  # the project's model.optimizer.fused=auto: on CUDA
     command += ["--bf16"] if chosen.precision == "bf16-mixed" else []
     command += ["--channels-last"] if chosen.channels_last else []
     # the project's strategy.gradient_as_bucket_view=auto: on for CUDA (src/distributed.py)
@@ -163,7 +164,9 @@ def main() -> int:
                         help="data paths, each run on both sides; the first is the one in the ratio line")
     parser.add_argument("--ddp", choices=("auto", "always"), default="auto",
                         help="auto: DDP from 2 processes on (the project's strategy=auto); always: one process too")
-    parser.add_argument("--compile", action="store_true", help="torch.compile the network on both sides")
+    parser.add_argument("--compile", nargs="?", const="default", default=None, metavar="MODE",
+                        help="torch.compile the network on both sides, in torch.compile's MODE (default; "
+                             "reduce-overhead: with CUDA graphs)")
     parser.add_argument("--equal-only", action="store_true", help="leave out the bare loop's own defaults")
     parser.add_argument("--timeout", type=float, default=600, help="seconds allowed for each run")
     parser.add_argument("--out", type=Path, default=ROOT / "outputs" / "bench")
@@ -214,7 +217,7 @@ def main() -> int:
         print(f"| {processes} | {label} | {' | '.join(columns)} | {number_format} | "
               f"{best[processes, side, pipeline]:.1f} | {every} | {ratio} | {launch:.1f} |")
         rows.append({"processes": processes, "run": label, "data": columns[0], "ddp": columns[1] == "DDP",
-                     "compiled": columns[2] == "compiled", "number_format": number_format,
+                     "compiled": columns[2].startswith("compiled"), "number_format": number_format,
                      "images_per_second": best[processes, side, pipeline],
                      "all_runs": [r["images_per_second"] for r in runs], "vs_bare": vs_bare, "launch_s": launch})
     ratios = {p: best[p, "project", pipelines[0]] / best[p, "bare", pipelines[0]] for p in world_sizes}

@@ -41,6 +41,8 @@ ESTIMATE_S = {"env": (25, 0), "nccl": (40, 15), "deterministic": (55, 25), "resu
               "two-rank": (45, 20), "tests": (130, 20), "throughput": (155, 40), "compile": (100, 120),
               "bench": (60, 25)}
 RUN_ESTIMATE_S = (25, 10)  # one src.train run of the throughput table
+COMPILE_RUN_ESTIMATE_S = (110, 120)  # one compiled run, its compilation cold (inductor's cache empty)
+COMPILE_MODE = "reduce-overhead"  # what model.compile=auto compiles a long GPU fit with (src/fast_path.py)
 KILL_GRACE_S = 10  # after SIGTERM at a timeout (a run then writes last.ckpt), before SIGKILL
 LAUNCH_VARS = ("RANK", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -242,8 +244,10 @@ class GpuCheck:
                      timeout or self.sizes.command_timeout_s)
         return run_dir
 
-    def base(self, batch: int, steps: int, warmup: int | None = None, processes: int = 1) -> list[str]:
-        """One epoch of ``steps`` steps of ``batch`` synthetic images per process, no test, one validation batch."""
+    def base(self, batch: int, steps: int, warmup: int | None = None, processes: int = 1, compile: str = "false"
+             ) -> list[str]:
+        """One epoch of ``steps`` steps of ``batch`` synthetic images per process, no test, one validation batch;
+        eager unless ``compile`` names a torch.compile mode (model.compile=auto would stay eager this short anyway)."""
         s = self.sizes
         images = (steps + 1) * batch * processes + batch
         overrides = ["data=synthetic", f"data.num_train={images}", f"data.val_size={batch}",
@@ -251,7 +255,8 @@ class GpuCheck:
                      f"trainer.accelerator={s.accelerator}", "trainer.devices=1", f"backend={s.backend}",
                      f"trainer.precision={s.precision}", "model.channels_last=true", "trainer.max_epochs=1",
                      f"trainer.limit_train_batches={steps}", "trainer.limit_val_batches=1",
-                     "trainer.num_sanity_val_steps=0", "test=false", "trainer.enable_model_summary=false"]
+                     "trainer.num_sanity_val_steps=0", "test=false", "trainer.enable_model_summary=false",
+                     f"model.compile={compile}"]
         if warmup is not None:
             overrides.append(f"callbacks.throughput_record.warmup_steps={warmup}")
         return overrides
@@ -395,12 +400,14 @@ class GpuCheck:
         if self.cuda and counts.get("skipped"):
             step["note"] = (step.get("note", "") + f" {counts['skipped']} skipped on a GPU: the log says why").strip()
 
-    def throughput_run(self, step: dict[str, Any], pipeline: str, batch: int, compiled: bool) -> dict[str, Any]:
+    def throughput_run(self, step: dict[str, Any], pipeline: str, batch: int, compiled: str | None = None
+                       ) -> dict[str, Any]:
+        """One row of the table: eager, or ``compiled`` in that torch.compile mode."""
         s = self.sizes
         name = f"throughput-{pipeline}-{batch}{'-compiled' if compiled else ''}"
-        row: dict[str, Any] = {"pipeline": pipeline, "batch": batch, "compiled": compiled, "status": "passed"}
-        overrides = [*self.base(batch, s.warmup + s.steps, warmup=s.warmup), f"data.pipeline={pipeline}"]
-        overrides += ["model.compile=true"] if compiled else []
+        row: dict[str, Any] = {"pipeline": pipeline, "batch": batch, "compiled": compiled or False, "status": "passed"}
+        overrides = [*self.base(batch, s.warmup + s.steps, warmup=s.warmup, compile=compiled or "false"),
+                     f"data.pipeline={pipeline}"]
         timeout = s.compile_timeout_s if compiled else s.command_timeout_s
         try:
             r = self.record(self.train(step, name, overrides, timeout))
@@ -422,23 +429,28 @@ class GpuCheck:
                     rows.append({"pipeline": pipeline, "batch": batch, "compiled": False, "status": "skipped",
                                  "note": "the time budget ran out"})
                     continue
-                rows.append(self.throughput_run(step, pipeline, batch, compiled=False))
+                rows.append(self.throughput_run(step, pipeline, batch))
                 step["figures"] = {"rows": rows}
         step["figures"] = {"rows": rows}
         self.finish_table(step, rows)
 
     def step_compile(self, step: dict[str, Any]) -> None:
-        eager = [r for r in self.table_rows() if r["pipeline"] == "device" and r.get("images_per_second")]
-        batch = max(eager, key=lambda r: r["images_per_second"])["batch"] if eager else self.sizes.batches[
-            len(self.sizes.batches) // 2]
-        row = self.throughput_run(step, "device", batch, compiled=True)
-        same = [r for r in eager if r["batch"] == batch]
-        if same and row.get("images_per_second"):
-            row["vs_eager"] = row["images_per_second"] / same[0]["images_per_second"]
-        step["figures"] = {"rows": [row]}
-        step["note"] = (f"the best eager batch of the device pipeline: {batch}" if eager
-                        else f"no eager row to pick the best batch from: batch {batch}")
-        self.finish_table(step, [row])
+        """The device pipeline's rows again, compiled as model.compile=auto compiles a long fit on a GPU (CUDA
+        graphs), each batch against its eager row; a batch the budget has no room for is skipped."""
+        eager = {r["batch"]: r for r in self.table_rows() if r["pipeline"] == "device" and r.get("images_per_second")}
+        rows = []
+        for batch in self.sizes.batches:
+            if self.left() < COMPILE_RUN_ESTIMATE_S[not self.cuda]:
+                rows.append({"pipeline": "device", "batch": batch, "compiled": COMPILE_MODE, "status": "skipped",
+                             "note": "the time budget ran out"})
+                continue
+            row = self.throughput_run(step, "device", batch, compiled=COMPILE_MODE)
+            if batch in eager and row.get("images_per_second"):
+                row["vs_eager"] = row["images_per_second"] / eager[batch]["images_per_second"]
+            rows.append(row)
+            step["figures"] = {"rows": rows}
+        step["figures"] = {"rows": rows}
+        self.finish_table(step, rows)
 
     def finish_table(self, step: dict[str, Any], rows: list[dict[str, Any]]) -> None:
         done = [r for r in rows if r["status"] == "passed"]
@@ -551,7 +563,7 @@ class GpuCheck:
                       f"| data.pipeline | batch per {'GPU' if self.cuda else 'process'} | compiled | img/s | {memory} "
                       "| checkpoint share | status |", "|---|---:|---|---:|---:|---:|---|"]
             for r in rows:
-                lines.append(f"| {r['pipeline']} | {r['batch']} | {'yes' if r['compiled'] else 'no'} "
+                lines.append(f"| {r['pipeline']} | {r['batch']} | {r['compiled'] or 'no'} "
                              f"| {fmt(r.get('images_per_second'))} | {fmt(r.get('peak_memory_mb'), 0)} "
                              f"| {fmt(r.get('checkpoint_share'), 3)} | {r['status']} |")
         for st in self.steps:

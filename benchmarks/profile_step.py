@@ -1,7 +1,7 @@
 """``make profile``: where a steady-state training step's time goes, the project's against the bare loop's.
 
     python benchmarks/profile_step.py [--arch resnet50] [--batch-size 256] [--pipeline device|dataloader]
-                                      [--compile] [--processes 1] [--ddp auto|always] [--steps 20] [--warmup 30]
+                                      [--compile [MODE]] [--processes 1] [--ddp auto|always] [--steps 20] [--warmup 30]
                                       [--out outputs/profile]
 
 Both sides run at the equal settings of ``make bench`` (benchmarks/bench.py): the project as
@@ -206,7 +206,8 @@ def main() -> int:
     parser.add_argument("--arch", default="resnet50")
     parser.add_argument("--batch-size", type=int, default=256 if cuda else 32, help="per process")
     parser.add_argument("--pipeline", choices=("device", "dataloader"), default="device")
-    parser.add_argument("--compile", action="store_true", help="torch.compile the network on both sides")
+    parser.add_argument("--compile", nargs="?", const="default", default=None, metavar="MODE",
+                        help="torch.compile the network on both sides, in torch.compile's MODE")
     parser.add_argument("--processes", type=int, default=1)
     parser.add_argument("--ddp", choices=("auto", "always"), default="auto",
                         help="auto: DDP from 2 processes on; always: one process too")
