@@ -32,7 +32,8 @@ class CompileProbe(L.Callback):
     def _mark(self, at: str) -> None:
         from torch._dynamo.utils import counters
 
-        self.marks.append({"at": at, "graphs": counters["stats"]["unique_graphs"]})
+        self.marks.append({"at": at, "graphs": counters["stats"]["unique_graphs"],
+                           "cudagraph_skips": counters["inductor"]["cudagraph_skips"]})
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._mark(f"epoch {trainer.current_epoch}")

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SAMPLE = ROOT.parent / "shared" / "data" / "cifar10-sample"
+# the CIFAR-10 sample beside the project; CIFAR10_SAMPLE=DIR names another copy (a GPU node without ../shared)
+SAMPLE = Path(os.environ.get("CIFAR10_SAMPLE") or ROOT.parent / "shared" / "data" / "cifar10-sample")
 
 # A run that exercises every part in seconds on a CPU: small ResNet, batch of 4, 2 steps (any dataset).
 FAST_RUN = [

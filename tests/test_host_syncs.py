@@ -64,7 +64,9 @@ def test_the_probe_names_every_kind_of_wait_on_device_tensors_and_none_on_host_t
     ("cpu", ["trainer.accelerator=cpu", "strategy=ddp", "trainer.devices=2"]),
     pytest.param("cuda", ["trainer.accelerator=gpu", "trainer.devices=1"],
                  marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none here)")),
-], ids=["cpu-one-process", "cpu-ddp-2", "cuda-sync-debug-error"])
+    pytest.param("cuda", ["trainer.accelerator=gpu", "trainer.devices=1", "model.compile=reduce-overhead"],
+                 marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none here)")),
+], ids=["cpu-one-process", "cpu-ddp-2", "cuda-sync-debug-error", "cuda-graphs-sync-debug-error"])
 def test_steady_state_training_steps_wait_for_the_device_only_at_log_steps(tmp_path, device, layout):
     result = train(*PROBED, *layout, f"hydra.run.dir={tmp_path}", f"+callbacks.host_syncs.out={tmp_path}/syncs.json")
     assert result.returncode == 0, output(result)[-3000:]  # on CUDA a wait raises under set_sync_debug_mode("error")
