@@ -205,6 +205,7 @@ class ThroughputRecorder(L.Callback):
             "warmup_steps": self._warmup,
             "epoch_time_s": sum(self._epoch_times) / len(self._epoch_times) if self._epoch_times else float("nan"),
             "epochs": len(self._epoch_times),
+            "epoch_times_s": self._epoch_times,  # each epoch with its validation: the first holds any compilation
             "steps": trainer.global_step - self._start_step,
             "fit_time_s": fit_time,
             "checkpoints_saved": saved,
