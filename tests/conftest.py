@@ -7,11 +7,14 @@ import pickle
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 import pytest
+
+from tests import budget, warm
 
 ROOT = Path(__file__).resolve().parents[1]
 # the CIFAR-10 sample beside the project; CIFAR10_SAMPLE=DIR names another copy (a GPU node without ../shared)
@@ -29,16 +32,16 @@ FAST = ["data=synthetic", "data.num_train=96", "data.num_test=16", *FAST_RUN]
 
 def run_module(module: str, *overrides: str, env: dict[str, str] | None = None, timeout: float = 300,
                background: bool = False, prefix: Sequence[str] = ()):
-    """Run ``python -m <module> overrides...`` from the project root, as a user would (``prefix``: e.g. taskset)."""
+    """Run ``python -m <module> overrides...`` from the project root, as a user would (``prefix``: e.g. taskset);
+    started warm where that cannot differ (tests/warm.py)."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     for key in ("RANK", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         if env is None or key not in env:
             full_env.pop(key, None)
     cmd = [*prefix, sys.executable, "-m", module, *overrides]
     if background:
-        return subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True)
-    return subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
+        return warm.popen(cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    return warm.run(cmd, cwd=ROOT, env=full_env, timeout=timeout)
 
 
 def train(*overrides: str, **kwargs):
@@ -111,10 +114,12 @@ def running(pid: int) -> bool:
 
 
 def cmdline(pid: int) -> str:
+    """``pid``'s command line, words joined by spaces; for a warm start (tests/warm.py), the one it runs as."""
     try:
-        return Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")
+        text = Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")
     except OSError:
         return ""
+    return warm.recorded_cmdline(pid) if " -m tests.warm " in text else text
 
 
 @pytest.fixture(autouse=True)
@@ -156,3 +161,24 @@ def exported_sample_model(sample_checkpoint, tmp_path_factory) -> tuple[Path, st
                         f"hydra.run.dir={out}/run")
     assert result.returncode == 0, output(result)[-4000:]
     return out, output(result)
+
+
+# ------------------------------------------------------------------------------------------------- the time budget
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """``-n auto`` (make test): a worker per core this process may use, at most 8 (each has its warm parent,
+    tests/warm.py, about 1 GB)."""
+    return max(1, min(len(os.sched_getaffinity(0)), 8))
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    session.config._budget_start = time.monotonic()  # type: ignore[attr-defined]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    budget.mark_fast(items)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    budget.judge(session, time.monotonic() - session.config._budget_start)  # type: ignore[attr-defined]

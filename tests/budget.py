@@ -1,0 +1,122 @@
+"""The suite's time budget (docs/development.md, The suite's time), and the inner loop's selection.
+
+The whole suite gets BUDGET_S of pytest on the reference CPU. A slower CPU gets more, by the ratio of the seconds
+it takes for a fixed piece of work (a few ResNet-18 training steps on two threads: the kind of work the suite's
+runs do) to the reference CPU's seconds, both measured, never guessed; a faster one gets no less. A whole-suite
+session past its budget fails, so a new slow test has to pay for itself elsewhere.
+
+``tests/durations.json`` holds the reference CPU's seconds for the fixed work and each test's seconds there (setup,
+call and teardown, under ``make test``'s workers); ``make test-fast`` runs the tests of at most FAST_S and the
+smoke run. ``python -m tests.budget JUNIT_XML`` writes it again from a ``make test`` run's junit report, on the
+reference CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+BUDGET_S = 15 * 60
+DURATIONS = Path(__file__).with_name("durations.json")
+FAST_S = 1.0
+SMOKE = "tests/test_train.py::test_single_process_run_writes_last_and_best_checkpoints_and_the_resolved_config"
+WHOLE_SUITE_MIN_TESTS = 100  # fewer collected: a subset, not judged
+
+
+def fixed_work_s() -> float:
+    """6 training steps of ResNet-18 (CIFAR stem) on 16 images of 32x32 in fp32, 2 threads: the best of three."""
+    import torch
+
+    from src.models.resnet import build_resnet
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        torch.manual_seed(0)
+        net = build_resnet("resnet18", 10, "cifar")
+        opt = torch.optim.SGD(net.parameters(), lr=0.01)
+        images, labels = torch.randn(16, 3, 32, 32), torch.randint(0, 10, (16,))
+        best = float("inf")
+        for _ in range(3):
+            start = time.perf_counter()
+            for _ in range(6):
+                opt.zero_grad()
+                torch.nn.functional.cross_entropy(net(images), labels).backward()
+                opt.step()
+            best = min(best, time.perf_counter() - start)
+        return best
+    finally:
+        torch.set_num_threads(threads)
+
+
+def recorded() -> dict:
+    return json.loads(DURATIONS.read_text()) if DURATIONS.is_file() else {}
+
+
+def mark_fast(items: list[pytest.Item]) -> None:
+    """Mark ``fast`` the tests of at most FAST_S on the reference CPU, and the smoke run; a test not measured yet
+    is not fast."""
+    known = recorded().get("tests", {})
+    for item in items:
+        if item.nodeid == SMOKE or known.get(item.nodeid, FAST_S + 1) <= FAST_S:
+            item.add_marker(pytest.mark.fast)
+
+
+def whole_suite(session: pytest.Session) -> bool:
+    config = session.config
+    option = config.option
+    tests = Path(__file__).parent
+    paths = [Path(arg.split("::")[0]).resolve() for arg in config.args]
+    return (session.testscollected >= WHOLE_SUITE_MIN_TESTS and not option.keyword and not option.markexpr
+            and not getattr(option, "deselect", None) and not getattr(option, "lf", False)
+            and all(p == tests for p in paths))
+
+
+def judge(session: pytest.Session, took_s: float) -> None:
+    """In the session that ran the whole suite (not a subset, not an xdist worker): fail it past its budget."""
+    reference = recorded().get("reference_work_s")
+    if (hasattr(session.config, "workerinput") or not reference or not whole_suite(session)
+            or os.environ.get("CIFAR10_DDP_NO_BUDGET") == "1"):
+        return
+    here = fixed_work_s()
+    factor = max(1.0, here / reference)
+    budget = BUDGET_S * factor
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    line = (f"time budget: {took_s / 60:.1f} min of pytest against {budget / 60:.1f} min (15 min on "
+            f"{recorded()['reference_cpu']} x {factor:.2f}: the fixed work took {here:.3f} s here, "
+            f"{reference:.3f} s there)")
+    if reporter is not None:
+        reporter.write_sep("-", line)
+    if took_s > budget and session.exitstatus == 0:
+        if reporter is not None:
+            reporter.write_line("error: the suite ran past its time budget: make the new slow test pay for itself "
+                                "elsewhere (docs/development.md, The suite's time), or CIFAR10_DDP_NO_BUDGET=1 "
+                                "to run without the check", red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def write(junit: Path, cpu: str) -> dict:
+    """tests/durations.json from a junit report of ``make test``: each test's seconds, and the fixed work's here."""
+    tests = {}
+    for case in ET.parse(junit).iter("testcase"):
+        module = case.get("classname", "").replace(".", "/")
+        name = case.get("name", "")
+        if module:
+            tests[f"{module}.py::{name}"] = round(float(case.get("time") or 0), 2)
+    data = {"reference_cpu": cpu, "reference_work_s": round(fixed_work_s(), 4), "measured": time.strftime("%Y-%m-%d"),
+            "tests": dict(sorted(tests.items()))}
+    DURATIONS.write_text(json.dumps(data, indent=1) + "\n")
+    return data
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 3:
+        sys.exit("usage: python -m tests.budget JUNIT_XML 'CPU NAME, N cores' (on the reference CPU)")
+    written = write(Path(sys.argv[1]), sys.argv[2])
+    print(f"{DURATIONS}: {len(written['tests'])} tests, fixed work {written['reference_work_s']} s")

@@ -1,0 +1,44 @@
+"""tests/warm.py: a warm start is the cold start without the imports: the same output and exit status, its own pid,
+its test's process group, its command line where the tests read one; what cannot start warm starts cold."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+from tests import warm
+from tests.conftest import FAST, ROOT, cmdline, descendants, running, train
+
+BAD = ["data=nope", *FAST[1:]]  # Hydra's own error for an unknown group option, after every import
+
+
+def test_a_warm_start_prints_and_exits_as_the_cold_start_does():
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "src.train", *BAD]
+    assert warm.warm_possible(cmd, env) and not warm.warm_possible(cmd, {**env, "CIFAR10_DDP_COLD": "1"})
+    assert not warm.warm_possible(cmd, {**env, "OMP_NUM_THREADS": "1"})  # read when torch loads
+    assert not warm.warm_possible(["python3", *cmd[1:]], env)
+    hot = warm.run(cmd, env=env, cwd=ROOT, timeout=120)
+    cold = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert (hot.returncode, hot.stdout, hot.stderr) == (cold.returncode, cold.stdout, cold.stderr)
+    assert hot.returncode != 0 and "nope" in hot.stderr
+
+
+def test_a_warm_run_is_a_process_of_its_own_in_the_tests_process_group_and_its_ranks_are_its_children(tmp_path):
+    proc = train(*FAST, "strategy=ddp", "trainer.devices=2", "test=false", f"hydra.run.dir={tmp_path}",
+                 background=True)
+    assert isinstance(proc, warm.WarmProcess) and proc.pid != os.getpid()
+    assert os.getpgid(proc.pid) == os.getpgrp()
+    ranks = []
+    while proc.poll() is None and not ranks:
+        ranks = [p for p in descendants(proc.pid) if "src.train" in cmdline(p)]
+        time.sleep(0.05)
+    assert ranks, proc.communicate()[0][-3000:]
+    assert cmdline(proc.pid).startswith(f"{sys.executable} -m src.train ")
+    with open(f"/proc/{ranks[0]}/stat") as stat:
+        assert int(stat.read().rsplit(")", 1)[1].split()[1]) == proc.pid  # the rank's parent is the run itself
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out[-3000:]
+    assert "world size 2" in out and not any(running(p) for p in ranks)

@@ -1,0 +1,456 @@
+"""Warm starts for the tests: ``python -m src.train ...`` without importing torch, Lightning and Hydra each time.
+
+A process that has imported the heavy packages once (and run nothing: no thread pool, no process group) forks a
+child per run; the child takes the test's pipes, environment, working directory and process group, and runs the
+module as ``python -m`` would (``runpy``, ``__main__`` and ``sys.argv`` alike). It is a real process: its own pid,
+signals, exit status and process group; only its start is skipped. Each run's local ranks (``strategy=ddp``) start
+the same way, from spare children the run forks before it runs anything, so they are the run's children as
+``subprocess.Popen`` would make them. ``popen()`` falls back to a cold ``subprocess.Popen`` where a warm start could
+differ: another executable, a variable read when torch or Python load (``OMP_*``, ``TORCH*``, ``LD_*``, ...), or
+``CIFAR10_DDP_COLD=1``. Tests whose subject is the start itself (the launchers, ``/proc``'s command lines) start
+cold. Nothing in ``src/`` knows about this.
+
+``python -m tests.warm SOCKET`` is the parent; ``popen()`` starts it on first use and it ends with the session.
+"""
+
+from __future__ import annotations
+
+import atexit
+import errno
+import inspect
+import io
+import json
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+ROOT = Path(__file__).resolve().parents[1]
+HEAVY = ("numpy", "torch", "torchvision", "lightning.pytorch", "torchmetrics", "hydra", "omegaconf",
+         "torch.utils.tensorboard", "tensorboard.backend.event_processing.event_accumulator")
+# read when Python, torch or its libraries load: a run that sets them differently must start cold
+IMPORT_TIME = ("OMP_", "MKL_", "KMP_", "GOMP_", "OPENBLAS_", "TORCH", "PYTORCH_", "LD_", "MALLOC_", "CUDA_",
+               "TRITON_", "PYTHON")
+KEEP = ("PYTHONUNBUFFERED",)  # the parent runs unbuffered, as every test's run does
+SPARES_MAX = 8  # spare children of one warm run, at most (each a fork: pages shared)
+
+
+def _import_time_env(env: dict[str, str]) -> dict[str, str]:
+    return {k: v for k, v in env.items() if k.startswith(IMPORT_TIME) and k not in KEEP}
+
+
+# ---------------------------------------------------------------------------------------------------------- parent
+
+def serve(path: str) -> dict[str, Any]:
+    """Import, listen, fork a child per request and report each child's exit status on its connection. Returns
+    only in a child, with its request."""
+    import importlib
+
+    for name in HEAVY:
+        importlib.import_module(name)
+    global _RECORDS
+    _RECORDS = os.path.dirname(path)
+    parent = os.getppid()
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path + ".tmp")
+    os.rename(path + ".tmp", path)  # connectable once it has its name
+    listener.listen(64)
+    children: dict[int, socket.socket] = {}
+    while True:
+        if os.getppid() != parent:  # the session ended without saying so
+            os._exit(0)
+        ready, _, _ = select.select([listener], [], [], 0.05)
+        if ready:
+            conn, _ = listener.accept()
+            data, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
+            request = json.loads(data)
+            pid = os.fork()
+            if pid == 0:
+                listener.close()
+                for other in children.values():
+                    other.close()
+                conn.close()
+                request["fds"] = fds
+                return request
+            for fd in fds:
+                os.close(fd)
+            conn.sendall(f"{pid}\n".encode())
+            children[pid] = conn
+        while children:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                break
+            conn = children.pop(pid, None)
+            if conn is not None:
+                try:
+                    conn.sendall(f"{os.waitstatus_to_exitcode(status)}\n".encode())
+                except OSError:
+                    pass
+                conn.close()
+
+
+def become(request: dict[str, Any]) -> None:
+    """In a fresh child: the request's stdio, session or process group, directory and environment; spare children
+    for its local ranks; then the module, as ``python -m`` runs it."""
+    import runpy
+
+    stdin, stdout, stderr = request.pop("fds")
+    for fd, target in ((stdin, 0), (stdout, 1), (stderr, 2)):
+        os.dup2(fd, target)
+    for fd in {stdin, stdout, stderr} - {0, 1, 2}:
+        os.close(fd)
+    if request["new_session"]:
+        os.setsid()
+    else:
+        try:
+            os.setpgid(0, request["pgid"])  # Popen's child stays in its parent's process group
+        except OSError:
+            pass
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    _fork_spares(request["spares"])
+    module, *args = request["argv"]
+    _record(request["argv"])
+    sys.argv = [module, *args]
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
+
+
+_RECORDS = ""  # the parent's folder: the command line each warm process stands for, by pid
+
+
+def _record(argv: Sequence[str]) -> None:
+    """Note the command line this process runs as (/proc shows the parent's: ``python -m tests.warm``)."""
+    Path(_RECORDS, f"{os.getpid()}.cmdline").write_text("\0".join([sys.executable, "-m", *argv]) + "\0")
+
+
+def recorded_cmdline(pid: int) -> str:
+    """For a warm process, the command line it runs as, as /proc/PID/cmdline would give it for a cold start (NULs
+    as spaces); "" for the parent, or a spare that runs nothing yet."""
+    if "path" not in _parent:
+        return ""
+    try:
+        return Path(os.path.dirname(_parent["path"]), f"{pid}.cmdline").read_text().replace("\0", " ")
+    except OSError:
+        return ""
+
+
+# ---------------------------------------------------------------------------------------------- local ranks' starts
+
+_SPARES: list[tuple[int, int]] = []  # (pid, write end of its request pipe)
+
+
+def _fork_spares(count: int) -> None:
+    """``count`` children of this run, forked before it runs anything, each waiting to become a local rank. A spare
+    nobody asks for ends when this process does (its pipe's end)."""
+    for _ in range(min(count, SPARES_MAX)):
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.close(write)
+            for _, other in _SPARES:
+                os.close(other)
+            _SPARES.clear()
+            with os.fdopen(read, "rb") as pipe:
+                data = pipe.read()
+            if not data:
+                os._exit(0)
+            request = json.loads(data)
+            _record(request["argv"])
+            os.chdir(request["cwd"])
+            os.environ.clear()
+            os.environ.update(request["env"])
+            import runpy
+
+            sys.argv = list(request["argv"])
+            try:
+                runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
+            except SystemExit as stop:
+                _exit(stop.code)
+            except BaseException:  # noqa: BLE001 - as the interpreter reports an uncaught exception
+                import traceback
+
+                traceback.print_exc()
+                _exit(1)
+            _exit(0)
+        os.close(read)
+        _SPARES.append((pid, write))
+    if count:
+        import src.launch
+
+        src.launch.subprocess = _SubprocessWithSpares()
+
+
+def _exit(code: Any) -> None:
+    """End a spare turned rank as the interpreter would end it, without unwinding into the run that forked it."""
+    import atexit as _atexit
+
+    if code is None:
+        code = 0
+    elif not isinstance(code, int):
+        print(code, file=sys.stderr)
+        code = 1
+    try:
+        _atexit._run_exitfuncs()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(code)
+
+
+_EXECUTE_CHILD = list(inspect.signature(subprocess.Popen._execute_child).parameters)[1:]
+
+
+class _SparePopen(subprocess.Popen):
+    """``subprocess.Popen`` that hands ``python -m src.X ...`` with inherited stdio to a spare child, if one is
+    left; anything else starts as Popen starts it."""
+
+    def _execute_child(self, *args: Any) -> None:  # noqa: D401 - Popen's own hook
+        a = dict(zip(_EXECUTE_CHILD, args))
+        command = list(a["args"]) if not isinstance(a["args"], (str, bytes)) else None
+        pipes = [a[k] for k in ("p2cread", "p2cwrite", "c2pread", "c2pwrite", "errread", "errwrite")]
+        env = dict(a["env"] if a["env"] is not None else os.environ)
+        usable = (_SPARES and command and command[:2] == [sys.executable, "-m"] and command[2].startswith("src.")
+                  and all(p == -1 for p in pipes) and not a["start_new_session"] and a["preexec_fn"] is None
+                  and _import_time_env(env) == _import_time_env(dict(os.environ)))
+        if not usable:
+            return super()._execute_child(*args)
+        pid, write = _SPARES.pop(0)
+        payload = json.dumps({"argv": command[2:], "env": env, "cwd": str(a["cwd"] or os.getcwd())}).encode()
+        with os.fdopen(write, "wb") as pipe:
+            pipe.write(payload)
+        self.pid = pid
+        self._child_created = True
+        return None
+
+
+class _SubprocessWithSpares:
+    """``subprocess`` as src.launch sees it in a warm run: Popen uses the spares."""
+
+    Popen = _SparePopen
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(subprocess, name)
+
+
+# ---------------------------------------------------------------------------------------------------------- client
+
+_parent: dict[str, Any] = {}
+
+
+def _socket_path() -> str:
+    if "path" not in _parent:
+        folder = tempfile.mkdtemp(prefix="warm-")
+        path = os.path.join(folder, "parent.sock")
+        env = {k: v for k, v in os.environ.items()
+               if k not in ("RANK", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+        env["PYTHONUNBUFFERED"] = "1"
+        proc = subprocess.Popen([sys.executable, "-m", "tests.warm", path], cwd=ROOT, env=env,
+                                stdin=subprocess.DEVNULL)
+        _parent.update(path=path, proc=proc, env=env)
+        atexit.register(_stop_parent)
+    path, proc = _parent["path"], _parent["proc"]
+    deadline = time.monotonic() + 300
+    while not os.path.exists(path):
+        if proc.poll() is not None:
+            raise RuntimeError(f"the warm parent exited with {proc.returncode} before it listened")
+        if time.monotonic() > deadline:
+            raise RuntimeError("the warm parent did not listen within 300 s")
+        time.sleep(0.02)
+    return path
+
+
+def _stop_parent() -> None:
+    proc = _parent.get("proc")
+    if proc is not None and proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+def warm_possible(cmd: Sequence[str], env: dict[str, str]) -> bool:
+    """Whether ``cmd`` with ``env`` can start warm: ``sys.executable -m src.X`` and the same import-time variables
+    as the parent's."""
+    if os.environ.get("CIFAR10_DDP_COLD") == "1" or env.get("CIFAR10_DDP_COLD") == "1":
+        return False
+    if len(cmd) < 3 or cmd[0] != sys.executable or cmd[1] != "-m" or not cmd[2].startswith(("src.", "src")):
+        return False
+    base = _parent.get("env") or {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return _import_time_env(env) == _import_time_env(base)
+
+
+def local_ranks(overrides: Sequence[str]) -> int:
+    """Spare children a ``src.train``/``src.eval`` command line may use as local ranks (``strategy=ddp``): the devices
+    beyond the first; in a sweep (``-m``), that many for each of up to SPARES_MAX jobs."""
+    devices, strategies, multirun = [1], [], False
+    for item in overrides:
+        if item in ("-m", "--multirun"):
+            multirun = True
+        key, _, value = item.partition("=")
+        if key == "trainer.devices":
+            devices = [int(v) for v in value.split(",") if v.strip().isdigit()] or [1]
+        if key == "strategy":
+            strategies = value.split(",")
+    if strategies and all(s == "ddp_spawn" for s in strategies):
+        return 0
+    extra = max(devices) - 1
+    return min(SPARES_MAX, extra * SPARES_MAX if multirun else extra)
+
+
+class WarmProcess:
+    """What ``subprocess.Popen`` gives, for a child of the warm parent: pid, pipes, poll, wait, communicate,
+    signals. Its exit status comes from the parent, which reaps it."""
+
+    def __init__(self, cmd: Sequence[str], env: dict[str, str], cwd: str | os.PathLike, stdout: Any, stderr: Any,
+                 text: bool, start_new_session: bool) -> None:
+        self.args = list(cmd)
+        self.returncode: int | None = None
+        self.stdin = None
+        r_out = w_out = r_err = w_err = None
+        if stdout == subprocess.PIPE:
+            r_out, w_out = os.pipe()
+        if stderr == subprocess.PIPE:
+            r_err, w_err = os.pipe()
+        out_fd = w_out if w_out is not None else (stdout.fileno() if hasattr(stdout, "fileno") else 1)
+        if stderr == subprocess.STDOUT:
+            err_fd = out_fd
+        else:
+            err_fd = w_err if w_err is not None else (stderr.fileno() if hasattr(stderr, "fileno") else 2)
+        request = {"argv": self.args[2:], "env": env, "cwd": str(cwd), "new_session": start_new_session,
+                   "pgid": os.getpgrp(),
+                   "spares": local_ranks(self.args[3:]) if self.args[2] in ("src.train", "src.eval") else 0}
+        self._conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._conn.connect(_socket_path())
+        socket.send_fds(self._conn, [json.dumps(request).encode()], [0, out_fd, err_fd])
+        for fd in (w_out, w_err):
+            if fd is not None:
+                os.close(fd)
+        self._buffer = b""
+        self.pid = int(self._read_line(None))
+        wrap = (lambda fd: io.open(fd, "r", errors="replace")) if text else (lambda fd: io.open(fd, "rb"))
+        self.stdout = wrap(r_out) if r_out is not None else None
+        self.stderr = wrap(r_err) if r_err is not None else None
+
+    def _read_line(self, timeout: float | None) -> str | None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while b"\n" not in self._buffer:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready, _, _ = select.select([self._conn], [], [], left)
+            if not ready:
+                return None
+            chunk = self._conn.recv(64)
+            if not chunk:
+                raise RuntimeError(f"the warm parent went away while {self.args} ran")
+            self._buffer += chunk
+        line, self._buffer = self._buffer.split(b"\n", 1)
+        return line.decode()
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            line = self._read_line(0)
+            if line is not None:
+                self.returncode = int(line)
+                self._conn.close()
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            line = self._read_line(timeout)
+            if line is None:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            self.returncode = int(line)
+            self._conn.close()
+        return self.returncode
+
+    def communicate(self, input: Any = None, timeout: float | None = None) -> tuple[Any, Any]:  # noqa: A002
+        """Read both pipes to their ends, then wait; a timeout leaves what was read for the next call."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if not hasattr(self, "_read"):
+            self._read = {"out": [], "err": []}
+        streams = {s.fileno(): (key, s) for key, s in (("out", self.stdout), ("err", self.stderr))
+                   if s is not None and not s.closed}
+        while streams:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            ready, _, _ = select.select(list(streams), [], [], left)
+            for fd in ready:
+                key, stream = streams[fd]
+                try:
+                    chunk = os.read(fd, 1 << 16)
+                except OSError as err:
+                    if err.errno != errno.EINTR:
+                        raise
+                    continue
+                if chunk:
+                    self._read[key].append(chunk)
+                else:
+                    stream.close()
+                    del streams[fd]
+        self.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        text = isinstance(self.stdout or self.stderr, io.TextIOWrapper)
+
+        def joined(key: str, stream: Any) -> Any:
+            if stream is None:
+                return None
+            data = b"".join(self._read[key])
+            return data.decode(errors="replace") if text else data
+
+        return joined("out", self.stdout), joined("err", self.stderr)
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def __enter__(self) -> "WarmProcess":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for stream in (self.stdout, self.stderr):
+            if stream is not None:
+                stream.close()
+        self.wait()
+
+
+def popen(cmd: Sequence[str], *, env: dict[str, str], cwd: str | os.PathLike, stdout: Any = None,
+          stderr: Any = None, text: bool = True, start_new_session: bool = False) -> Any:
+    """``subprocess.Popen(cmd, ...)``, warm where that cannot differ (see the module's docstring)."""
+    if warm_possible(cmd, env):
+        return WarmProcess(cmd, env, cwd, stdout, stderr, text, start_new_session)
+    return subprocess.Popen(list(cmd), cwd=cwd, env=env, stdout=stdout, stderr=stderr, text=text,
+                            start_new_session=start_new_session)
+
+
+def run(cmd: Sequence[str], *, env: dict[str, str], cwd: str | os.PathLike, timeout: float | None = None
+        ) -> subprocess.CompletedProcess:
+    """``subprocess.run(cmd, capture_output=True, text=True, timeout=...)``, warm where possible. At the timeout
+    the process is killed and TimeoutExpired raised, as subprocess.run does."""
+    proc = popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        raise
+    return subprocess.CompletedProcess(list(cmd), proc.returncode, out, err)
+
+
+if __name__ == "__main__":
+    become(serve(sys.argv[1]))
