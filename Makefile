@@ -1,5 +1,5 @@
-# make train ARGS="..." | make test | make demo | make bench | make bench-cpu | make recipes | make tensorboard
-# | make gpu-check | make profile | make lock | make audit
+# make train ARGS="..." | make test | make test-fast | make demo | make bench | make bench-cpu | make recipes
+# | make tensorboard | make gpu-check | make profile | make lock | make audit
 # Each target creates .venv and installs the project into it on first use, from requirements.lock with pip checking
 # every file's hash; but gpu-check and profile: they run with the torch at hand (a GPU node's own), the venv's
 # python if there is one, else $(PYTHON); they never pip.
@@ -19,7 +19,7 @@ PYTEST_ARGS ?=
 # gpu-check and profile: GPU_CHECK_PYTHON=python3.12 make gpu-check picks another interpreter
 GPU_CHECK_PYTHON ?= $(if $(wildcard $(PY)),$(PY),$(PYTHON))
 
-.PHONY: install lock audit train test demo eval tensorboard bench bench-cpu recipes gpu-check profile clean
+.PHONY: install lock audit train test test-fast demo eval tensorboard bench bench-cpu recipes gpu-check profile clean
 
 install: $(VENV)/.installed
 
@@ -102,8 +102,14 @@ train: install
 	$(PY) -m src.train $(ARGS)
 
 ## the test suite (CPU, gloo, a local Slurm cluster where the tests need one)
+## everything, on every core (pytest-xdist; a test file's tests on one worker, in order; TEST_WORKERS=0: one process)
+TEST_WORKERS ?= auto
 test: install
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+
+## the inner loop, in at most 2 minutes: the tests of at most a second (tests/durations.json) and one smoke run
+test-fast: install
+	$(PY) -m pytest -m fast $(PYTEST_ARGS)
 
 ## a short offline tour: synthetic data, two CPU processes with gloo, checkpoint, TensorBoard logs, eval
 ## (src.eval re-tests the checkpoint the training tested, on the same images: the same accuracy, from the file alone)

@@ -6,6 +6,7 @@ or two nodes in network namespaces. Jobs run the project's code from this checko
 
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 import shutil
@@ -18,6 +19,7 @@ import pytest
 from tests.conftest import ROOT
 
 CLUSTER = ROOT / "slurm" / "testcluster"
+CLUSTER_LOCK = Path("/tmp/cifar10-ddp-testcluster.lock")
 TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE",
             "PREEMPTED"}
 
@@ -28,6 +30,7 @@ class Cluster:
     def __init__(self, state_dir: Path, env: dict[str, str]) -> None:
         self.state_dir, self.env = state_dir, env
         self.job_ids: list[str] = []
+        self.lock = None  # the flock on CLUSTER_LOCK this cluster holds
 
     def run(self, *cmd: str, check: bool = True) -> subprocess.CompletedProcess:
         result = subprocess.run(cmd, cwd=ROOT, env=self.env, capture_output=True, text=True, timeout=120)
@@ -68,17 +71,26 @@ def start_cluster(tmp_path_factory, nodes: int):
     if os.geteuid() != 0:
         pytest.skip("the test cluster's daemons run as root")
     state = tmp_path_factory.mktemp(f"slurm{nodes}")
+    # one test cluster at a time on this machine (its ports): make test's other worker waits here for the first
+    lock = open(CLUSTER_LOCK, "w")  # noqa: SIM115 - held until stop_cluster
+    fcntl.flock(lock, fcntl.LOCK_EX)
     started = subprocess.run([str(CLUSTER / "start.sh"), str(state), str(nodes)], capture_output=True, text=True,
                              timeout=600)
     if started.returncode != 0:
         subprocess.run([str(CLUSTER / "stop.sh"), str(state)], capture_output=True, timeout=120)
+        lock.close()
         raise RuntimeError(f"the Slurm test cluster did not start:\n{started.stdout}{started.stderr}")
     conf = re.search(r"export SLURM_CONF=(\S+)", started.stdout).group(1)
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
     env.update({"SLURM_CONF": conf, "PYTHONUNBUFFERED": "1"})
-    return Cluster(state, env)
+    cluster = Cluster(state, env)
+    cluster.lock = lock
+    return cluster
 
 
 def stop_cluster(cluster: Cluster) -> None:
-    subprocess.run([str(CLUSTER / "stop.sh"), str(cluster.state_dir)], capture_output=True, timeout=180)
-    cluster.cleanup_outputs()
+    try:
+        subprocess.run([str(CLUSTER / "stop.sh"), str(cluster.state_dir)], capture_output=True, timeout=180)
+        cluster.cleanup_outputs()
+    finally:
+        cluster.lock.close()
