@@ -105,7 +105,7 @@ train: install
 ## everything, on every core (pytest-xdist; a test file's tests on one worker, in order; TEST_WORKERS=0: one process)
 TEST_WORKERS ?= auto
 test: install
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 ## the inner loop, in at most 2 minutes: the tests of at most a second (tests/durations.json) and one smoke run
 test-fast: install

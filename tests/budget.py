@@ -1,9 +1,9 @@
 """The suite's time budget (docs/development.md, The suite's time), and the inner loop's selection.
 
 The whole suite gets BUDGET_S of pytest on the reference CPU. A slower CPU gets more, by the ratio of the seconds
-it takes for a fixed piece of work (a cold import of torch, Lightning and Hydra, and a few ResNet-18 training steps
-on two threads: what the suite's processes spend their time on) to the reference CPU's seconds, both measured,
-never guessed; a faster one gets no less. A whole-suite
+it takes for a fixed piece of work (a cold ``python -m src.train`` of two ResNet-18 steps: the imports, the
+training at this CPU's precision and the checkpoints, what the suite's processes spend their time on) to the
+reference CPU's seconds, both measured, never guessed; a faster one gets no less. A whole-suite
 session past its budget fails, so a new slow test has to pay for itself elsewhere.
 
 ``tests/durations.json`` holds the reference CPU's seconds for the fixed work and each test's seconds there (setup,
@@ -33,38 +33,24 @@ WHOLE_SUITE_MIN_TESTS = 100  # fewer collected: a subset, not judged
 
 
 def fixed_work_s() -> float:
-    """The fixed work, in seconds: what the suite's runs spend their time on. A cold import of torch, torchvision,
-    Lightning and Hydra in a new interpreter (the start of every cold process), plus 6 training steps of ResNet-18
-    (CIFAR stem) on 16 images of 32x32 in fp32 on 2 threads (the best of three)."""
+    """The fixed work, in seconds: what the suite's processes spend their time on, measured the way a user meets
+    it. A cold ``python -m src.train`` of two training steps of a ResNet-18 (batch 4) on synthetic data, with its
+    validation step, checkpoints and test: the imports, the training at the precision ``auto`` picks on this CPU,
+    the files. The best of two."""
     import subprocess
-    import sys
+    import tempfile
 
-    import torch
+    from tests.conftest import FAST, ROOT
 
-    from src.models.resnet import build_resnet
-
-    began = time.perf_counter()
-    subprocess.run([sys.executable, "-c", "import torch, torchvision, lightning.pytorch, hydra"], check=True,
-                   env={**os.environ, "OMP_NUM_THREADS": "2"})
-    imports = time.perf_counter() - began
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        torch.manual_seed(0)
-        net = build_resnet("resnet18", 10, "cifar")
-        opt = torch.optim.SGD(net.parameters(), lr=0.01)
-        images, labels = torch.randn(16, 3, 32, 32), torch.randint(0, 10, (16,))
-        best = float("inf")
-        for _ in range(3):
-            start = time.perf_counter()
-            for _ in range(6):
-                opt.zero_grad()
-                torch.nn.functional.cross_entropy(net(images), labels).backward()
-                opt.step()
-            best = min(best, time.perf_counter() - start)
-        return imports + best
-    finally:
-        torch.set_num_threads(threads)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
+    best = float("inf")
+    for _ in range(2):
+        with tempfile.TemporaryDirectory() as run_dir:
+            began = time.perf_counter()
+            subprocess.run([sys.executable, "-m", "src.train", *FAST, f"hydra.run.dir={run_dir}"], cwd=ROOT,
+                           env=env, check=True, capture_output=True)
+            best = min(best, time.perf_counter() - began)
+    return best
 
 
 def recorded() -> dict:
@@ -78,6 +64,18 @@ def mark_fast(items: list[pytest.Item]) -> None:
     for item in items:
         if item.nodeid == SMOKE or (known.get(item.nodeid, FAST_S + 1) <= FAST_S and not shares_a_fixture(item)):
             item.add_marker(pytest.mark.fast)
+
+
+def longest_files_first(items: list[pytest.Item]) -> None:
+    """Order the files by their recorded seconds, the longest first, each file's tests in their own order: make
+    test's workers take whole files (``--dist loadfile``) in this order, so no long file starts last while the
+    other workers have nothing left (a file not measured yet goes first)."""
+    seconds: dict[str, float] = {}
+    for nodeid, took in recorded().get("tests", {}).items():
+        seconds[nodeid.split("::")[0]] = seconds.get(nodeid.split("::")[0], 0.0) + took
+    position = {id(item): i for i, item in enumerate(items)}
+    items.sort(key=lambda item: (-seconds.get(item.nodeid.split("::")[0], float("inf")), item.nodeid.split("::")[0],
+                                 position[id(item)]))
 
 
 def shares_a_fixture(item: pytest.Item) -> bool:

@@ -178,6 +178,7 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     budget.mark_fast(items)
+    budget.longest_files_first(items)
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
