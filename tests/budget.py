@@ -37,19 +37,18 @@ def fixed_work_s() -> float:
     it. A cold ``python -m src.train`` of two training steps of a ResNet-18 (batch 4) on synthetic data, with its
     validation step, checkpoints and test: the imports, the training at the precision ``auto`` picks on this CPU,
     the files. The best of two."""
-    import subprocess
     import tempfile
 
-    from tests.conftest import FAST, ROOT
+    from tests.conftest import FAST, run_module
 
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
     best = float("inf")
     for _ in range(2):
         with tempfile.TemporaryDirectory() as run_dir:
             began = time.perf_counter()
-            subprocess.run([sys.executable, "-m", "src.train", *FAST, f"hydra.run.dir={run_dir}"], cwd=ROOT,
-                           env=env, check=True, capture_output=True)
+            result = run_module("src.train", *FAST, f"hydra.run.dir={run_dir}", env={"CIFAR10_DDP_COLD": "1"})
             best = min(best, time.perf_counter() - began)
+            if result.returncode != 0:
+                raise RuntimeError(f"the budget's fixed work failed:\n{result.stdout[-2000:]}{result.stderr[-2000:]}")
     return best
 
 
@@ -57,25 +56,28 @@ def recorded() -> dict:
     return json.loads(DURATIONS.read_text()) if DURATIONS.is_file() else {}
 
 
-def mark_fast(items: list[pytest.Item]) -> None:
+def mark_fast(items: list[pytest.Item], seconds: dict[str, float]) -> None:
     """Mark ``fast`` the tests of at most FAST_S on the reference CPU that share no costly fixture, and the smoke
     run; a test not measured yet is not fast."""
-    known = recorded().get("tests", {})
     for item in items:
-        if item.nodeid == SMOKE or (known.get(item.nodeid, FAST_S + 1) <= FAST_S and not shares_a_fixture(item)):
+        if item.nodeid == SMOKE or (seconds.get(item.nodeid, FAST_S + 1) <= FAST_S and not shares_a_fixture(item)):
             item.add_marker(pytest.mark.fast)
 
 
-def longest_files_first(items: list[pytest.Item]) -> None:
+def longest_files_first(items: list[pytest.Item], seconds: dict[str, float]) -> None:
     """Order the files by their recorded seconds, the longest first, each file's tests in their own order: make
     test's workers take whole files (``--dist loadfile``) in this order, so no long file starts last while the
     other workers have nothing left (a file not measured yet goes first)."""
-    seconds: dict[str, float] = {}
-    for nodeid, took in recorded().get("tests", {}).items():
-        seconds[nodeid.split("::")[0]] = seconds.get(nodeid.split("::")[0], 0.0) + took
+    per_file: dict[str, float] = {}
+    for nodeid, took in seconds.items():
+        per_file[nodeid.split("::")[0]] = per_file.get(nodeid.split("::")[0], 0.0) + took
     position = {id(item): i for i, item in enumerate(items)}
-    items.sort(key=lambda item: (-seconds.get(item.nodeid.split("::")[0], float("inf")), item.nodeid.split("::")[0],
-                                 position[id(item)]))
+
+    def order(item: pytest.Item) -> tuple[float, str, int]:
+        file = item.nodeid.split("::")[0]
+        return -per_file.get(file, float("inf")), file, position[id(item)]
+
+    items.sort(key=order)
 
 
 def shares_a_fixture(item: pytest.Item) -> bool:
@@ -96,14 +98,15 @@ def whole_suite(session: pytest.Session) -> bool:
     option = config.option
     tests = Path(__file__).parent
     paths = [Path(arg.split("::")[0]).resolve() for arg in config.args]
-    return (session.testscollected >= WHOLE_SUITE_MIN_TESTS and not option.keyword and not option.markexpr
-            and not getattr(option, "deselect", None) and not getattr(option, "lf", False)
+    return (session.testscollected >= WHOLE_SUITE_MIN_TESTS and not option.collectonly and not option.keyword
+            and not option.markexpr and not getattr(option, "deselect", None) and not getattr(option, "lf", False)
             and all(p == tests for p in paths))
 
 
 def judge(session: pytest.Session, took_s: float) -> None:
     """In the session that ran the whole suite (not a subset, not an xdist worker): fail it past its budget."""
-    reference = recorded().get("reference_work_s")
+    record = recorded()
+    reference = record.get("reference_work_s")
     if (hasattr(session.config, "workerinput") or not reference or not whole_suite(session)
             or os.environ.get("CIFAR10_DDP_NO_BUDGET") == "1"):
         return
@@ -112,7 +115,7 @@ def judge(session: pytest.Session, took_s: float) -> None:
     budget = BUDGET_S * factor
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     line = (f"time budget: {took_s / 60:.1f} min of pytest against {budget / 60:.1f} min ({BUDGET_S / 60:.0f} min on "
-            f"{recorded()['reference_cpu']} x {factor:.2f}: the fixed work took {here:.3f} s here, "
+            f"{record['reference_cpu']} x {factor:.2f}: the fixed work took {here:.3f} s here, "
             f"{reference:.3f} s there)")
     if reporter is not None:
         reporter.write_sep("-", line)

@@ -177,8 +177,9 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    budget.mark_fast(items)
-    budget.longest_files_first(items)
+    seconds = budget.recorded().get("tests", {})
+    budget.mark_fast(items, seconds)
+    budget.longest_files_first(items, seconds)
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

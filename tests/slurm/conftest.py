@@ -27,10 +27,10 @@ TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_
 class Cluster:
     """Submit to, and read back from, one running test cluster."""
 
-    def __init__(self, state_dir: Path, env: dict[str, str]) -> None:
+    def __init__(self, state_dir: Path, env: dict[str, str], lock) -> None:
         self.state_dir, self.env = state_dir, env
+        self.lock = lock  # the flock on CLUSTER_LOCK this cluster holds until stop_cluster
         self.job_ids: list[str] = []
-        self.lock = None  # the flock on CLUSTER_LOCK this cluster holds
 
     def run(self, *cmd: str, check: bool = True) -> subprocess.CompletedProcess:
         result = subprocess.run(cmd, cwd=ROOT, env=self.env, capture_output=True, text=True, timeout=120)
@@ -83,9 +83,7 @@ def start_cluster(tmp_path_factory, nodes: int):
     conf = re.search(r"export SLURM_CONF=(\S+)", started.stdout).group(1)
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
     env.update({"SLURM_CONF": conf, "PYTHONUNBUFFERED": "1"})
-    cluster = Cluster(state, env)
-    cluster.lock = lock
-    return cluster
+    return Cluster(state, env, lock)
 
 
 def stop_cluster(cluster: Cluster) -> None:
