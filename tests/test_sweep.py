@@ -25,8 +25,10 @@ SWEEP = [*FAST, "trainer.limit_train_batches=3", "test=false"]
 def outputs_snapshot() -> set[Path]:
     """What is under the project's outputs/, but for what make test's other workers write there meanwhile (Slurm
     jobs, torchrun's run dirs)."""
+    runs = ROOT / "outputs" / "runs"
     return {p for p in (ROOT / "outputs").rglob("*")
-            if not p.is_relative_to(ROOT / "outputs" / "slurm") and "torchrun-" not in str(p)}
+            if not p.is_relative_to(ROOT / "outputs" / "slurm") and "torchrun-" not in str(p)
+            and p not in (runs, *runs.glob("*"))}  # the date folder a torchrun run dir goes in (what it holds counts)
 
 
 def assert_no_process_mentions(text: str) -> None:
