@@ -44,6 +44,13 @@ def run_module(module: str, *overrides: str, env: dict[str, str] | None = None, 
     return warm.run(cmd, cwd=ROOT, env=full_env, timeout=timeout)
 
 
+def run_script(script: str, *args: str, env: dict[str, str] | None = None, timeout: float = 300):
+    """``python benchmarks/X.py args...`` from the project root with ``env`` (the whole environment; the tests' own
+    by default), warm where that cannot differ: so are the ``python -m src.*`` runs it starts (tests/warm.py)."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"} if env is None else env
+    return warm.run([sys.executable, script, *args], cwd=ROOT, env=env, timeout=timeout)
+
+
 def train(*overrides: str, **kwargs):
     return run_module("src.train", *overrides, **kwargs)
 
@@ -135,6 +142,18 @@ def _rank_zero_is_restored():
     for function, rank in saved:
         if rank is not None:
             function.rank = rank
+
+
+@pytest.fixture(autouse=True)
+def _environment_is_restored():
+    """What a test's in-process code put in os.environ (src.heartbeat's TORCH_NCCL_* variables, a launcher's
+    MASTER_PORT) is undone after it: left there, it would reach every later run of the worker, and a variable read
+    when torch loads would make each of them start cold (tests/warm.py)."""
+    saved = dict(os.environ)
+    yield
+    if os.environ != saved:
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 @pytest.fixture(scope="session")

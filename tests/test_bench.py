@@ -4,19 +4,15 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 
 from src.fast_path import fast_path
-from tests.conftest import ROOT
+from tests.conftest import ROOT, run_script
 
 
 def test_the_benchmark_compares_the_project_with_the_bare_loop_at_equal_settings_and_ends_with_the_ratio_lines(
         tmp_path):
-    result = subprocess.run([sys.executable, "benchmarks/bench.py", "--arch=resnet18", "--batch-size=4", "--steps=3",
-                             "--warmup=2", "--processes=1", "--repeats=1", "--pipelines=device,dataloader",
-                             f"--out={tmp_path}"], cwd=ROOT, capture_output=True,
-                            text=True, timeout=300)
+    result = run_script("benchmarks/bench.py", "--arch=resnet18", "--batch-size=4", "--steps=3", "--warmup=2",
+                        "--processes=1", "--repeats=1", "--pipelines=device,dataloader", f"--out={tmp_path}")
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     lines = result.stdout.strip().splitlines()
     rows = {tuple(line.strip("| ").split(" | ")[1:3]): line.strip("| ").split(" | ")
@@ -52,9 +48,8 @@ def test_the_benchmark_compares_the_project_with_the_bare_loop_at_equal_settings
 
 def test_the_step_profile_gives_cpu_times_per_step_of_the_project_and_the_bare_loop_and_no_gpu_figures_on_a_cpu(
         tmp_path):
-    result = subprocess.run([sys.executable, "benchmarks/profile_step.py", "--arch=resnet18", "--batch-size=4",
-                             "--steps=3", "--warmup=2", f"--out={tmp_path}"], cwd=ROOT, capture_output=True, text=True,
-                            timeout=300)
+    result = run_script("benchmarks/profile_step.py", "--arch=resnet18", "--batch-size=4", "--steps=3", "--warmup=2",
+                        f"--out={tmp_path}")
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     profile = json.loads((tmp_path / "profile.json").read_text())
     for side in ("project (src.train)", "bare loop"):
@@ -70,10 +65,10 @@ def test_the_step_profile_gives_cpu_times_per_step_of_the_project_and_the_bare_l
 
 
 def test_the_precision_comparison_trains_fp32_and_bf16_alike_and_reports_their_test_accuracy(sample_root, tmp_path):
-    result = subprocess.run([sys.executable, "benchmarks/compare_recipes.py", "--compare=precision", "--epochs=1",
-                             "--arch=resnet18", "--seeds=7", f"--root={sample_root}", f"--out={tmp_path}", "--",
-                             "data.batch_size=8", "trainer.limit_train_batches=2", "trainer.limit_val_batches=1",
-                             "trainer.limit_test_batches=2"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    result = run_script("benchmarks/compare_recipes.py", "--compare=precision", "--epochs=1", "--arch=resnet18",
+                        "--seeds=7", f"--root={sample_root}", f"--out={tmp_path}", "--", "data.batch_size=8",
+                        "trainer.limit_train_batches=2", "trainer.limit_val_batches=1", "trainer.limit_test_batches=2",
+                        timeout=600)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     rows = [line.strip("| ").split(" | ") for line in result.stdout.splitlines() if line.startswith(("| fp32", "| bf16"))]
     assert [row[0] for row in rows] == ["fp32", "bf16"]

@@ -17,14 +17,13 @@ import torch
 
 from benchmarks.gpu_check import STEPS, GpuCheck, StepFailed, tail
 from src.fast_path import cpu_model
-from tests.conftest import ROOT, cmdline, descendants, running
+from tests.conftest import ROOT, cmdline, descendants, run_script, running
 
 
 def gpu_check(*args: str, device: str | None = "cpu", timeout: float = 600) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "GPU_CHECK_DEVICE"}
     env.update({"GPU_CHECK_DEVICE": device} if device else {})
-    return subprocess.run([sys.executable, "benchmarks/gpu_check.py", *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    return run_script("benchmarks/gpu_check.py", *args, env=env, timeout=timeout)
 
 
 def test_the_cpu_mode_runs_every_step_and_reports_each_with_its_status_seconds_commands_and_figures(tmp_path):

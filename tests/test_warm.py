@@ -42,3 +42,13 @@ def test_a_warm_run_is_a_process_of_its_own_in_the_tests_process_group_and_its_r
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0, out[-3000:]
     assert "world size 2" in out and not any(running(p) for p in ranks)
+
+
+def test_a_variable_set_in_process_by_one_test_1_of_2():
+    os.environ["TORCH_CIFAR10_DDP_LEAK_CHECK"] = "1"  # as src.heartbeat sets TORCH_NCCL_* in-process
+
+
+def test_a_variable_set_in_process_by_one_test_is_gone_for_the_next_2_of_2():
+    """Left there, it would make every later run of the worker start cold (it is read when torch loads)."""
+    assert "TORCH_CIFAR10_DDP_LEAK_CHECK" not in os.environ
+    assert warm.warm_possible([sys.executable, "-m", "src.train"], {**os.environ, "PYTHONUNBUFFERED": "1"})

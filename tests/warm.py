@@ -37,7 +37,9 @@ HEAVY = ("numpy", "torch", "torchvision", "lightning.pytorch", "torchmetrics", "
 # read when Python, torch or its libraries load: a run that sets them differently must start cold
 IMPORT_TIME = ("OMP_", "MKL_", "KMP_", "GOMP_", "OPENBLAS_", "TORCH", "PYTORCH_", "LD_", "MALLOC_", "CUDA_",
                "TRITON_", "PYTHON")
-KEEP = ("PYTHONUNBUFFERED",)  # the parent runs unbuffered, as every test's run does
+# the parent runs unbuffered, as every test's run does; torch and Lightning set the others in the tests' own process
+# (a CUDA count, inductor's config) and read them when they run, not when they load
+KEEP = ("PYTHONUNBUFFERED", "PYTORCH_NVML_BASED_CUDA_CHECK", "TORCHINDUCTOR_CACHE_DIR")
 SPARES_MAX = 8  # spare children of one warm run, at most (each a fork: pages shared)
 
 
@@ -77,6 +79,7 @@ def serve(path: str) -> dict[str, Any]:
                     other.close()
                 conn.close()
                 request["fds"] = fds
+                request["socket"] = path
                 return request
             for fd in fds:
                 os.close(fd)
@@ -100,7 +103,7 @@ def serve(path: str) -> dict[str, Any]:
 
 def become(request: dict[str, Any]) -> None:
     """In a fresh child: the request's stdio, session or process group, directory and environment; spare children
-    for its local ranks; then the module, as ``python -m`` runs it."""
+    for its local ranks; then the module, as ``python -m`` runs it, or the script, as ``python SCRIPT`` does."""
     import runpy
 
     stdin, stdout, stderr = request.pop("fds")
@@ -119,10 +122,18 @@ def become(request: dict[str, Any]) -> None:
     os.environ.clear()
     os.environ.update(request["env"])
     _fork_spares(request["spares"])
-    module, *args = request["argv"]
     _record(request["argv"])
-    sys.argv = [module, *args]
-    runpy.run_module(module, run_name="__main__", alter_sys=True)
+    if request["argv"][0] == "-m":
+        sys.argv = request["argv"][1:]
+        runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
+    else:  # python SCRIPT: sys.path[0] is the script's folder
+        global _SOCKET
+        _SOCKET = request["socket"]
+        # a benchmark's own python -m src.X runs start warm too (a run of src.train keeps its ranks its children)
+        subprocess.Popen = _ParentPopen
+        sys.argv = list(request["argv"])
+        sys.path[0] = os.path.dirname(os.path.abspath(sys.argv[0]))
+        runpy.run_path(sys.argv[0], run_name="__main__")
 
 
 _RECORDS = ""  # the parent's folder: the command line each warm process stands for, by pid
@@ -130,7 +141,7 @@ _RECORDS = ""  # the parent's folder: the command line each warm process stands 
 
 def _record(argv: Sequence[str]) -> None:
     """Note the command line this process runs as (/proc shows the parent's: ``python -m tests.warm``)."""
-    Path(_RECORDS, f"{os.getpid()}.cmdline").write_text("\0".join([sys.executable, "-m", *argv]) + "\0")
+    Path(_RECORDS, f"{os.getpid()}.cmdline").write_text("\0".join([sys.executable, *argv]) + "\0")
 
 
 def recorded_cmdline(pid: int) -> str:
@@ -165,7 +176,7 @@ def _fork_spares(count: int) -> None:
             if not data:
                 os._exit(0)
             request = json.loads(data)
-            _record(request["argv"])
+            _record(["-m", *request["argv"]])
             os.chdir(request["cwd"])
             os.environ.clear()
             os.environ.update(request["env"])
@@ -245,16 +256,88 @@ class _SubprocessWithSpares:
         return getattr(subprocess, name)
 
 
+# ------------------------------------------------------------------------------------- what a warm run starts itself
+
+_SOCKET = ""  # in a warm run: its parent's socket
+
+
+def _comparable(env: dict[str, str]) -> dict[str, str]:
+    """The import-time variables, PYTHONPATH without the project's root (``python -m`` from the root has it first
+    on sys.path already: benchmarks/bench.py adds it for its bare loop)."""
+    found = _import_time_env(env)
+    if "PYTHONPATH" in found:
+        rest = [p for p in found.pop("PYTHONPATH").split(os.pathsep) if p and Path(p).resolve() != ROOT]
+        found.update({"PYTHONPATH": os.pathsep.join(rest)} if rest else {})
+    return found
+
+
+class _ParentPopen(subprocess.Popen):
+    """``subprocess.Popen`` inside a warm run (make gpu-check, a benchmark): ``python -m src.X ...`` starts warm,
+    forked by the parent. It is not this process's child: its exit status comes on the connection the request went
+    on, and wait/poll read it there. Anything else starts as Popen starts it."""
+
+    _conn: socket.socket | None = None
+
+    def _execute_child(self, *args: Any) -> None:  # noqa: D401 - Popen's own hook
+        a = dict(zip(_EXECUTE_CHILD, args))
+        command = list(a["args"]) if not isinstance(a["args"], (str, bytes)) else []
+        env = dict(a["env"] if a["env"] is not None else os.environ)
+        usable = (_SOCKET and len(command) > 2 and command[:2] == [sys.executable, "-m"]
+                  and command[2].startswith("src.") and a["executable"] is None and not a["shell"]
+                  and a["preexec_fn"] is None and not a["pass_fds"]
+                  and _comparable(env) == _comparable(dict(os.environ)))
+        if not usable:
+            return super()._execute_child(*args)
+        group = a.get("process_group", -1)
+        pgid = os.getpgrp() if group is None or group < 0 else group  # 0: a group of its own, as Popen makes it
+        fds = [a["p2cread"] if a["p2cread"] != -1 else 0, a["c2pwrite"] if a["c2pwrite"] != -1 else 1,
+               a["errwrite"] if a["errwrite"] != -1 else 2]
+        self._conn = _request(command, env, a["cwd"] or os.getcwd(), bool(a["start_new_session"]), pgid, fds,
+                              _SOCKET)
+        self._status = b""
+        self._close_pipe_fds(*(a[k] for k in ("p2cread", "p2cwrite", "c2pread", "c2pwrite", "errread", "errwrite")))
+        while not self._status.endswith(b"\n"):
+            self._status += self._conn.recv(1)
+        self.pid = int(self._status)
+        self._status = b""
+        self._child_created = True
+        return None
+
+    def _try_wait(self, wait_flags: int) -> tuple[int, int]:
+        if self._conn is None:
+            return super()._try_wait(wait_flags)
+        while not self._status.endswith(b"\n"):
+            if wait_flags and not select.select([self._conn], [], [], 0)[0]:
+                return 0, 0
+            chunk = self._conn.recv(16)
+            if not chunk:
+                raise RuntimeError(f"the warm parent went away while {self.args} ran")
+            self._status += chunk
+        code = int(self._status)
+        return self.pid, (-code if code < 0 else code << 8)  # a wait status, as waitpid gives it
+
+    def _internal_poll(self, _deadstate: Any = None, **_: Any) -> int | None:
+        if self._conn is None:
+            return super()._internal_poll(_deadstate=_deadstate)
+        if self.returncode is None:
+            pid, status = self._try_wait(os.WNOHANG)
+            if pid == self.pid:
+                self._handle_exitstatus(status)
+        return self.returncode
+
+
 # ---------------------------------------------------------------------------------------------------------- client
 
 _parent: dict[str, Any] = {}
+# the environment the session started with: the parent imports under it whatever a test has set by then
+_SESSION_ENV = dict(os.environ)
 
 
 def _socket_path() -> str:
     if "path" not in _parent:
         folder = tempfile.mkdtemp(prefix="warm-")
         path = os.path.join(folder, "parent.sock")
-        env = {k: v for k, v in os.environ.items()
+        env = {k: v for k, v in _SESSION_ENV.items()
                if k not in ("RANK", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
         env["PYTHONUNBUFFERED"] = "1"
         proc = subprocess.Popen([sys.executable, "-m", "tests.warm", path], cwd=ROOT, env=env,
@@ -284,10 +367,31 @@ def warm_possible(cmd: Sequence[str], env: dict[str, str]) -> bool:
     as the parent's."""
     if os.environ.get("CIFAR10_DDP_COLD") == "1" or env.get("CIFAR10_DDP_COLD") == "1":
         return False
-    if len(cmd) < 3 or cmd[0] != sys.executable or cmd[1] != "-m" or not cmd[2].startswith(("src.", "src")):
+    if not startable(cmd):
         return False
-    base = _parent.get("env") or {**os.environ, "PYTHONUNBUFFERED": "1"}
+    base = _parent.get("env") or {**_SESSION_ENV, "PYTHONUNBUFFERED": "1"}
     return _import_time_env(env) == _import_time_env(base)
+
+
+def startable(cmd: Sequence[str]) -> bool:
+    """``sys.executable -m src.X ...`` or ``sys.executable benchmarks/X.py ...`` (a script of the project)."""
+    if len(cmd) < 2 or cmd[0] != sys.executable:
+        return False
+    if cmd[1] == "-m":
+        return len(cmd) > 2 and cmd[2].startswith("src.")
+    return cmd[1].endswith(".py") and Path(ROOT, cmd[1]).resolve().parent == ROOT / "benchmarks"
+
+
+def _request(cmd: Sequence[str], env: dict[str, str], cwd: Any, new_session: bool, pgid: int, fds: list[int],
+             path: str) -> socket.socket:
+    """Ask the parent at ``path`` to start ``cmd`` with stdio ``fds``; the connection its pid and status come on."""
+    module = cmd[2] if cmd[1] == "-m" else ""
+    request = {"argv": list(cmd[1:]), "env": env, "cwd": str(cwd), "new_session": new_session, "pgid": pgid,
+               "spares": local_ranks(cmd[3:]) if module in ("src.train", "src.eval") else 0}
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    conn.connect(path)
+    socket.send_fds(conn, [json.dumps(request).encode()], fds)
+    return conn
 
 
 def local_ranks(overrides: Sequence[str]) -> int:
@@ -327,12 +431,8 @@ class WarmProcess:
             err_fd = out_fd
         else:
             err_fd = w_err if w_err is not None else (stderr.fileno() if hasattr(stderr, "fileno") else 2)
-        request = {"argv": self.args[2:], "env": env, "cwd": str(cwd), "new_session": start_new_session,
-                   "pgid": os.getpgrp(),
-                   "spares": local_ranks(self.args[3:]) if self.args[2] in ("src.train", "src.eval") else 0}
-        self._conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._conn.connect(_socket_path())
-        socket.send_fds(self._conn, [json.dumps(request).encode()], [0, out_fd, err_fd])
+        self._conn = _request(self.args, env, cwd, start_new_session, os.getpgrp(), [0, out_fd, err_fd],
+                              _socket_path())
         for fd in (w_out, w_err):
             if fd is not None:
                 os.close(fd)
