@@ -152,6 +152,8 @@ class HydraDDPStrategy(DDPStrategy):
         if launcher_pid is not None:  # a started rank: it must not outlive the process that started it
             supervision.watch_launcher(self.node_rank * self.num_processes + self.local_rank, launcher_pid)
         try:
+            if not torch.distributed.is_initialized():  # sockets run out as the group forms: say so before
+                check_open_files(self.global_rank, self.world_size)
             if self.num_nodes == 1:
                 keep_to_loopback()
             if torchrun.active() and not torch.distributed.is_initialized():  # fit forms it; test reuses it
@@ -211,6 +213,34 @@ class HydraDDPStrategy(DDPStrategy):
 
 
 LOOPBACK = "127.0.0.1"
+OPEN_FILES_SPARE = 256  # what a rank opens besides its sockets: libraries, logs, checkpoints, DataLoader pipes
+
+
+def open_files_needed(rank: int, world_size: int) -> int:
+    """The descriptors a rank of ``world_size`` holds at most: a socket to every other rank (gloo's full mesh:
+    the stop agreement's group, and the process group's on the CPU), its own store connections (three), and on
+    rank 0, the store's host, every rank's three."""
+    sockets = 2 * (world_size - 1) + 3 + (3 * world_size if rank == 0 else 0)
+    return sockets + OPEN_FILES_SPARE
+
+
+def check_open_files(rank: int, world_size: int) -> None:
+    """Raise this process's open-file limit to what ``world_size`` needs, up to the hard limit; past that, one
+    line naming the number, before the group forms (a rank out of descriptors fails in gloo or the store with a
+    message that does not say why)."""
+    import resource
+
+    needed = open_files_needed(rank, world_size)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= needed:
+        return
+    if hard == resource.RLIM_INFINITY or hard >= needed:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (needed, hard))
+        return
+    raise UserError(f"rank {rank} of a world of {world_size} needs about {needed} open files (a socket to every rank"
+                    f"{', and the store of every rank' if rank == 0 else ''}), but ulimit -n allows {hard} at most "
+                    f"here: raise the hard limit to {needed} or more (limits.conf, the container's --ulimit "
+                    "nofile=, or srun --propagate=NOFILE after ulimit -n in the batch script)")
 
 
 def keep_to_loopback() -> None:

@@ -2,8 +2,9 @@
 
 The training thread only bumps a Python counter and swaps a string at hooks Lightning calls anyway (no device
 tensor is read, so nothing waits for a GPU); the hang watch's thread publishes them. Every rank makes the same
-marks in the same order, so the rank whose count is behind the others' is the one they wait for. A checkpoint
-being written counts as progress while its file grows.
+marks in the same order, so the rank whose count is behind the others' is the one they wait for. Only marks every
+rank makes alike count there: validation and test batches, which shards make uneven (one rank may have a batch more
+than another), move a rank but not its place. A checkpoint being written counts as progress while its file grows.
 
 ``kill -USR2 PID`` writes every thread's Python stack to that process's log file (faulthandler, so even a
 process stuck in C code answers) and says where on the console. On CUDA, NCCL's flight recorder keeps the last
@@ -31,10 +32,11 @@ NCCL_TRACE_ENTRIES = 2000  # collectives each rank's flight recorder keeps (a fe
 
 
 class Progress:
-    """This rank's place: ``tick`` counts marks (the same sequence on every rank), the rest says what it is."""
+    """This rank's place: ``position`` counts the marks every rank makes alike (compared across ranks), ``tick``
+    every mark (any change is progress); the rest says what it is."""
 
     def __init__(self) -> None:
-        self.tick, self.step, self.epoch = 0, 0, 0
+        self.tick, self.position, self.step, self.epoch = 0, 0, 0, 0
         self.phase = "starting"
         self.writing: Path | None = None  # a checkpoint this rank is writing
 
@@ -56,12 +58,14 @@ class Progress:
 PROGRESS = Progress()
 
 
-def mark(phase: str, trainer: Any = None) -> None:
-    """Record that this rank has reached ``phase`` (and, with ``trainer``, its step and epoch)."""
+def mark(phase: str, trainer: Any = None, alike: bool = True) -> None:
+    """Record that this rank has reached ``phase`` (and, with ``trainer``, its step and epoch). ``alike``: every
+    rank makes this mark as often (not so a validation or test batch: shards differ by a batch)."""
     if trainer is not None:
         PROGRESS.step, PROGRESS.epoch = trainer.global_step, trainer.current_epoch
     PROGRESS.phase = phase
     PROGRESS.tick += 1
+    PROGRESS.position += alike
 
 
 def _marked(phase: Callable[..., str], call: Callable[..., Any], trainer: Any, writes: bool = False
@@ -107,8 +111,12 @@ def progress_callback() -> Any:
         def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
             mark("at the end of a training step", trainer)
 
-        def on_validation_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        def on_validation_start(self, trainer: L.Trainer, *args: Any) -> None:
             mark("in the sanity check's validation" if trainer.sanity_checking else "in validation", trainer)
+
+        def on_validation_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+            mark("in the sanity check's validation" if trainer.sanity_checking else "in validation", trainer,
+                 alike=False)
 
         def on_validation_end(self, trainer: L.Trainer, *args: Any) -> None:
             mark("after validation", trainer)
@@ -116,8 +124,14 @@ def progress_callback() -> Any:
         def on_train_epoch_end(self, trainer: L.Trainer, *args: Any) -> None:
             mark("at the end of the epoch", trainer)
 
-        def on_test_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        def on_test_start(self, trainer: L.Trainer, *args: Any) -> None:
             mark("in the test", trainer)
+
+        def on_test_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+            mark("in the test", trainer, alike=False)
+
+        def on_test_end(self, trainer: L.Trainer, *args: Any) -> None:
+            mark("after the test", trainer)
 
     return ProgressReport()
 

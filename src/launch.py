@@ -283,12 +283,12 @@ def child_command() -> tuple[list[str], str]:
 
 
 def _rank_from_env() -> str | None:
-    """Global rank set by a launcher (torchrun's RANK, srun's SLURM_PROCID), if any."""
+    """Global rank set by a launcher (torchrun's RANK, srun's SLURM_PROCID, mpirun's and jsrun's), if any."""
     if "RANK" in os.environ:
         return os.environ["RANK"]
     if "SLURM_STEP_ID" in os.environ:  # inside srun, not the batch script
         return os.environ.get("SLURM_PROCID")
-    return None
+    return next((os.environ[key] for key in supervision.LAUNCHER_RANKS if key in os.environ), None)
 
 
 def is_launch_rank_zero() -> bool:

@@ -44,6 +44,8 @@ from typing import Any, Callable, NoReturn, Sequence
 from src import torchrun
 from src.errors import EXIT_FAILED, EXIT_USER_ERROR
 
+# the global rank each launcher gives its processes: mpirun (Open MPI; MPICH and Intel MPI's PMI), LSF's jsrun
+LAUNCHER_RANKS = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "JSM_NAMESPACE_RANK")
 POLL_S = 0.25
 SEEN_WAIT_S = 5.0  # how long a failing store host waits for the others to read the record before it goes
 DONE_WAIT_S = 10.0  # ... and, at a good end, for the others to stop watching
@@ -341,7 +343,7 @@ class HangWatch:
         from src import heartbeat
 
         progress = heartbeat.PROGRESS
-        return {"tick": progress.tick, "activity": progress.activity(), "where": progress.where(),
+        return {"position": progress.position, "activity": progress.activity(), "where": progress.where(),
                 "waiting": progress.phase.startswith("waiting") or _in_collective(),
                 "step": progress.step, "pulse": self._pulse, "pid": os.getpid(), "host": socket.gethostname(),
                 "log": str(self.log) if self.log else None}
@@ -373,8 +375,8 @@ class HangWatch:
                 worker = threading.Thread(target=self._round, args=(now,), name="hang-watch-store", daemon=True)
                 worker.start()
                 worker.join(self.poll_s)
-            if self._closed or launcher_gone() is not None:
-                return
+            if self._closed or launcher_gone() is not None or not _group_exists():
+                return  # its run is over (a watch outside a run ends quietly)
             if time.monotonic() - self._last_ok >= self.timeout_s:
                 self._store_host_silent((self._seen.get(0) or {}).get("record"), time.monotonic() - self._last_ok)
             time.sleep(self.poll_s)
@@ -412,8 +414,9 @@ class HangWatch:
         if len(self._seen) < self.world_size or now - max(s["moved"] for s in self._seen.values()) < self.timeout_s:
             return
         silent = [r for r, s in self._seen.items() if now - s["beat"] >= max(self.timeout_s / 2, 3 * self.poll_s)]
-        ticks = {r: s["record"]["tick"] for r, s in self._seen.items()}
-        behind = [r for r, t in ticks.items() if t == min(ticks.values())] if len(set(ticks.values())) > 1 else []
+        # where each rank is among the marks every rank makes alike: the lowest is the one the others wait for
+        places = {r: s["record"]["position"] for r, s in self._seen.items()}
+        behind = [r for r, p in places.items() if p == min(places.values())] if len(set(places.values())) > 1 else []
         # at the same mark, the ranks waiting in a collective wait for the one that is not
         idle = [r for r, s in self._seen.items() if not s["record"]["waiting"]]
         culprits = silent or behind or (idle if len(idle) < self.world_size else [])
@@ -479,6 +482,12 @@ class HangWatch:
         end_run(line if says else None, EXIT_FAILED, publish=False, stuck=stuck)
 
 
+def _group_exists() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
 # Python files whose functions wait for the other ranks: a main thread inside one is in a collective
 _COLLECTIVES = (os.path.join("torch", "distributed", ""), os.path.join("torch", "nn", "parallel", "distributed.py"))
 
@@ -496,15 +505,21 @@ def _in_collective() -> bool:
 
 ANSWER_WAIT_S = 10.0  # how long a judge waits for a stuck rank that can run Python to write its stack
 HANGS: HangWatch | None = None
+_WATCHED: tuple[Any, ...] | None = None  # the process group FAILURES and HANGS watch
 
 
 def watch_failures(rank: int, node_rank: int, local_rank: int, world_size: int, in_sweep: bool = False,
                    hang_timeout_s: float | None = None, run_dir: str | None = None) -> None:
     """Once the process group exists: join the run's failure record and watch it, and (``hang_timeout_s``) watch
     for a rank that hangs (see the module's docstring)."""
-    global FAILURES, HANGS
+    global FAILURES, HANGS, _WATCHED
     if world_size < 2 or "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
         return
+    group = (rank, world_size, os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"], torchrun.attempt_prefix())
+    if FAILURES is not None and group == _WATCHED:  # Lightning sets the group up again for each stage (fit, test)
+        return
+    stop_watching_failures(wait=False)  # an earlier group's (a sweep's previous job): closed, never orphaned
+    _WATCHED = group
     FAILURES = FailureRecord(rank, node_rank, local_rank, world_size, in_sweep)
     FAILURES.watch()
     if hang_timeout_s:
@@ -514,7 +529,8 @@ def watch_failures(rank: int, node_rank: int, local_rank: int, world_size: int, 
 
 def stop_watching_failures(wait: bool = True) -> None:
     """At a good end (or a job's end in a sweep): this rank no longer follows the run's failure record."""
-    global FAILURES, HANGS
+    global FAILURES, HANGS, _WATCHED
+    _WATCHED = None
     if HANGS is not None:
         HANGS.close()
         HANGS = None
@@ -541,6 +557,9 @@ def rank_label() -> str:
         return f"rank {os.environ['RANK']}"
     if "SLURM_STEP_ID" in os.environ and "SLURM_PROCID" in os.environ:
         return f"rank {os.environ['SLURM_PROCID']}"
+    for key in LAUNCHER_RANKS:
+        if key in os.environ:
+            return f"rank {os.environ[key]}"
     node, local = os.environ.get("NODE_RANK", "0"), os.environ.get("LOCAL_RANK", "0")
     return f"rank {local}" if node == "0" else f"node {node} local rank {local}"
 

@@ -24,6 +24,11 @@ log = logging.getLogger("src.train")
 @handle_errors
 def main(cfg: DictConfig) -> float | None:
     """Train; return the best validation accuracy (what a sweep's search maximises)."""
+    if cfg.get("dry_run"):  # one rank's view of the configured world, on torch's fake process group: nothing trains
+        from src.dry_run import run as dry_run
+
+        dry_run(cfg)
+        return None
     start_local_ranks(cfg.strategy, cfg.ckpt_path)
     import lightning as L
     from hydra.utils import instantiate
@@ -60,6 +65,8 @@ def main(cfg: DictConfig) -> float | None:
     # every rank, before the ranks meet: a missing dataset is downloaded once while the others wait, however long it
     # takes (the rendezvous would time out); missing or bad data fails here
     datamodule.prepare_data()
+    if hasattr(datamodule, "test_after_fit"):  # a test shard that cannot work fails before training, not after
+        datamodule.test_after_fit = bool(cfg.test)
     trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=not cfg.ckpt_trusted)
     best = getattr(trainer.checkpoint_callback, "best_model_path", None) or None
     pruned, metrics = pruned_at(trainer), None

@@ -4,6 +4,7 @@ and exit code 130, and a second Ctrl-C quits at once."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -16,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import FAST, ROOT, cmdline, descendants, free_port, running, train
+from tests.conftest import FAST, ROOT, cmdline, descendants, free_port, output, running, train
 from tests.test_supervision import LONG, error_lines, finish, last_step, rank_pids, start_and_wait_for_step
 
 HANG_S = 6
@@ -175,6 +176,39 @@ def test_ctrl_c_in_a_sweep_stops_the_job_and_says_the_same_command_resumes_it(tm
     assert (f"the sweep stopped at job 0: run the same command again (with hydra.sweep.dir={tmp_path}) to resume it: "
             "finished jobs are skipped and job 0 goes on from its last.ckpt") in out
     assert not (tmp_path / "1").exists() and "Traceback" not in out
+
+
+# 9 validation images at batch 4: rank 0's shard has 2 batches, rank 1's has 1 (the sanity check's too); 4 steps an epoch
+UNEVEN = [*FAST, "data.num_train=41", "data.val_size=9", "trainer.limit_val_batches=null", "trainer.limit_train_batches=null",
+          "trainer.max_epochs=5", "callbacks.last_checkpoint.every_n_train_steps=2", "callbacks.progress_bar=null",
+          "test=false", f"strategy.hang_timeout_s={HANG_S}", "strategy.timeout_s=120"]
+
+
+@pytest.mark.parametrize("rank", [0, 1])  # the larger validation shard (and the store's host), the smaller
+def test_uneven_validation_shards_over_epochs_do_not_blame_a_waiting_rank(rank, tmp_path):
+    proc = start_and_wait_for_step(tmp_path, 2, *UNEVEN, "+callbacks.fault._target_=tests.faults.SleepAt",
+                                   f"+callbacks.fault.rank={rank}", "+callbacks.fault.step=10", "strategy=ddp",
+                                   "trainer.devices=2", ranks=2)
+    out, seconds = finish(proc, [proc.pid], limit_s=HANG_S + 60)
+    assert proc.returncode == 1 and seconds < HANG_S + 60, out[-3000:]
+    errors = error_lines(out)
+    assert len(errors) == 1 and re.match(rf"error: rank {rank} \(host \S+, pid \d+\) made no progress for \d+ s at step "
+                                         rf"10 of epoch 2, in a training step, while rank {1 - rank} waited for it",
+                                         errors[0]), out[-3000:]
+
+
+def test_a_sweeps_ddp_job_that_tests_leaves_no_watch_behind_to_end_the_next_job(tmp_path):
+    """Lightning sets the process group up again for the test stage: the watchers stay the fit's, and none is left
+    running once the job's store is gone. The single-process job after it (strategy=auto: no process group of its
+    own) runs well past hang_timeout_s."""
+    result = train("-m", *FAST, "data.num_train=320", "trainer.limit_train_batches=null", "test=true",
+                   "callbacks.progress_bar=null", "trainer.devices=2,1", "strategy.timeout_s=60",
+                   "strategy.hang_timeout_s=3", f"hydra.sweep.dir={tmp_path}", timeout=300)
+    out = output(result)
+    assert result.returncode == 0, out[-3000:]
+    assert out.count("] - test accuracy ") == 2, out[-3000:]  # both jobs trained and tested
+    fit = json.loads((tmp_path / "1" / "throughput.json").read_text())["fit_time_s"]
+    assert fit > 3 + 3, f"job 1 trained for {fit:.1f} s only: not past hang_timeout_s"
 
 
 def test_hang_timeout_must_be_a_positive_number_below_timeout_s():

@@ -45,6 +45,32 @@ def eval_transform() -> v2.Compose:
     return v2.Compose([v2.ToDtype(torch.float32, scale=True), v2.Normalize(CIFAR10_MEAN, CIFAR10_STD)])
 
 
+def shard_problems(world: int, batch_size: Any, train: int | None = None, val: int | None = None,
+                   test: int | None = None) -> list[str]:
+    """What ``world`` processes cannot do with the split (the counts given): at least one training step per epoch
+    (batches are whole; shards padded to equal length), and at least one validation and one test image per process
+    (those shards are not padded: a rank without a batch would skip the metrics' reduction)."""
+    problems = []
+    per_rank = None if train is None else -(-train // world)
+    if per_rank is not None and isinstance(batch_size, int) and per_rank < batch_size:
+        problems.append(f"{train} training images over {world} processes are {per_rank} per process, fewer than "
+                        f"data.batch_size={batch_size}: not one training step per epoch (batches are whole); use "
+                        f"data.batch_size={per_rank} or less, fewer processes, or more training images")
+    for count, what, key in ((val, "validation", "data.val_size"), (test, "test", "the test set")):
+        if count is not None and count < world:
+            problems.append(f"{count} {what} images for {world} processes: every process needs at least one; "
+                            f"enlarge {key} or use fewer processes")
+    return problems
+
+
+def check_shards(world: int, batch_size: Any, train: int | None = None, val: int | None = None,
+                 test: int | None = None) -> None:
+    """:func:`shard_problems`' first, as a UserError: every rank checks before any trains."""
+    problems = shard_problems(world, batch_size, train, val, test)
+    if problems:
+        raise UserError(problems[0])
+
+
 class InMemoryImageDataModule(L.LightningDataModule):
     """Subclasses provide :meth:`load`; this class splits, augments and serves the batches.
 
@@ -84,14 +110,22 @@ class InMemoryImageDataModule(L.LightningDataModule):
         self.test_set: ImageTensors | None = None
         self._train_batches: DeviceBatches | None = None
         self._resume_position: dict[str, int] | None = None
+        self.test_after_fit = False  # src.train sets it: the test set's shards are then checked before fitting
 
     def load(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Return train images, train labels, test images, test labels (uint8 NCHW, int64)."""
         raise NotImplementedError
 
     def setup(self, stage: str | None = None) -> None:
-        if self.train_set is not None:
-            return
+        if self.train_set is None:
+            self._split()
+        world = self.trainer.world_size if self.trainer is not None else 1
+        fit = stage in ("fit", None)
+        check_shards(world, self.batch_size, train=len(self.train_set) if fit else None,
+                     val=len(self.val_set) if fit or stage == "validate" else None,
+                     test=len(self.test_set) if stage == "test" or (fit and self.test_after_fit) else None)
+
+    def _split(self) -> None:
         train_x, train_y, test_x, test_y = self.load()
         n_val = self._val_count(len(train_y))
         order = torch.randperm(len(train_y), generator=torch.Generator().manual_seed(self.seed))
@@ -127,18 +161,15 @@ class InMemoryImageDataModule(L.LightningDataModule):
         return [f"class {i}" for i in range(self.num_classes)]
 
     def val_dataloader(self) -> DataLoader | DeviceBatches:
-        return self._evaluation_batches(self.val_set, "validation", "data.val_size")
+        return self._evaluation_batches(self.val_set)
 
     def test_dataloader(self) -> DataLoader | DeviceBatches:
-        return self._evaluation_batches(self.test_set, "test", "the test set")
+        return self._evaluation_batches(self.test_set)
 
-    def _evaluation_batches(self, dataset: ImageTensors | None, what: str, key: str) -> DataLoader | DeviceBatches:
+    def _evaluation_batches(self, dataset: ImageTensors | None) -> DataLoader | DeviceBatches:
         """Each image once across the ranks. Lightning's DistributedSampler pads the shards to equal length with
         repeated images, so an evaluation's figures would depend on the number of processes."""
         world = self.trainer.world_size if self.trainer is not None else 1
-        if dataset is not None and len(dataset) < world:  # a rank without a batch would skip the metrics' reduction
-            raise UserError(f"{len(dataset)} {what} images for {world} processes: every process needs at least one; "
-                            f"enlarge {key} or use fewer processes")
         if self.pipeline == "device":
             return self._device_batches(dataset, pad_shards=False)
         sampler = None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import warnings
 from typing import Any
@@ -23,6 +24,10 @@ DECAYS = ("cosine", "linear", "none")
 # them together): Lightning's advice to reduce them again does not apply.
 warnings.filterwarnings("ignore", message=r"It is recommended to use `self.log\('(train|val|test)/.*sync_dist=True")
 LR_SCALINGS = ("linear", "none")
+# Linear scaling holds up to about 32x the reference batch (Goyal et al. 2017: 256 -> 8k images with warm-up); past it
+# plain SGD tends to diverge, and the run says so with the rate it will use
+LINEAR_SCALING_LIMIT = 32
+log = logging.getLogger(__name__)
 
 
 class ImageClassifier(L.LightningModule):
@@ -222,7 +227,11 @@ class ImageClassifier(L.LightningModule):
         if per_device is None:  # no datamodule to say the batch size: take the rate as given
             return opt["lr"]
         global_batch = per_device * self.trainer.world_size * self.trainer.accumulate_grad_batches
-        return scaled_lr(opt["lr"], opt["lr_scaling"], global_batch, opt["reference_batch_size"])
+        lr = scaled_lr(opt["lr"], opt["lr_scaling"], global_batch, opt["reference_batch_size"])
+        if (opt["lr_scaling"] == "linear" and global_batch > LINEAR_SCALING_LIMIT * opt["reference_batch_size"]
+                and self.trainer.is_global_zero):
+            log.warning(extreme_lr_line(opt["lr"], lr, global_batch, opt["reference_batch_size"]))
+        return lr
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # Every rank builds this dict; only rank zero's reaches the disk, which the tests check.
@@ -230,6 +239,14 @@ class ImageClassifier(L.LightningModule):
         checkpoint["saved_by"] = {"global_rank": self.global_rank, "world_size": self.trainer.world_size,
                                   "batch_size": getattr(self.trainer.datamodule, "batch_size", None),
                                   "accumulate": self.trainer.accumulate_grad_batches}
+
+
+def extreme_lr_line(lr: float, peak: float, global_batch: int, reference_batch: int) -> str:
+    """The warning for a rate linear scaling has taken past ``LINEAR_SCALING_LIMIT`` x the reference batch's."""
+    return (f"linear lr scaling gives a peak lr of {peak:.4g} (model.optimizer.lr={lr:g} x global batch "
+            f"{global_batch} / reference_batch_size {reference_batch}), {global_batch / reference_batch:.0f}x the "
+            f"reference; past {LINEAR_SCALING_LIMIT}x, SGD tends to diverge: consider a lower model.optimizer.lr, "
+            "model.optimizer.lr_scaling=none, a longer model.scheduler.warmup_epochs, or a smaller data.batch_size")
 
 
 def scaled_lr(lr: float, scaling: str, global_batch: int, reference_batch: int) -> float:

@@ -1,0 +1,140 @@
+"""What only shows at many ranks, found before any rank trains: no training step per epoch, a rank without a
+validation or test image, too few open files for the world, and a learning rate linear scaling makes extreme."""
+
+from __future__ import annotations
+
+import logging
+import resource
+from types import SimpleNamespace
+
+import pytest
+
+from src.data.in_memory import check_shards
+from src.distributed import check_open_files, open_files_needed
+from src.errors import UserError
+from src.models.classifier import ImageClassifier
+from tests.conftest import output, train, write_cifar_folder
+
+CIFAR_TRAIN, CIFAR_VAL, CIFAR_TEST = 45_000, 5_000, 10_000
+
+
+def test_cifar10_at_batch_128_has_a_step_per_epoch_up_to_351_ranks_and_none_past_it():
+    check_shards(351, 128, train=CIFAR_TRAIN, val=CIFAR_VAL, test=CIFAR_TEST)  # 129 images each: one step
+    with pytest.raises(UserError, match=r"^45000 training images over 352 processes are 128 per process, fewer "
+                                        r"than data.batch_size=129"):
+        check_shards(352, 129, train=CIFAR_TRAIN)
+    with pytest.raises(UserError, match=r"over 2048 processes are 22 per process, fewer than data.batch_size=128: "
+                                        r"not one training step per epoch .*use data.batch_size=22 or less"):
+        check_shards(2048, 128, train=CIFAR_TRAIN, val=CIFAR_VAL, test=CIFAR_TEST)
+    check_shards(2048, "auto", train=CIFAR_TRAIN)  # not known yet: data.batch_size=auto checks its own choice
+
+
+@pytest.mark.parametrize("what, counts, key", [("validation", {"val": CIFAR_VAL}, "data.val_size"),
+                                               ("test", {"test": CIFAR_TEST}, "the test set")])
+def test_a_rank_without_a_validation_or_test_image_is_refused_before_training(what, counts, key):
+    check_shards(5_000, 8, **counts)  # one image each at 5,000 ranks
+    with pytest.raises(UserError, match=rf"^\d+ {what} images for 16384 processes: every process needs at least "
+                                        rf"one; enlarge {key} or use fewer processes$"):
+        check_shards(16_384, 8, **counts)
+
+
+def test_the_open_files_a_rank_needs_grow_with_the_world_and_rank_zero_holds_every_ranks_store_connections():
+    assert open_files_needed(1, 2) < open_files_needed(0, 2)
+    assert open_files_needed(1, 2048) - open_files_needed(1, 1024) == 2 * 1024
+    assert open_files_needed(0, 2048) - open_files_needed(0, 1024) == 5 * 1024
+
+
+def test_a_soft_open_files_limit_is_raised_to_what_the_world_needs_and_a_hard_one_below_it_is_one_line():
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    needed = open_files_needed(0, 64)
+    if hard != resource.RLIM_INFINITY and hard < needed:
+        pytest.skip(f"ulimit -Hn is {hard} here, below the {needed} of this case")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (needed - 10, hard))
+    try:
+        check_open_files(0, 64)
+        assert resource.getrlimit(resource.RLIMIT_NOFILE) == (needed, hard)
+        check_open_files(5, 64)  # needs fewer: left as it is
+        assert resource.getrlimit(resource.RLIMIT_NOFILE) == (needed, hard)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    if hard == resource.RLIM_INFINITY:
+        pytest.skip("no hard limit on open files here: nothing past it to refuse")
+    world = hard  # rank 0 of a world this large needs five sockets a rank
+    with pytest.raises(UserError, match=rf"^rank 0 of a world of {world} needs about {open_files_needed(0, world)} "
+                                        rf"open files .*ulimit -n allows {hard} at most here: raise the hard limit"):
+        check_open_files(0, world)
+    assert resource.getrlimit(resource.RLIMIT_NOFILE) == (soft, hard)
+
+
+@pytest.mark.parametrize("gpus, warned", [(32, False), (64, True)])
+def test_a_peak_lr_that_linear_scaling_makes_extreme_is_a_warning_with_its_value(gpus, warned, caplog):
+    model = ImageClassifier(arch="resnet18")
+    model._trainer = SimpleNamespace(datamodule=SimpleNamespace(batch_size=128), world_size=gpus,
+                                     accumulate_grad_batches=1, is_global_zero=True)  # 64 GPUs: not here
+    with caplog.at_level(logging.WARNING, logger="src.models.classifier"):
+        assert model.learning_rate() == pytest.approx(0.1 * gpus)
+    lines = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert bool(lines) == warned
+    if warned:
+        assert lines == ["linear lr scaling gives a peak lr of 6.4 (model.optimizer.lr=0.1 x global batch 8192 / "
+                         "reference_batch_size 128), 64x the reference; past 32x, SGD tends to diverge: consider a "
+                         "lower model.optimizer.lr, model.optimizer.lr_scaling=none, a longer "
+                         "model.scheduler.warmup_epochs, or a smaller data.batch_size"]
+
+
+@pytest.fixture(scope="module")
+def cifar_sized(tmp_path_factory):
+    """A folder in CIFAR-10's format and sizes (50,000 training and 10,000 test images), generated."""
+    return write_cifar_folder(tmp_path_factory.mktemp("cifar"), per_batch=10_000)
+
+
+DRY = ["data=cifar10", "data.download=false", "dry_run=true"]
+
+
+def test_a_dry_run_of_2048_ranks_on_this_cpu_gives_rank_zeros_and_the_last_ranks_view_and_says_ready(cifar_sized,
+                                                                                                   tmp_path):
+    result = train(*DRY, f"data.root={cifar_sized}", "trainer.num_nodes=256", "trainer.devices=8",
+                   "data.batch_size=16", f"hydra.run.dir={tmp_path}")
+    out = output(result)
+    assert result.returncode == 0, out[-3000:]
+    lines = result.stdout.splitlines()
+    assert lines[-1] == ("dry run: ready: 2048 processes (256 node(s) x 8), global batch 32768, peak lr 25.6, "
+                         "1 steps per epoch"), out[-3000:]
+    heads = [line for line in lines if line.startswith("dry run: rank ")]
+    assert heads == ["dry run: rank 0 of 2048 (256 node(s) x 8), on torch's fake process group",
+                     "dry run: rank 2047 of 2048 (256 node(s) x 8), on torch's fake process group"]
+    # 45,000 training images: 22 a rank; 5,000 validation images: 3 on rank 0, 2 on rank 2047; 10,000 test: 5 and 4
+    assert "  this rank        22 training images an epoch; 3 validation images (1 batches); 5 test images " \
+           "(1 batches)" in lines
+    assert "  this rank        22 training images an epoch; 2 validation images (1 batches); 4 test images " \
+           "(1 batches)" in lines
+    assert f"  open files       about {open_files_needed(0, 2048)} " in out
+    assert out.count("warning: linear lr scaling gives a peak lr of 25.6 ") == 1
+    assert not list(tmp_path.glob("**/*.ckpt")) and "Traceback" not in out
+
+
+def test_a_dry_run_of_16384_ranks_says_in_its_last_line_what_will_not_work(cifar_sized, tmp_path):
+    result = train(*DRY, f"data.root={cifar_sized}", "trainer.num_nodes=2048", "trainer.devices=8",
+                   "dry_run_rank=16000", f"hydra.run.dir={tmp_path}")
+    out = output(result)
+    assert result.returncode == 2, out[-3000:]
+    assert [line for line in result.stdout.splitlines() if line.startswith("dry run: rank ")] == [
+        "dry run: rank 16000 of 16384 (2048 node(s) x 8), on torch's fake process group"]
+    assert result.stderr.splitlines()[-1] == (
+        "error: dry run: will not work: 45000 training images over 16384 processes are 3 per process, fewer than "
+        "data.batch_size=128: not one training step per epoch (batches are whole); use data.batch_size=3 or less, "
+        "fewer processes, or more training images (and 2 more above)"), out[-3000:]
+    assert "  will not work:   5000 validation images for 16384 processes: every process needs at least one" in out
+
+
+@pytest.mark.parametrize("key", ["OMPI_COMM_WORLD_RANK", "PMI_RANK", "JSM_NAMESPACE_RANK"])
+def test_under_mpirun_or_jsrun_only_the_launchers_rank_zero_takes_itself_for_rank_zero(key, monkeypatch):
+    from src import launch, supervision
+
+    for name in ("RANK", "SLURM_STEP_ID", "LOCAL_RANK", "NODE_RANK", *supervision.LAUNCHER_RANKS):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv(key, "3")  # as the launcher sets it in each process it starts
+    assert not launch.is_launch_rank_zero() and launch.rank_log_suffix() == "_rank3"
+    assert supervision.rank_label() == "rank 3"
+    monkeypatch.setenv(key, "0")
+    assert launch.is_launch_rank_zero() and launch.rank_log_suffix() == ""
