@@ -119,7 +119,9 @@ class InMemoryImageDataModule(L.LightningDataModule):
     def setup(self, stage: str | None = None) -> None:
         if self.train_set is None:
             self._split()
-        world = self.trainer.world_size if self.trainer is not None else 1
+        if self.trainer is None:  # not a run (a look at the data): nothing to check against
+            return
+        world = self.trainer.world_size
         fit = stage in ("fit", None)
         check_shards(world, self.batch_size, train=len(self.train_set) if fit else None,
                      val=len(self.val_set) if fit or stage == "validate" else None,
