@@ -13,7 +13,7 @@ from src.data.in_memory import check_shards
 from src.distributed import check_open_files, open_files_needed
 from src.errors import UserError
 from src.models.classifier import ImageClassifier
-from tests.conftest import output, train, write_cifar_folder
+from tests.conftest import output, run_script, train, write_cifar_folder
 
 CIFAR_TRAIN, CIFAR_VAL, CIFAR_TEST = 45_000, 5_000, 10_000
 
@@ -138,3 +138,34 @@ def test_under_mpirun_or_jsrun_only_the_launchers_rank_zero_takes_itself_for_ran
     assert supervision.rank_label() == "rank 3"
     monkeypatch.setenv(key, "0")
     assert launch.is_launch_rank_zero() and launch.rank_log_suffix() == ""
+
+
+def test_the_ranks_read_the_stop_agreement_every_period_and_a_signal_to_one_stops_all_after_the_same_step(tmp_path):
+    """Real gloo ranks running GracefulStop at each batch end (benchmarks/stop_agreement.py): SIGTERM to the last
+    rank during step 11. Read at every batch, every rank stops after step 12; every 4 batches, after step 16 (sent at
+    the 12th batch end, read at the 16th). With a period of 2 that rank 0 alone finds too short (its reads slow),
+    every rank switches to 4 at the same batch, and a signal during step 22 stops them all after step 28."""
+    result = run_script("benchmarks/stop_agreement.py", "--ranks=2,4", "--steps=40", "--warmup=0", "--step-ms=5",
+                        "--period=4", "--signal-at=10", f"--out={tmp_path}/a", timeout=240)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    stops = [line for line in result.stdout.splitlines() if line.startswith("stop: ")]
+    assert stops == [f"stop: rank {w - 1} of {w} signalled at step 10; every rank stopped after step {s} ({d})"
+                     for w in (2, 4) for s, d in ((12, "every batch, period 1"), (16, "adaptive period, period 4"))]
+    result = run_script("benchmarks/stop_agreement.py", "--ranks=3", "--steps=60", "--warmup=0", "--step-ms=5",
+                        "--period=2", "--ask-longer-at=2", "--signal-at=21", "--designs=adaptive",
+                        f"--out={tmp_path}/b", timeout=240)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.stdout.splitlines()[-1] == ("stop: rank 2 of 3 signalled at step 21; every rank stopped after step "
+                                              "28 (adaptive period, period 4)")
+
+
+def test_a_rank_asks_for_twice_the_period_after_reads_that_waited_and_a_bad_period_is_one_line():
+    from src.callbacks import graceful_stop as gs
+
+    assert not gs.slow_read(0.004, 0.001) and not gs.slow_read(0.01, 0.2) and gs.slow_read(0.05, 0.2)
+    assert gs.wanted_period(4, gs.SLOW_READS - 1) == 4 and gs.wanted_period(4, gs.SLOW_READS) == 8
+    assert gs.wanted_period(gs.MAX_PERIOD, gs.SLOW_READS) == gs.MAX_PERIOD
+    for bad in (0, 65, 1.5, True):
+        with pytest.raises(UserError, match=rf"^callbacks.graceful_stop.period={bad} must be a whole number of "
+                                            r"batches from 1 to 64$"):
+            gs.GracefulStop(period=bad)

@@ -10,6 +10,14 @@ same sum after the same batch, so all stop together, whichever of them was signa
 The same all-reduce carries a second flag: this rank's clock says ``last.ckpt`` is due
 (``callbacks.last_checkpoint.every_n_minutes``). Clocks differ between ranks and the save is collective,
 so every rank saves one batch after any of them found it due: one agreement per batch for both.
+
+One agreement per batch holds while the all-reduce is done by the next batch end, as on a few ranks. Its
+latency grows with the world (gloo's ring: 2 (W - 1) hops, tenths of a second at thousands of ranks) while a
+step does not, so a rank that finds itself waiting for it asks for a longer period: the all-reduce carries a
+third value, the period each rank wants, and every rank reads the same maximum at the same batch and switches
+together. The period doubles after ``SLOW_READS`` agreements in a row that waited longer than a fifth of the
+batches between them (at most ``MAX_PERIOD`` batches), so a stop lands within two periods and a step never waits
+for the all-reduce, at any world size.
 """
 
 from __future__ import annotations
@@ -28,8 +36,24 @@ import torch.distributed as dist
 
 from src import heartbeat, supervision, torchrun
 from src.checkpoints import LAST, LastCheckpoint
+from src.errors import UserError
 
 SAME_PRESS_S = 1.0  # SIGINTs this close together are one Ctrl-C (the terminal's, and ddp_spawn's parent passing it on)
+MAX_PERIOD = 64  # batches between two agreements, at most
+SLOW_READS = 3  # agreements in a row that waited, before a rank asks for twice the period
+MIN_WAIT_S = 0.005  # a wait shorter than this is no reason to wait less often
+
+
+def slow_read(waited_s: float, since_send_s: float) -> bool:
+    """Whether an agreement's read waited long enough to ask for a longer period: over ``MIN_WAIT_S`` and over a fifth
+    of the time since it was sent (the batches of one period)."""
+    return waited_s > max(MIN_WAIT_S, since_send_s / 5)
+
+
+def wanted_period(period: int, slow_reads: int) -> int:
+    """The period a rank asks for: twice the current one after ``SLOW_READS`` slow reads in a row, up to
+    ``MAX_PERIOD``; the agreed one otherwise (the all-reduce takes the largest any rank asks for)."""
+    return min(MAX_PERIOD, period * 2) if slow_reads >= SLOW_READS else period
 
 
 class Terminated(Exception):
@@ -48,7 +72,10 @@ class Terminated(Exception):
 class GracefulStop(L.Callback):
     """Stops training (or testing) at the same batch on every rank after a SIGTERM to any of them."""
 
-    def __init__(self) -> None:
+    def __init__(self, period: int = 1) -> None:
+        if isinstance(period, bool) or not isinstance(period, int) or not 1 <= period <= MAX_PERIOD:
+            raise UserError(f"callbacks.graceful_stop.period={period} must be a whole number of batches from 1 to "
+                            f"{MAX_PERIOD}")
         self._signum: int | None = None
         self._group: Any = None
         self._pending: tuple[torch.Tensor, Any, int] | None = None  # flags, their all-reduce, saves when sent
@@ -58,6 +85,10 @@ class GracefulStop(L.Callback):
         self._rank_zero = True
         self._saved_stop = False  # last.ckpt holds the step this run stopped at
         self._shared_batches = 0  # test batches every rank has
+        self._period = period  # batches between two agreements, the same on every rank (agreed; it may grow)
+        self._batches = 0  # batch ends of this stage
+        self._slow_reads = 0  # agreements in a row that waited
+        self._sent_at = 0.0  # when the pending agreement was sent
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if dist.is_available() and dist.is_initialized() and trainer.world_size > 1 and self._group is None:
@@ -79,9 +110,11 @@ class GracefulStop(L.Callback):
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._install()
+        self._batches = 0
 
     def on_test_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._install()
+        self._batches = 0
         # test shards are not padded (src/data), so a rank may have one batch fewer: agree on the batches all have
         self._shared_batches = sum(trainer.num_test_batches)
         if self._group is not None:
@@ -132,6 +165,8 @@ class GracefulStop(L.Callback):
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
+        if not self._agreement_batch():
+            return
         stop, due = self._agreed(self._last)
         if not stop:
             if due:
@@ -151,6 +186,8 @@ class GracefulStop(L.Callback):
 
     def on_test_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                           batch_idx: int, dataloader_idx: int = 0) -> None:
+        if batch_idx + 1 < self._shared_batches and not self._agreement_batch():
+            return
         stop, _ = self._agreed(None)
         if batch_idx + 1 < self._shared_batches:
             self._send(None)
@@ -160,8 +197,14 @@ class GracefulStop(L.Callback):
             raise Terminated(self._signal_or_sigterm(), f"{what} during the test pass; "
                              "training had finished and its checkpoints are complete")
 
+    def _agreement_batch(self) -> bool:
+        """Whether this batch end reads the last agreement and sends the next: every ``_period``-th one (every one
+        without a group). Every rank counts the same batches, so they agree on which."""
+        self._batches += 1
+        return self._group is None or self._batches % self._period == 0
+
     def _agreed(self, last: LastCheckpoint | None) -> tuple[bool, bool]:
-        """(stop, last.ckpt due) as every rank saw them at the previous batch; this rank's stop now, without a
+        """(stop, last.ckpt due) as every rank saw them at the last agreement; this rank's stop now, without a
         group (a single process's LastCheckpoint then reads its own clock)."""
         if self._group is None:
             return self._signum is not None, False
@@ -170,9 +213,15 @@ class GracefulStop(L.Callback):
         flags, work, saves = self._pending
         self._pending = None
         heartbeat.mark("waiting for the other ranks to agree on stopping and checkpointing")
-        work.wait()
-        stop, due = (bool(flag) for flag in flags.tolist())
-        return stop, due and last is not None and last.saves == saves  # a save since then has reset the clocks
+        waited = 0.0
+        if not work.is_completed():
+            started = time.monotonic()
+            work.wait()
+            waited = time.monotonic() - started
+        stop, due, period = (int(flag) for flag in flags.tolist())
+        self._period = period  # the most any rank asked for: the same everywhere, from this batch on
+        self._slow_reads = self._slow_reads + 1 if slow_read(waited, time.monotonic() - self._sent_at) else 0
+        return bool(stop), bool(due) and last is not None and last.saves == saves  # a save has reset the clocks
 
     def _due_as_agreed(self) -> bool:
         """Whether any rank found last.ckpt due at the last batch end (an epoch's end asks; the next batch still
@@ -184,12 +233,16 @@ class GracefulStop(L.Callback):
         return bool(flags[1]) and self._last.saves == saves
 
     def _send(self, last: LastCheckpoint | None) -> None:
-        """Start the all-reduce of this rank's flags, read at the next batch end."""
+        """Start the all-reduce of this rank's flags and the period it wants, read ``_period`` batches later."""
         if self._group is None:
             return
-        flags = torch.tensor([int(self._signum is not None), int(last is not None and last.due())])
+        wanted = wanted_period(self._period, self._slow_reads)
+        if wanted != self._period:
+            self._slow_reads = 0
+        flags = torch.tensor([int(self._signum is not None), int(last is not None and last.due()), wanted])
         work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
         self._pending = (flags, work, last.saves if last is not None else -1)
+        self._sent_at = time.monotonic()
 
     def _save(self, trainer: L.Trainer) -> Path:
         last = self._last
