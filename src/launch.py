@@ -59,6 +59,20 @@ def check_strategy(name: str, backend: str, timeout_s: Any, accelerator: str, de
     return name, local
 
 
+def check_mpi() -> None:
+    """Under mpirun (Open MPI, MPICH, Intel MPI) every process is a rank already, and Lightning learns which one
+    through mpi4py (its MPIEnvironment). Without mpi4py each would take itself for the only rank: one line instead."""
+    import importlib.util
+
+    size = os.environ.get("OMPI_COMM_WORLD_SIZE") or os.environ.get("PMI_SIZE")
+    if size is None or "SLURM_STEP_ID" in os.environ or "TORCHELASTIC_RUN_ID" in os.environ or size == "1":
+        return
+    if importlib.util.find_spec("mpi4py") is None:
+        raise UserError(f"mpirun started {size} processes, but Lightning reads their ranks through mpi4py, which "
+                        "this Python cannot import: pip install mpi4py (built against your MPI), or start the "
+                        "ranks with srun or torchrun")
+
+
 def start_local_ranks(strategy: Any, ckpt_path: str | None = None) -> None:
     """In the process the user started, start this node's other ranks now, if this run has any (ddp, >1 device).
 
@@ -67,6 +81,7 @@ def start_local_ranks(strategy: Any, ckpt_path: str | None = None) -> None:
     Lightning the ranks exist already (its launcher starts none). Under srun, torchrun and the like, their
     launcher starts them.
     """
+    check_mpi()
     if "LOCAL_RANK" in os.environ:
         return
     if any(key in os.environ for key in _EXTERNAL_LAUNCHERS) and not ranks_started_here_under_slurm():
