@@ -201,7 +201,7 @@ def test_a_sweeps_ddp_job_that_tests_leaves_no_watch_behind_to_end_the_next_job(
     """Lightning sets the process group up again for the test stage: the watchers stay the fit's, and none is left
     running once the job's store is gone. The single-process job after it (strategy=auto: no process group of its
     own) runs well past hang_timeout_s."""
-    result = train("-m", *FAST, "data.num_train=320", "trainer.limit_train_batches=null", "test=true",
+    result = train("-m", *FAST, "data.num_train=240", "trainer.limit_train_batches=null", "test=true",
                    "callbacks.progress_bar=null", "trainer.devices=2,1", "strategy.timeout_s=60",
                    "strategy.hang_timeout_s=3", f"hydra.sweep.dir={tmp_path}", timeout=300)
     out = output(result)
