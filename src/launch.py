@@ -20,7 +20,7 @@ from typing import Any
 
 from src import supervision
 from src.devices import gpu_ids
-from src.errors import UserError
+from src.errors import EXIT_USER_ERROR, UserError
 
 BACKENDS = ("auto", "nccl", "gloo")
 STRATEGIES = ("auto", "ddp", "ddp_spawn")
@@ -68,6 +68,8 @@ def check_mpi() -> None:
     if size is None or "SLURM_STEP_ID" in os.environ or "TORCHELASTIC_RUN_ID" in os.environ or size == "1":
         return
     if importlib.util.find_spec("mpi4py") is None:
+        if (os.environ.get("OMPI_COMM_WORLD_RANK") or os.environ.get("PMI_RANK") or "0") != "0":
+            raise SystemExit(EXIT_USER_ERROR)  # mpirun gathers every process's output: rank 0 says it, once
         raise UserError(f"mpirun started {size} processes, but Lightning reads their ranks through mpi4py, which "
                         "this Python cannot import: pip install mpi4py (built against your MPI), or start the "
                         "ranks with srun or torchrun")

@@ -88,7 +88,7 @@ CASES = {
     "a-rank-without-a-test-image": Case([*FAST, *DDP2, "data.num_test=1", "test=true"],
                                         ["1 test images for 2 processes", "every process needs at least one"]),
     "mpirun-without-mpi4py": Case([*FAST], ["mpirun started 4 processes", "pip install mpi4py", "srun or torchrun"],
-                                  env={"OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_RANK": "2"}),
+                                  env={"OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_RANK": "0"}),
     "batch-size-zero": Case([*FAST, "data.batch_size=0"], ["data.batch_size=0", ">= 1"]),
     "val-size-not-a-fraction": Case([*FAST, "data.val_size=2.0"], ["data.val_size=2.0", "fraction in (0, 1)"]),
     "ckpt-missing": Case([*FAST, "ckpt_path=/nonexistent.ckpt"], ["ckpt_path=/nonexistent.ckpt does not exist"]),

@@ -169,3 +169,10 @@ def test_a_rank_asks_for_twice_the_period_after_reads_that_waited_and_a_bad_peri
         with pytest.raises(UserError, match=rf"^callbacks.graceful_stop.period={bad} must be a whole number of "
                                             r"batches from 1 to 64$"):
             gs.GracefulStop(period=bad)
+
+
+def test_under_mpirun_without_mpi4py_the_other_ranks_exit_quietly_with_rank_zeros_status(tmp_path):
+    """mpirun gathers every process's output: rank 0 prints the one line (tests/test_errors.py), the others none."""
+    result = train("data=synthetic", "trainer.accelerator=cpu", f"hydra.run.dir={tmp_path}",
+                   env={"OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_RANK": "3"}, timeout=120)
+    assert result.returncode == 2 and "error:" not in output(result), output(result)[-3000:]
