@@ -46,7 +46,7 @@ def plan(cfg: DictConfig, rank: int, datamodule: Any, model: Any, world: int) ->
     from src.batch_size import CPU_DEFAULT
     from src.data.in_memory import shard_problems
     from src.distributed import open_files_needed
-    from src.models.classifier import LINEAR_SCALING_LIMIT, extreme_lr_line, scaled_lr
+    from src.models.classifier import extreme_lr_warning, scaled_lr
 
     n_train, n_val, n_test = len(datamodule.train_set), len(datamodule.val_set), len(datamodule.test_set)
     batch = datamodule.batch_size
@@ -57,7 +57,8 @@ def plan(cfg: DictConfig, rank: int, datamodule: Any, model: Any, world: int) ->
     opt = model.hparams.optimizer
     global_batch = batch * world * accumulate
     lr = scaled_lr(opt["lr"], opt["lr_scaling"], global_batch, opt["reference_batch_size"])
-    steps = -(-n_train // world) // batch // accumulate
+    train_images = -(-n_train // world)  # shards padded to equal length
+    steps = train_images // batch // accumulate
     limit = cfg.trainer.get("limit_train_batches")
     if isinstance(limit, int) and not isinstance(limit, bool):
         steps = min(steps, limit // accumulate)
@@ -70,20 +71,19 @@ def plan(cfg: DictConfig, rank: int, datamodule: Any, model: Any, world: int) ->
         cadence.append(f"every {last['every_n_train_steps']} steps")
     if last.get("every_n_minutes"):
         cadence.append(f"every {last['every_n_minutes']} minutes")
-    problems, warnings = shard_problems(world, batch, train=n_train, val=n_val, test=n_test if cfg.test else None), []
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    files = open_files_needed(rank, world)
-    if opt["lr_scaling"] == "linear" and global_batch > LINEAR_SCALING_LIMIT * opt["reference_batch_size"]:
-        warnings.append(extreme_lr_line(opt["lr"], lr, global_batch, opt["reference_batch_size"]))
+    problems = shard_problems(world, batch, train=n_train, val=n_val, test=n_test if cfg.test else None)
+    warning = extreme_lr_warning(opt, global_batch)
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
     return {
         "rank": rank, "world_size": world, "batch_size": batch, "batch_note": batch_note, "accumulate": accumulate,
         "global_batch": global_batch, "peak_lr": lr, "steps_per_epoch": steps,
-        "max_epochs": cfg.trainer.max_epochs, "train_images": -(-n_train // world) if world else 0,
+        "max_epochs": cfg.trainer.max_epochs, "train_images": train_images,
         "val_images": val, "val_batches": math.ceil(val / batch), "test_images": test,
         "test_batches": math.ceil(test / batch),
         "last_checkpoint": ", ".join(cadence) or "at the first and last epoch's end",
-        "open_files": files, "open_files_here": "unlimited" if hard == resource.RLIM_INFINITY else hard,
-        "problems": problems, "warnings": warnings,
+        "open_files": open_files_needed(rank, world),
+        "open_files_here": "unlimited" if hard == resource.RLIM_INFINITY else hard,
+        "problems": problems, "warnings": [] if warning is None else [warning],
     }
 
 

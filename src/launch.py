@@ -68,7 +68,7 @@ def check_mpi() -> None:
     if size is None or "SLURM_STEP_ID" in os.environ or "TORCHELASTIC_RUN_ID" in os.environ or size == "1":
         return
     if importlib.util.find_spec("mpi4py") is None:
-        if (os.environ.get("OMPI_COMM_WORLD_RANK") or os.environ.get("PMI_RANK") or "0") != "0":
+        if (supervision.launcher_rank() or "0") != "0":
             raise SystemExit(EXIT_USER_ERROR)  # mpirun gathers every process's output: rank 0 says it, once
         raise UserError(f"mpirun started {size} processes, but Lightning reads their ranks through mpi4py, which "
                         "this Python cannot import: pip install mpi4py (built against your MPI), or start the "
@@ -299,18 +299,9 @@ def child_command() -> tuple[list[str], str]:
     return entry + overrides, hydra_cfg.runtime.cwd
 
 
-def _rank_from_env() -> str | None:
-    """Global rank set by a launcher (torchrun's RANK, srun's SLURM_PROCID, mpirun's and jsrun's), if any."""
-    if "RANK" in os.environ:
-        return os.environ["RANK"]
-    if "SLURM_STEP_ID" in os.environ:  # inside srun, not the batch script
-        return os.environ.get("SLURM_PROCID")
-    return next((os.environ[key] for key in supervision.LAUNCHER_RANKS if key in os.environ), None)
-
-
 def is_launch_rank_zero() -> bool:
     """True in the process that owns the run dir, judged before any process group exists."""
-    rank = _rank_from_env()
+    rank = supervision.launcher_rank()
     if rank is not None:
         return rank == "0"
     return os.environ.get("NODE_RANK", "0") == "0" and os.environ.get("LOCAL_RANK", "0") == "0"
@@ -325,7 +316,7 @@ def rank_log_suffix() -> str:
     """'' on rank zero, else a suffix that keeps each process's log file its own."""
     if is_launch_rank_zero():
         return ""
-    rank = _rank_from_env()
+    rank = supervision.launcher_rank()
     if rank is not None:
         return f"_rank{rank}"
     return f"_node{os.environ.get('NODE_RANK', 0)}_local{os.environ.get('LOCAL_RANK', 0)}"

@@ -549,17 +549,23 @@ def in_distributed_run() -> bool:
     return FAILURES is not None or int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
+def launcher_rank() -> str | None:
+    """The global rank a launcher gave this process (torchrun's RANK, srun's SLURM_PROCID, mpirun's, jsrun's), if
+    any: known before any process group exists."""
+    if "RANK" in os.environ:
+        return os.environ["RANK"]
+    if "SLURM_STEP_ID" in os.environ and "SLURM_PROCID" in os.environ:  # inside srun, not the batch script
+        return os.environ["SLURM_PROCID"]
+    return next((os.environ[key] for key in LAUNCHER_RANKS if key in os.environ), None)
+
+
 def rank_label() -> str:
     """'rank 3' for this process, or 'node 1 local rank 0' before a process group has told the global rank."""
     if FAILURES is not None:
         return f"rank {FAILURES.rank}"
-    if "RANK" in os.environ:
-        return f"rank {os.environ['RANK']}"
-    if "SLURM_STEP_ID" in os.environ and "SLURM_PROCID" in os.environ:
-        return f"rank {os.environ['SLURM_PROCID']}"
-    for key in LAUNCHER_RANKS:
-        if key in os.environ:
-            return f"rank {os.environ[key]}"
+    rank = launcher_rank()
+    if rank is not None:
+        return f"rank {rank}"
     node, local = os.environ.get("NODE_RANK", "0"), os.environ.get("LOCAL_RANK", "0")
     return f"rank {local}" if node == "0" else f"node {node} local rank {local}"
 

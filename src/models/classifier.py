@@ -227,11 +227,10 @@ class ImageClassifier(L.LightningModule):
         if per_device is None:  # no datamodule to say the batch size: take the rate as given
             return opt["lr"]
         global_batch = per_device * self.trainer.world_size * self.trainer.accumulate_grad_batches
-        lr = scaled_lr(opt["lr"], opt["lr_scaling"], global_batch, opt["reference_batch_size"])
-        if (opt["lr_scaling"] == "linear" and global_batch > LINEAR_SCALING_LIMIT * opt["reference_batch_size"]
-                and self.trainer.is_global_zero):
-            log.warning(extreme_lr_line(opt["lr"], lr, global_batch, opt["reference_batch_size"]))
-        return lr
+        warning = extreme_lr_warning(opt, global_batch)
+        if warning is not None and self.trainer.is_global_zero:
+            log.warning(warning)
+        return scaled_lr(opt["lr"], opt["lr_scaling"], global_batch, opt["reference_batch_size"])
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # Every rank builds this dict; only rank zero's reaches the disk, which the tests check.
@@ -241,8 +240,13 @@ class ImageClassifier(L.LightningModule):
                                   "accumulate": self.trainer.accumulate_grad_batches}
 
 
-def extreme_lr_line(lr: float, peak: float, global_batch: int, reference_batch: int) -> str:
-    """The warning for a rate linear scaling has taken past ``LINEAR_SCALING_LIMIT`` x the reference batch's."""
+def extreme_lr_warning(opt: dict[str, Any], global_batch: int) -> str | None:
+    """The warning for a rate linear scaling takes past ``LINEAR_SCALING_LIMIT`` x the reference batch's (``opt``:
+    the model's optimizer settings), or None."""
+    lr, reference_batch = opt["lr"], opt["reference_batch_size"]
+    if opt["lr_scaling"] != "linear" or global_batch <= LINEAR_SCALING_LIMIT * reference_batch:
+        return None
+    peak = scaled_lr(lr, "linear", global_batch, reference_batch)
     return (f"linear lr scaling gives a peak lr of {peak:.4g} (model.optimizer.lr={lr:g} x global batch "
             f"{global_batch} / reference_batch_size {reference_batch}), {global_batch / reference_batch:.0f}x the "
             f"reference; past {LINEAR_SCALING_LIMIT}x, SGD tends to diverge: consider a lower model.optimizer.lr, "
