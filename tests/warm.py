@@ -23,6 +23,7 @@ import json
 import os
 import select
 import signal
+import shutil
 import socket
 import subprocess
 import sys
@@ -342,7 +343,7 @@ def _socket_path() -> str:
         env["PYTHONUNBUFFERED"] = "1"
         proc = subprocess.Popen([sys.executable, "-m", "tests.warm", path], cwd=ROOT, env=env,
                                 stdin=subprocess.DEVNULL)
-        _parent.update(path=path, proc=proc, env=env)
+        _parent.update(path=path, proc=proc, env=env, folder=folder)
         atexit.register(_stop_parent)
     path, proc = _parent["path"], _parent["proc"]
     deadline = time.monotonic() + 300
@@ -360,6 +361,8 @@ def _stop_parent() -> None:
     if proc is not None and proc.poll() is None:
         proc.kill()
         proc.wait()
+    if "folder" in _parent:
+        shutil.rmtree(_parent["folder"], ignore_errors=True)
 
 
 def warm_possible(cmd: Sequence[str], env: dict[str, str]) -> bool:
