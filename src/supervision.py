@@ -56,6 +56,7 @@ _SAID_WHY = {EXIT_FAILED, EXIT_USER_ERROR, _STOPPED_ON_REQUEST, _INTERRUPTED}
 _stopped_here: set[int] = set()  # pids this process stopped on purpose: their ending is no failure
 _ending = threading.Lock()  # held by the thread that is ending this process
 
+OPEN_LINES: list[Callable[[], bool]] = []  # whether a progress bar may have left a line unfinished
 KILL_NOTES: list[Callable[[int], None]] = []  # told the pid of a stuck rank this process kills (ddp_spawn's parent)
 
 # Local ranks started by this process, so a job can wait for (or stop) its own before the next one starts.
@@ -195,14 +196,12 @@ class FailureRecord:
     Keys are prefixed per torchrun attempt (src/torchrun.py): its agent keeps one store across restarts.
     """
 
-    def __init__(self, rank: int, node_rank: int, local_rank: int, world_size: int, in_sweep: bool) -> None:
-        import torch.distributed as dist
-
+    def __init__(self, rank: int, node_rank: int, local_rank: int, world_size: int, in_sweep: bool,
+                 connect: Callable[[float], Any] | None = None) -> None:
         self.rank, self.node_rank, self.local_rank, self.world_size = rank, node_rank, local_rank, world_size
         self.in_sweep = in_sweep
         self._prefix = torchrun.attempt_prefix() + "failure/"
-        self._store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                                    timeout=timedelta(seconds=30), wait_for_workers=False)
+        self._store = (connect or store_client)(30.0)
         self._lock = threading.Lock()  # one store call at a time, and none once closed
         self._closed = False
         self.echoing = False  # this rank has read another rank's failure
@@ -316,7 +315,7 @@ class HangWatch:
     """
 
     def __init__(self, rank: int, node_rank: int, local_rank: int, world_size: int, timeout_s: float,
-                 run_dir: str | None) -> None:
+                 run_dir: str | None, progress: Any = None, connect: Callable[[float], Any] | None = None) -> None:
         self.rank, self.node_rank, self.local_rank, self.world_size = rank, node_rank, local_rank, world_size
         self.timeout_s, self.run_dir = float(timeout_s), run_dir
         self.poll_s = min(max(self.timeout_s / 20, 0.2), 1.0)  # a record a second: the line says where it stopped
@@ -329,20 +328,21 @@ class HangWatch:
         self._host: dict[str, Any] | None = None  # rank 0's first record: its host and pid
         self._last_ok = 0.0  # when the store last answered
         self.log = None
+        # where this rank is (src/heartbeat.py's PROGRESS), the store, and the way out: the control-plane
+        # simulator (benchmarks/control_plane.py) gives each of its ranks its own
+        self.progress = progress
+        self._new_store = connect or store_client
+        self.end = end_run
 
     def _connect(self) -> Any:
-        import torch.distributed as dist
-
         if self._store is None:
-            wait = timedelta(seconds=min(10.0, max(2.0, self.timeout_s / 4)))
-            self._store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                                        timeout=wait, wait_for_workers=False)
+            self._store = self._new_store(min(10.0, max(2.0, self.timeout_s / 4)))
         return self._store
 
     def record(self) -> dict[str, Any]:
         from src import heartbeat
 
-        progress = heartbeat.PROGRESS
+        progress = self.progress or heartbeat.PROGRESS
         return {"position": progress.position, "activity": progress.activity(), "where": progress.where(),
                 "waiting": progress.phase.startswith("waiting") or _in_collective(),
                 "step": progress.step, "pulse": self._pulse, "pid": os.getpid(), "host": socket.gethostname(),
@@ -431,12 +431,12 @@ class HangWatch:
         if verdict["rank"] == self.rank:
             self._answer(verdict)
         if not verdict["can_run"]:
-            end_run(verdict["line"], EXIT_FAILED, stuck={"host": verdict["host"], "pid": verdict["pid"]})
+            self.end(verdict["line"], EXIT_FAILED, stuck={"host": verdict["host"], "pid": verdict["pid"]})
         deadline = time.monotonic() + ANSWER_WAIT_S  # the stuck rank writes its stack, then ends the run itself
         while time.monotonic() < deadline:
             time.sleep(self.poll_s)
             self._last_ok = time.monotonic()  # waiting for it, not for the store
-        end_run(verdict["line"].split("; its Python stack")[0] + "; it did not answer, so its stack could not be "
+        self.end(verdict["line"].split("; its Python stack")[0] + "; it did not answer, so its stack could not be "
                 "written: look at it with py-spy dump --pid "
                 f"{verdict['pid']} on {verdict['host']}; every rank stopped", EXIT_FAILED)
 
@@ -460,7 +460,7 @@ class HangWatch:
             return
         if self.log is None or not heartbeat.dump_stacks(self.log, "the run stopped: this rank made no progress"):
             verdict["line"] = verdict["line"].split("; its Python stack")[0] + "; its stack could not be written"
-        end_run(verdict["line"], EXIT_FAILED)
+        self.end(verdict["line"], EXIT_FAILED)
 
     def _store_host_silent(self, last: dict[str, Any] | None, seconds: float) -> None:
         """The store stopped answering: its host (rank 0, unless torchrun's agent holds it) is stopped or gone.
@@ -479,7 +479,15 @@ class HangWatch:
                 "debugger, or stuck in C code) or its host is gone; every rank stopped, the previous last.ckpt is "
                 "intact: resume with ckpt_path=last")
         stuck = {"host": host["host"], "pid": host["pid"]} if host and not torchrun.active() else None
-        end_run(line if says else None, EXIT_FAILED, publish=False, stuck=stuck)
+        self.end(line if says else None, EXIT_FAILED, publish=False, stuck=stuck)
+
+
+def store_client(timeout_s: float) -> Any:
+    """A client of the run's store (``MASTER_ADDR:MASTER_PORT``), for the failure record and the hang watch."""
+    import torch.distributed as dist
+
+    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                         timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
 
 
 def _group_exists() -> bool:
@@ -537,6 +545,17 @@ def stop_watching_failures(wait: bool = True) -> None:
     if FAILURES is not None:
         FAILURES.close(wait)
         FAILURES = None
+    if wait:
+        leave_group()
+
+
+def leave_group() -> None:
+    """At a good end, the process group goes before the interpreter does: left to the interpreter's exit, gloo's
+    threads can abort the process there ('terminate called without an active exception', SIGABRT) after a run
+    that succeeded. Never after a failure: another rank may be inside a collective with this one."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 def reported_failure() -> tuple[str | None, int] | None:
@@ -587,6 +606,8 @@ def end_run(line: str | None, code: int, publish: bool = True, dead: int = 0,
         HANGS.close()
     first = FAILURES.publish(line, code, dead + bool(stuck), stuck) if publish else True
     if line and first:
+        if any(open_line() for open_line in OPEN_LINES):  # a progress bar's line, still being drawn
+            print(file=sys.stderr, flush=True)
         print(f"error: {line}", file=sys.stderr, flush=True)
     kill_stuck(stuck)
     if FAILURES is not None:  # on CUDA, NCCL's flight recorder: this rank's last collectives, into the run dir

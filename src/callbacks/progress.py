@@ -8,6 +8,8 @@ from typing import Any, Sequence
 import lightning as L
 from lightning.pytorch.callbacks import RichProgressBar
 
+from src import supervision
+
 
 class ProgressBar(RichProgressBar):
     """RichProgressBar that moves at most every ``min_interval_s`` and shows new metric values at log steps only.
@@ -22,6 +24,8 @@ class ProgressBar(RichProgressBar):
         super().__init__(**kwargs)
         self.min_interval_s, self.step_values = min_interval_s, tuple(step_values)
         self._drawn_at = 0.0
+        # a line another thread prints while the bar is drawn (a failure's error: line) starts on a line of its own
+        supervision.OPEN_LINES[:] = [lambda: self.progress is not None and not self._progress_stopped]
 
     def get_metrics(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, Any]:
         """Lightning's values (logged with prog_bar=True), and ``step_values``: per-step values logged without it,
