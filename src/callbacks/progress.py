@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import weakref
 from typing import Any, Sequence
 
 import lightning as L
@@ -25,7 +26,10 @@ class ProgressBar(RichProgressBar):
         self.min_interval_s, self.step_values = min_interval_s, tuple(step_values)
         self._drawn_at = 0.0
         # a line another thread prints while the bar is drawn (a failure's error: line) starts on a line of its own
-        supervision.OPEN_LINES[:] = [lambda: self.progress is not None and not self._progress_stopped]
+        # (a weak reference: the bar refers to its trainer, and a sweep's next job must not keep the last one's)
+        bar = weakref.ref(self)
+        supervision.OPEN_LINES[:] = [lambda: (b := bar()) is not None and b.progress is not None
+                                     and not b._progress_stopped]
 
     def get_metrics(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, Any]:
         """Lightning's values (logged with prog_bar=True), and ``step_values``: per-step values logged without it,
