@@ -19,7 +19,7 @@ PYTEST_ARGS ?=
 # gpu-check and profile: GPU_CHECK_PYTHON=python3.12 make gpu-check picks another interpreter
 GPU_CHECK_PYTHON ?= $(if $(wildcard $(PY)),$(PY),$(PYTHON))
 
-.PHONY: install lock audit train test test-fast demo eval tensorboard bench bench-cpu recipes gpu-check profile clean
+.PHONY: install lock audit train test test-fast demo eval tensorboard bench bench-cpu recipes scale gpu-check profile clean
 
 install: $(VENV)/.installed
 
@@ -155,6 +155,13 @@ gpu-check:
 PROFILE_ARGS ?=
 profile:
 	$(GPU_CHECK_PYTHON) benchmarks/profile_step.py $(PROFILE_ARGS)
+
+## the control plane (failure record, hang watch) of 16 to 2,048 simulated ranks against one real store: the host's
+## requests, bytes, CPU, sockets and latency, a stuck and a dead rank, projected to 16,384 (~6 min on 2 cores)
+## (SCALE_ARGS="--ranks 16,64 --healthy-s 600") -> outputs/bench/control-plane/table.md, results.json, load.svg
+SCALE_ARGS ?=
+scale: install
+	$(PY) benchmarks/control_plane.py $(SCALE_ARGS)
 
 ## the CPU fast path: the project's rate in fp32/bf16 x contiguous/channels-last and with its defaults (~10 min on 2 cores)
 BENCH_CPU_ARGS ?=

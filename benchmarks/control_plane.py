@@ -34,10 +34,12 @@ import json
 import os
 import platform
 import resource
+import shutil
 import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from datetime import timedelta
@@ -46,6 +48,8 @@ from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from src.node_board import NodeBoard  # noqa: E402 - after the path above
 
 TICK_S = os.sysconf("SC_CLK_TCK")
 
@@ -89,10 +93,16 @@ class Host:
 
     def __init__(self) -> None:
         self.port = free_port()
+        # the host resolves each client's address as it connects, on its one thread; where DNS drops a query now
+        # and then (as it does on some sandboxes) every client waits the resolver's timeout (5 s by default): at
+        # most 1 s here, so that setting up thousands of connections ends
+        env = {**os.environ, "RES_OPTIONS": os.environ.get("RES_OPTIONS", "timeout:1 attempts:1")}
         self.proc = subprocess.Popen([sys.executable, __file__, "--host", str(self.port)], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True, cwd=ROOT)
+                                     stdout=subprocess.PIPE, text=True, cwd=ROOT, env=env)
         if self.proc.stdout.readline().strip() != "ready":
             raise SystemExit(f"error: the store's host did not start (exit {self.proc.wait()})")
+        self.own_sockets = 0
+        self.own_sockets = self.sockets()  # its listening ones: what is counted is the clients'
 
     def reading(self) -> dict[str, float]:
         stat = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -107,7 +117,7 @@ class Host:
                 count += os.readlink(f"/proc/{self.proc.pid}/fd/{fd}").startswith("socket:")
             except OSError:
                 pass
-        return count
+        return count - self.own_sockets
 
     def probe(self, seconds: float) -> subprocess.Popen:
         return subprocess.Popen([sys.executable, __file__, "--probe", str(self.port), str(seconds)],
@@ -157,9 +167,12 @@ class Simulation:
         self.ended: list[dict[str, Any]] = []  # each end_run a rank called: when, which rank, what line
         self.followed: dict[int, float] = {}  # rank -> when it read another rank's failure
 
+        self.connects = 0
+
         def connect(timeout_s: float) -> Any:
-            # now and then a connect to a local TCPStore takes 5 s here (torch 2.14, loopback): the simulated
-            # rank tries again, as a hang watch does at its next round
+            # now and then a connect waits for the host's name lookup (``Host``): the simulated rank tries again,
+            # as a hang watch does at its next round; measuring starts once every connection is made (``settle``)
+            self.connects += 1
             for attempt in range(5):
                 try:
                     return Counted(dist.TCPStore("127.0.0.1", host.port, is_master=False, wait_for_workers=False,
@@ -168,14 +181,25 @@ class Simulation:
                     if attempt == 4:
                         raise
 
+        self._boards = tempfile.mkdtemp(prefix="control-plane-")
+        nodes = -(-world // per_node)
+        boards = [NodeBoard("sim", r // per_node, r % per_node, min(per_node, world - r // per_node * per_node),
+                            supervision.BOARD_STALE_S, folder=Path(self._boards) / f"node{r // per_node}")
+                  for r in range(world)]
         self.progress = [heartbeat.Progress() for _ in range(world)]
-        self.failures = [supervision.FailureRecord(r, r // per_node, r % per_node, world, False, connect=connect)
-                         for r in range(world)]
-        self.hangs = [supervision.HangWatch(r, r // per_node, r % per_node, world, timeout_s, None,
-                                            progress=self.progress[r], connect=connect) for r in range(world)]
+        self.failures = [supervision.FailureRecord(r, r // per_node, r % per_node, world, False, boards[r],
+                                                   connect=connect) for r in range(world)]
+        host_record = {"id": "sim", "host": socket.gethostname(), "pid": os.getpid()}
+        self.hangs = [supervision.HangWatch(r, r // per_node, r % per_node, world, timeout_s, None, boards[r],
+                                            num_nodes=nodes, host=host_record, progress=self.progress[r],
+                                            connect=connect) for r in range(world)]
         for r, watch in enumerate(self.hangs):
             watch.end = self._ender(r)
-            watch._connect()  # up front, as the failure record does: a run connects while it starts
+            boards[r].beat()
+        for r, watch in enumerate(self.hangs):  # connect as a run does while it starts, before the work is timed
+            if r % per_node == 0:  # each node's reporter (the judge's and the failure wait's connections)
+                watch._connect()
+                self.failures[r].tick()
             watch._last_ok = time.monotonic()
         self.frozen: set[int] = set()  # ranks whose progress no longer moves
         self.gone: set[int] = set()  # ranks that do no work (dead, or stopped after reading a failure)
@@ -205,7 +229,8 @@ class Simulation:
         watch._round(time.monotonic())
 
     def _follow(self, rank: int) -> None:
-        if self.failures[rank].follow() is not None:
+        """What the failure watch does every POLL_S (``FailureRecord.tick``)."""
+        if self.failures[rank].tick() is not None:
             self.followed[rank] = time.monotonic()
             self.gone.add(rank)
 
@@ -245,6 +270,15 @@ class Simulation:
                 progress.tick += 2
                 progress.position += 2
 
+    def settle(self, least_s: float) -> None:
+        """Wait at least ``least_s``, and until no connection has been made for 2 s."""
+        time.sleep(least_s)
+        while True:
+            made = self.connects
+            time.sleep(2.0)
+            if self.connects == made:
+                return
+
     def start(self) -> None:
         self._clock.start()
         for thread in self._threads:
@@ -275,6 +309,8 @@ class Simulation:
             thread.join(5)
         for record in self.failures:
             record._closed = True
+            record.board.closed = True
+        shutil.rmtree(self._boards, ignore_errors=True)
 
 
 # ---------------------------------------------------------------------------------------------------- a size
@@ -292,13 +328,14 @@ def measure(world: int, args: argparse.Namespace) -> dict[str, Any]:
     try:
         sim = Simulation(host, world, args.per_node, args.hang_timeout, args.step_s, args.threads)
         sim.start()
-        time.sleep(args.warmup)
+        sim.settle(args.warmup)
         probe = host.probe(args.seconds)
         before, counts_before, late_from = host.reading(), dict(sim.counts), len(sim.late)
         time.sleep(args.seconds)
         after, counts_after = host.reading(), dict(sim.counts)
         late = sim.late[late_from:]
         sockets = host.sockets()
+        connects = sim.connects
         latencies = json.loads(probe.communicate()[0] or "[]")
         verdicts = len(sim.ended)
         sim.stop()
@@ -311,7 +348,7 @@ def measure(world: int, args: argparse.Namespace) -> dict[str, Any]:
             "host_cpu_share": (after["cpu_s"] - before["cpu_s"]) / span, "sockets": sockets,
             "get_p50_ms": percentile(latencies, 0.5), "get_p99_ms": percentile(latencies, 0.99),
             "late_p99_s": percentile(late, 0.99), "kept_up": percentile(late, 0.99) < sim.hangs[0].poll_s,
-            "verdicts": verdicts,
+            "verdicts": verdicts, "connections_made": connects,
             "by_method": {k: (counts_after.get(k, 0) - counts_before.get(k, 0)) / span for k in counts_after}}
 
 
@@ -319,11 +356,11 @@ def stuck(world: int, args: argparse.Namespace, rank: int) -> dict[str, Any]:
     """A rank stuck in Python in a training step: which rank the line names, and how long after it stopped."""
     host = Host()
     try:
-        sim = Simulation(host, world, args.per_node, args.hang_timeout, args.step_s, args.threads)
+        sim = Simulation(host, world, args.per_node, args.fault_hang_timeout, args.step_s, args.threads)
         sim.start()
-        time.sleep(args.warmup)
+        sim.settle(args.warmup)
         began = sim.stick(rank)
-        deadline = began + args.hang_timeout * 3 + 30
+        deadline = began + args.fault_hang_timeout * 3 + 30
         while not sim.ended and time.monotonic() < deadline:
             time.sleep(0.05)
         sim.stop()
@@ -339,9 +376,9 @@ def dies(world: int, args: argparse.Namespace, rank: int) -> dict[str, Any]:
     """A rank that dies: do the others all read the failure, and how fast."""
     host = Host()
     try:
-        sim = Simulation(host, world, args.per_node, args.hang_timeout, args.step_s, args.threads)
+        sim = Simulation(host, world, args.per_node, args.fault_hang_timeout, args.step_s, args.threads)
         sim.start()
-        time.sleep(args.warmup)
+        sim.settle(args.warmup)
         began = sim.kill(rank)
         deadline = began + 60
         while len(sim.followed) < world - 1 and time.monotonic() < deadline:
@@ -445,7 +482,10 @@ def main() -> None:
     parser.add_argument("--per-node", type=int, default=8, help="ranks per node")
     parser.add_argument("--seconds", type=float, default=20.0, help="measured seconds of a healthy run per size")
     parser.add_argument("--warmup", type=float, default=3.0, help="seconds before measuring")
-    parser.add_argument("--hang-timeout", type=float, default=10.0, help="strategy.hang_timeout_s of the ranks")
+    parser.add_argument("--hang-timeout", type=float, default=120.0,
+                        help="strategy.hang_timeout_s of the ranks while the load is measured (its default: 120)")
+    parser.add_argument("--fault-hang-timeout", type=float, default=10.0,
+                        help="strategy.hang_timeout_s of the ranks in the fault runs")
     parser.add_argument("--step-s", type=float, default=0.05, help="seconds of a simulated training step")
     parser.add_argument("--threads", type=int, default=16, help="threads running the ranks' work")
     parser.add_argument("--faults", default="stuck,dead", help="faults to inject at each size: stuck,dead or none")

@@ -153,7 +153,7 @@ class HydraDDPStrategy(DDPStrategy):
             supervision.watch_launcher(self.node_rank * self.num_processes + self.local_rank, launcher_pid)
         try:
             if not torch.distributed.is_initialized():  # sockets run out as the group forms: say so before
-                check_open_files(self.global_rank, self.world_size)
+                check_open_files(self.global_rank, self.world_size, self.num_processes)
             if self.num_nodes == 1:
                 keep_to_loopback()
             if torchrun.active() and not torch.distributed.is_initialized():  # fit forms it; test reuses it
@@ -167,7 +167,8 @@ class HydraDDPStrategy(DDPStrategy):
             # from here on, a failure of any rank stops every rank of the run, on every node, and so does one that hangs
             self._report_progress()
             supervision.watch_failures(self.global_rank, self.node_rank, self.local_rank, self.world_size,
-                                       in_sweep=launch.in_sweep(), hang_timeout_s=self.hang_timeout_s, run_dir=run_dir)
+                                       in_sweep=launch.in_sweep(), hang_timeout_s=self.hang_timeout_s, run_dir=run_dir,
+                                       local_world=self.num_processes)
         except torch.distributed.DistError as err:
             env = self.cluster_environment
             raise UserError(
@@ -216,21 +217,23 @@ LOOPBACK = "127.0.0.1"
 OPEN_FILES_SPARE = 256  # what a rank opens besides its sockets: libraries, logs, checkpoints, DataLoader pipes
 
 
-def open_files_needed(rank: int, world_size: int) -> int:
-    """The descriptors a rank of ``world_size`` holds at most: a socket to every other rank (gloo's full mesh:
-    the stop agreement's group, and the process group's on the CPU), its own store connections (three), and on
-    rank 0, the store's host, every rank's three."""
-    sockets = 2 * (world_size - 1) + 3 + (3 * world_size if rank == 0 else 0)
+def open_files_needed(rank: int, world_size: int, local_world: int = 1) -> int:
+    """The descriptors a rank of ``world_size`` (``local_world`` ranks a node) holds at most: a socket to every
+    other rank (gloo's full mesh: the stop agreement's group, and the process group's on the CPU), its own store
+    connections (the process group's, and as its node's reporter two more and one to write a failure), and on
+    rank 0, the store's host, every rank's process-group connection and three per node (src/supervision.py)."""
+    nodes = -(-world_size // max(1, local_world))
+    sockets = 2 * (world_size - 1) + 4 + (world_size + 3 * nodes if rank == 0 else 0)
     return sockets + OPEN_FILES_SPARE
 
 
-def check_open_files(rank: int, world_size: int) -> None:
+def check_open_files(rank: int, world_size: int, local_world: int = 1) -> None:
     """Raise this process's open-file limit to what ``world_size`` needs, up to the hard limit; past that, one
     line naming the number, before the group forms (a rank out of descriptors fails in gloo or the store with a
     message that does not say why)."""
     import resource
 
-    needed = open_files_needed(rank, world_size)
+    needed = open_files_needed(rank, world_size, local_world)
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft == resource.RLIM_INFINITY or soft >= needed:
         return

@@ -81,7 +81,8 @@ def plan(cfg: DictConfig, rank: int, datamodule: Any, model: Any, world: int) ->
         "val_images": val, "val_batches": math.ceil(val / batch), "test_images": test,
         "test_batches": math.ceil(test / batch),
         "last_checkpoint": ", ".join(cadence) or "at the first and last epoch's end",
-        "open_files": open_files_needed(rank, world),
+        "open_files": open_files_needed(rank, world, cfg.trainer.devices if isinstance(cfg.trainer.devices, int)
+                                        else 1),
         "open_files_here": "unlimited" if hard == resource.RLIM_INFINITY else hard,
         "problems": problems, "warnings": [] if warning is None else [warning],
     }

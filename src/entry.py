@@ -268,7 +268,7 @@ def _record_failure(line: str | None, code: int) -> None:
     from hydra.core.hydra_config import HydraConfig
 
     if supervision.FAILURES is not None:
-        record = supervision.FAILURES.read()
+        record = supervision.FAILURES.read(from_store=True)
         if line is None and record is not None:
             line = record["line"]  # a rank of this job said it, on its own stderr
         supervision.FAILURES.publish(line, code)  # the job's ranks on other nodes stop too

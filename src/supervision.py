@@ -38,10 +38,12 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from datetime import timedelta
 from typing import Any, Callable, NoReturn, Sequence
 
 from src import torchrun
+from src.node_board import NodeBoard
 from src.errors import EXIT_FAILED, EXIT_USER_ERROR
 
 # the global rank each launcher gives its processes: mpirun (Open MPI; MPICH and Intel MPI's PMI), LSF's jsrun
@@ -49,6 +51,10 @@ LAUNCHER_RANKS = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "JSM_NAMESPACE_RANK")
 POLL_S = 0.25
 SEEN_WAIT_S = 5.0  # how long a failing store host waits for the others to read the record before it goes
 DONE_WAIT_S = 10.0  # ... and, at a good end, for the others to stop watching
+WAIT_S = 24 * 3600.0  # a node's reporter waits this long for the run's failure in one request, then again
+# (torch logs a timed-out wait twice on stderr: a short one would fill the logs; rank 0 ends the wait at a good end)
+BOARD_STALE_S = 3.0  # a local rank whose pulse on the node's board is older stops being the node's reporter
+RUN_WAIT_S = 120.0  # how long a rank waits for rank 0 to say which run this is
 _STOPPED_ON_REQUEST = 128 + signal.SIGTERM
 _INTERRUPTED = 128 + signal.SIGINT  # Ctrl-C: rank zero says where the run stopped
 # exit codes of a rank that told its own story
@@ -191,19 +197,25 @@ def launcher_gone() -> str | None:
 
 
 class FailureRecord:
-    """The run's first failure, in its rendezvous store, where every rank of every node polls for it.
+    """The run's first failure, in its rendezvous store; each node reads it there for all of its ranks.
 
-    Keys are prefixed per torchrun attempt (src/torchrun.py): its agent keeps one store across restarts.
+    Keys are prefixed per torchrun attempt (src/torchrun.py): its agent keeps one store across restarts. The node's
+    reporter (src/node_board.py) waits for the record with the store's blocking ``wait``, on a connection of its
+    own, and leaves it on the node's board, which every local rank reads every POLL_S: one request per node every
+    WAIT_S, where each rank polling the store would make 4 per rank per second. A rank writes to the store only
+    when it has something to say (a failure, its end), on a connection it opens then.
     """
 
     def __init__(self, rank: int, node_rank: int, local_rank: int, world_size: int, in_sweep: bool,
-                 connect: Callable[[float], Any] | None = None) -> None:
+                 board: NodeBoard, connect: Callable[[float], Any] | None = None) -> None:
         self.rank, self.node_rank, self.local_rank, self.world_size = rank, node_rank, local_rank, world_size
-        self.in_sweep = in_sweep
+        self.in_sweep, self.board = in_sweep, board
         self._prefix = torchrun.attempt_prefix() + "failure/"
-        self._store = (connect or store_client)(30.0)
+        self._new_store = connect or store_client
+        self._store: Any = None  # opened by the first write
         self._lock = threading.Lock()  # one store call at a time, and none once closed
         self._closed = False
+        self._waiter: threading.Thread | None = None
         self.echoing = False  # this rank has read another rank's failure
 
     def _call(self, method: str, *args: Any) -> Any:
@@ -212,6 +224,8 @@ class FailureRecord:
             if self._closed:
                 return None
             try:
+                if self._store is None:
+                    self._store = self._new_store(30.0)
                 return getattr(self._store, method)(*args)
             except Exception:  # noqa: BLE001 - DistNetworkError, RuntimeError: the store host is gone
                 self._closed = True
@@ -225,25 +239,67 @@ class FailureRecord:
                              "line": line, "code": code, "stuck": stuck})
         current = self._call("compare_set", self._prefix + "failure", "", record)
         self._call("add", self._prefix + "seen", 1 + dead)
-        return current is None or current.decode() == record  # no store: nobody else can have reported
+        first = current is None or current.decode() == record  # no store: nobody else can have reported
+        self.board.post("failure", json.loads(current) if current else json.loads(record))  # this node, at once
+        return first
 
-    def read(self) -> dict[str, Any] | None:
-        """The run's failure, if a rank has written one."""
-        if not self._call("check", [self._prefix + "failure"]):
-            return None
+    def read(self, from_store: bool = False) -> dict[str, Any] | None:
+        """The run's failure, if a rank has written one: as this node's board has it, or (``from_store``) as the
+        store has it, where the board does not have it yet."""
+        record = self.board.read("failure")
+        if record is not None or not from_store or not self._call("check", [self._prefix + "failure"]):
+            return record
         value = self._call("get", self._prefix + "failure")
-        return None if value is None else json.loads(value)
+        record = None if value is None else json.loads(value)
+        return None if record is None or record.get("ended") else record
 
-    def follow(self) -> tuple[str | None, int] | None:
-        """If another rank has failed the run: acknowledge it, and return what this rank should print (mostly
-        nothing) and the exit code. From then on this rank only echoes that failure: it never claims the run's."""
-        record = self.read()
+    def follow(self, from_store: bool = False) -> tuple[str | None, int] | None:
+        """If another rank has failed the run: return what this rank should print (mostly nothing) and the exit
+        code. From then on this rank only echoes that failure: it never claims the run's."""
+        record = self.read(from_store)
         if record is None or record["rank"] == self.rank:  # its own: this rank is ending already
             return None
-        self._call("add", self._prefix + "seen", 1)
         self.echoing = True
         kill_stuck(record.get("stuck"))
         return self.line_for_this_rank(record), record["code"]
+
+    def _wait(self) -> None:
+        """The reporter's: wait for the run's failure in the store, and leave it on the node's board."""
+        import torch.distributed as dist
+
+        key = self._prefix + "failure"
+        try:
+            store = self._new_store(30.0)
+            while not self._closed and self.board.reporter() == self.local_rank:
+                try:
+                    store.wait([key], timedelta(seconds=WAIT_S))
+                except dist.DistStoreError:  # not yet: still this node's reporter?
+                    continue
+                record = json.loads(store.get(key))
+                if record.get("ended"):  # rank 0's word that the run ended well: no failure to wait for
+                    return
+                self.board.post("failure", record)
+                store.add(self._prefix + "seen", self.board.local_world - (record["node"] == self.node_rank))
+                return
+        except Exception:  # noqa: BLE001 - the store's host is gone: the hang watch says so, if it must
+            return
+
+    def tick(self) -> tuple[str | None, int, dict[str, Any] | None] | None:
+        """One look, as the watch makes it every POLL_S: this rank's pulse on the board, the failure wait where
+        this rank is its node's reporter, and what the board says: another rank's failure, or the node's reporter
+        found the store's host silent. What to print, the exit code and the rank to kill, or None."""
+        self.board.beat()
+        if self.board.reporter() == self.local_rank and (self._waiter is None or not self._waiter.is_alive()):
+            self._waiter = threading.Thread(target=self._wait, name="failure-wait", daemon=True)
+            self._waiter.start()
+        failure = self.follow()
+        if failure is not None:
+            return (*failure, None)
+        note = self.board.read("end")
+        if note is not None:
+            return note["line"] if says_store_silence(self.rank, self.node_rank, self.local_rank) else None, \
+                note["code"], note["stuck"]
+        return None
 
     def wait_for(self, key: str, seconds: float) -> None:
         """Wait until every rank has added itself to ``key`` (the store host must not go before they have)."""
@@ -255,26 +311,31 @@ class FailureRecord:
             time.sleep(0.05)
 
     def close(self, wait: bool = True) -> None:
-        """Stop watching; at a good end (``wait``) rank 0, the store's host, waits until every rank has."""
+        """Stop watching; at a good end (``wait``) rank 0, the store's host, waits until every rank has (each
+        node's last rank tells the store for the node)."""
         if self._closed:
             return
-        self._call("add", self._prefix + "done", 1)
+        if self.board.finish():
+            self._call("add", self._prefix + "done", self.board.local_world)
         if self.rank == 0 and wait:
             self.wait_for("done", DONE_WAIT_S)
+            self._call("compare_set", self._prefix + "failure", "", json.dumps({"ended": True}))  # ends the waits
         with self._lock:
             self._closed = True
+            self._store = None
 
     def watch(self) -> threading.Thread:
         def loop() -> None:
             while not self._closed:
                 if launcher_gone() is not None:  # the launcher may host the store: its watch takes over
                     return
-                failure = self.follow()
+                failure = self.tick()
                 if failure is not None:
                     if self.in_sweep:  # a sweep's process runs the next job: stop this job's ranks only
                         stop_processes(STARTED, grace_s=2.0)
                         return
-                    end_run(*failure, publish=False)
+                    line, code, stuck = failure
+                    end_run(line, code, publish=False, stuck=stuck)
                 time.sleep(POLL_S)
 
         thread = threading.Thread(target=loop, name="failure-watch", daemon=True)
@@ -292,6 +353,13 @@ class FailureRecord:
 FAILURES: FailureRecord | None = None
 
 
+def says_store_silence(rank: int, node_rank: int, local_rank: int) -> bool:
+    """Who says that the store's host went silent: rank 1 (rank 0 is the host), and each other node's first rank
+    where outputs are not merged."""
+    merged = "SLURM_STEP_ID" in os.environ
+    return rank == 1 or (local_rank == 0 and node_rank != 0 and not merged)
+
+
 def kill_stuck(stuck: dict[str, Any] | None) -> None:
     """SIGKILL a rank found unable to run Python (stopped, stuck in C code) if it runs on this host: nothing else
     ends it (SIGTERM waits while a process is stopped)."""
@@ -307,26 +375,37 @@ def kill_stuck(stuck: dict[str, Any] | None) -> None:
 
 
 class HangWatch:
-    """Publishes this rank's progress to the run's store; a judge (each node's first rank, and rank 1) reads every
-    rank's and ends a run that has stopped moving while one rank holds the others back (module docstring).
+    """Publishes where this rank is; one judge reads every node's and ends a run that has stopped moving while one
+    rank holds the others back (module docstring).
 
-    The store host is rank 0 (torchrun's agent under torchrun): when it stops answering for ``timeout_s``, every
-    rank ends, and the line says it was that rank.
+    Each rank leaves its record on its node's board (src/node_board.py); the node's reporter carries the node's
+    records to the store in one ``set`` a round, compact while they move (place, activity, waiting, age), with where
+    a rank is only once it has not moved for ``detail_after_s``. The judge is node 0's reporter: one ``multi_get``
+    of the nodes' records a round; node 1's reporter stands by and judges in its place when node 0's record stops
+    changing. Who each rank is (host, pid, log) is read once a verdict is due.
+
+    The store host is rank 0 (torchrun's agent under torchrun): when it stops answering a node's reporter for
+    ``timeout_s``, the node's ranks end, and the line says it was that rank.
     """
 
     def __init__(self, rank: int, node_rank: int, local_rank: int, world_size: int, timeout_s: float,
-                 run_dir: str | None, progress: Any = None, connect: Callable[[float], Any] | None = None) -> None:
+                 run_dir: str | None, board: NodeBoard, num_nodes: int, host: dict[str, Any] | None = None,
+                 progress: Any = None, connect: Callable[[float], Any] | None = None) -> None:
         self.rank, self.node_rank, self.local_rank, self.world_size = rank, node_rank, local_rank, world_size
-        self.timeout_s, self.run_dir = float(timeout_s), run_dir
+        self.timeout_s, self.run_dir, self.board, self.num_nodes = float(timeout_s), run_dir, board, num_nodes
         self.poll_s = min(max(self.timeout_s / 20, 0.2), 1.0)  # a record a second: the line says where it stopped
-        self.judge = local_rank == 0 or rank == 1
+        self.silent_s = max(self.timeout_s / 2, 3 * self.poll_s)  # a rank whose pulse stopped this long can't run
+        self.detail_after_s = max(min(self.timeout_s / 4, 10.0), 2 * self.poll_s)
         self._prefix = torchrun.attempt_prefix() + "progress/"
         self._store: Any = None
         self._closed = False
         self._pulse = 0
-        self._seen: dict[int, dict[str, Any]] = {}  # rank -> its last record, and when its activity and pulse moved
-        self._host: dict[str, Any] | None = None  # rank 0's first record: its host and pid
-        self._last_ok = 0.0  # when the store last answered
+        self._seen: dict[int, dict[str, Any]] = {}  # judge: rank -> its last record, and when its activity moved
+        self._nodes: dict[int, dict[str, Any]] = {}  # judge: node -> its record's last pulse, and when it changed
+        self._moved: dict[int, tuple[int, float]] = {}  # reporter: local rank -> its activity, and when it changed
+        self._told: dict[str, Any] | None = None  # reporter: who its node's ranks are, as last written
+        self._host = host  # rank 0's host and pid
+        self._last_ok = 0.0  # when the store last answered this node's reporter
         self.log = None
         # where this rank is (src/heartbeat.py's PROGRESS), the store, and the way out: the control-plane
         # simulator (benchmarks/control_plane.py) gives each of its ranks its own
@@ -343,10 +422,9 @@ class HangWatch:
         from src import heartbeat
 
         progress = self.progress or heartbeat.PROGRESS
-        return {"position": progress.position, "activity": progress.activity(), "where": progress.where(),
-                "waiting": progress.phase.startswith("waiting") or _in_collective(),
-                "step": progress.step, "pulse": self._pulse, "pid": os.getpid(), "host": socket.gethostname(),
-                "log": str(self.log) if self.log else None}
+        return {"rank": self.rank, "position": progress.position, "activity": progress.activity(),
+                "where": progress.where(), "waiting": progress.phase.startswith("waiting") or _in_collective(),
+                "pid": os.getpid(), "host": socket.gethostname(), "log": str(self.log) if self.log else None}
 
     def start(self) -> threading.Thread:
         from src import heartbeat
@@ -366,6 +444,7 @@ class HangWatch:
             now = time.monotonic()
             if now - last_round > 3 * self.poll_s + 2:  # this process was stopped or starved (Ctrl-Z): start afresh
                 self._seen.clear()
+                self._nodes.clear()
                 self._last_ok = now
             last_round = now
             self._pulse += 1
@@ -378,56 +457,116 @@ class HangWatch:
             if self._closed or launcher_gone() is not None or not _group_exists():
                 return  # its run is over (a watch outside a run ends quietly)
             if time.monotonic() - self._last_ok >= self.timeout_s:
-                self._store_host_silent((self._seen.get(0) or {}).get("record"), time.monotonic() - self._last_ok)
+                self._store_host_silent(self._rank_zero(), time.monotonic() - self._last_ok)
             time.sleep(self.poll_s)
 
+    def _rank_zero(self) -> dict[str, Any] | None:
+        """Rank 0's latest record, as this rank knows it: as the judge, or from node 0's board."""
+        if 0 in self._seen:
+            return self._seen[0]["record"]
+        return self.board.ranks().get(0, (None, 0.0))[0] if self.node_rank == 0 else None
+
     def _round(self, now: float) -> None:
-        """Publish this rank's record; answer a verdict, or judge."""
+        """Leave this rank's record on the board; answer a verdict; as the node's reporter, carry the node's
+        records to the store, and judge (node 0's) or stand by (node 1's)."""
+        self.board.publish(self.record())
+        ranks = self.board.ranks()
+        verdict = self.board.read("verdict")
+        if verdict is not None:
+            self._answer(verdict)
+        if self.board.reporter(ranks) != self.local_rank:
+            self._store, self._told = None, None  # another local rank reports: no connection held here
+            self._last_ok = time.monotonic()
+            return
         try:
             store = self._connect()
-            store.set(f"{self._prefix}{self.rank}", json.dumps(self.record()))
-            if self._host is None and store.check([f"{self._prefix}0"]):
-                self._host = json.loads(store.get(f"{self._prefix}0"))
+            self._tell_who(store, ranks)
+            store.set(f"{self._prefix}node{self.node_rank}", json.dumps(self._summary(ranks, now)))
             self._last_ok = time.monotonic()
-            if store.check([self._prefix + "verdict"]):
-                self._answer(json.loads(store.get(self._prefix + "verdict")))
-            elif self.judge:
+            if verdict is None and store.check([self._prefix + "verdict"]):
+                verdict = json.loads(store.get(self._prefix + "verdict"))
+                self.board.post("verdict", verdict)
+                self._answer(verdict)
+            elif self.node_rank == 0 or (self.node_rank == 1 and self._judge_silent(store, now)):
                 self._judge(store, now)
         except Exception:  # noqa: BLE001 - the store's host does not answer (or is gone): reconnect next round
             self._store = None
 
+    def _summary(self, ranks: dict[int, tuple[dict[str, Any], float]], now: float) -> dict[str, Any]:
+        """The node's ranks, compact: [place, activity, waiting, age of its pulse in s], and where it is once it
+        has not moved for ``detail_after_s``."""
+        entries = {}
+        for local, (record, age) in ranks.items():
+            if "rank" not in record:  # its watch has not written a record yet
+                continue
+            if self._moved.get(local, (None,))[0] != record["activity"]:
+                self._moved[local] = (record["activity"], now)
+            entry = [record["position"], record["activity"], int(record["waiting"]), round(age, 1)]
+            if max(now - self._moved[local][1], age) >= self.detail_after_s:
+                entry.append(record["where"])
+            entries[record["rank"]] = entry
+        return {"pulse": self._pulse, "by": self.rank, "ranks": entries}
+
+    def _tell_who(self, store: Any, ranks: dict[int, tuple[dict[str, Any], float]]) -> None:
+        """Who the node's ranks are (host, pid, stack log), for a verdict's line: written when it changes."""
+        who = {str(r["rank"]): [r["host"], r["pid"], r["log"]] for r, _ in ranks.values() if "rank" in r}
+        if who != self._told:
+            store.set(f"{self._prefix}who{self.node_rank}", json.dumps(who))
+            self._told = who
+
+    def _judge_silent(self, store: Any, now: float) -> bool:
+        """The standby's look at node 0's record: has it stopped changing (its reporter cannot run)?"""
+        summary = json.loads(store.get(f"{self._prefix}node0"))
+        node = self._nodes.setdefault(0, {"pulse": None, "changed": now})
+        if (summary["pulse"], summary["by"]) != node["pulse"]:
+            node["pulse"], node["changed"] = (summary["pulse"], summary["by"]), now
+        return now - node["changed"] >= self.silent_s
+
     def _judge(self, store: Any, now: float) -> None:
-        keys = [f"{self._prefix}{r}" for r in range(self.world_size)]
-        if not store.check(keys):  # a rank that has not reported yet is still starting
+        keys = [f"{self._prefix}node{n}" for n in range(self.num_nodes)]
+        if not store.check(keys):  # a node that has not reported yet is still starting
             return
-        for rank, raw in enumerate(store.multi_get(keys)):
-            record = json.loads(raw)
+        records: dict[int, dict[str, Any]] = {}
+        for n, raw in enumerate(store.multi_get(keys)):
+            summary = json.loads(raw)
+            node = self._nodes.setdefault(n, {"pulse": None, "changed": now})
+            if (summary["pulse"], summary["by"]) != node["pulse"]:
+                node["pulse"], node["changed"] = (summary["pulse"], summary["by"]), now
+            for rank, entry in summary["ranks"].items():
+                records[int(rank)] = {"position": entry[0], "activity": entry[1], "waiting": bool(entry[2]),
+                                      "silent_s": max(entry[3], now - node["changed"]), "node": n,
+                                      "where": entry[4] if len(entry) > 4 else None}
+        if len(records) < self.world_size:  # a rank that has not reported yet is still starting
+            return
+        for rank, record in records.items():
             seen = self._seen.get(rank)
             if seen is None:
-                seen = self._seen[rank] = {"moved": now, "beat": now}
+                seen = self._seen[rank] = {"moved": now}
             else:
                 if record["activity"] != seen["record"]["activity"]:
                     seen["moved"] = now
-                if record["pulse"] != seen["record"]["pulse"]:
-                    seen["beat"] = now
+                record["where"] = record["where"] or seen["record"]["where"]
             seen["record"] = record
-        if len(self._seen) < self.world_size or now - max(s["moved"] for s in self._seen.values()) < self.timeout_s:
+        if now - max(s["moved"] for s in self._seen.values()) < self.timeout_s:
             return
-        silent = [r for r, s in self._seen.items() if now - s["beat"] >= max(self.timeout_s / 2, 3 * self.poll_s)]
+        silent = [r for r, s in self._seen.items() if s["record"]["silent_s"] >= self.silent_s]
         # where each rank is among the marks every rank makes alike: the lowest is the one the others wait for
         places = {r: s["record"]["position"] for r, s in self._seen.items()}
         behind = [r for r, p in places.items() if p == min(places.values())] if len(set(places.values())) > 1 else []
         # at the same mark, the ranks waiting in a collective wait for the one that is not
         idle = [r for r, s in self._seen.items() if not s["record"]["waiting"]]
-        culprits = silent or behind or (idle if len(idle) < self.world_size else [])
+        culprits = sorted(silent) or sorted(behind) or (sorted(idle) if len(idle) < self.world_size else [])
         if not culprits:  # every rank busy alike (a first compile) or waiting alike (a deadlock): timeout_s's to end
             return
         rank = culprits[0]
         record = self._seen[rank]["record"]
-        verdict = {"rank": rank, "can_run": rank not in silent, "line": self._line(rank, record, now, rank in silent),
-                   "host": record["host"], "pid": record["pid"]}
-        won = store.compare_set(self._prefix + "verdict", "", json.dumps(verdict))
-        verdict = json.loads(won)
+        raw = store.get(f"{self._prefix}who{record['node']}") if store.check([f"{self._prefix}who{record['node']}"]) \
+            else b"{}"
+        host, pid, log = json.loads(raw).get(str(rank), ["?", None, None])
+        verdict = {"rank": rank, "can_run": rank not in silent, "host": host, "pid": pid,
+                   "line": self._line(rank, record, host, pid, log, now, rank in silent)}
+        verdict = json.loads(store.compare_set(self._prefix + "verdict", "", json.dumps(verdict)))
+        self.board.post("verdict", verdict)
         if verdict["rank"] == self.rank:
             self._answer(verdict)
         if not verdict["can_run"]:
@@ -437,23 +576,24 @@ class HangWatch:
             time.sleep(self.poll_s)
             self._last_ok = time.monotonic()  # waiting for it, not for the store
         self.end(verdict["line"].split("; its Python stack")[0] + "; it did not answer, so its stack could not be "
-                "written: look at it with py-spy dump --pid "
-                f"{verdict['pid']} on {verdict['host']}; every rank stopped", EXIT_FAILED)
+                 "written: look at it with py-spy dump --pid "
+                 f"{verdict['pid']} on {verdict['host']}; every rank stopped", EXIT_FAILED)
 
-    def _line(self, rank: int, record: dict[str, Any], now: float, silent: bool) -> str:
+    def _line(self, rank: int, record: dict[str, Any], host: str, pid: int | None, log: str | None, now: float,
+              silent: bool) -> str:
         seconds = now - self._seen[rank]["moved"]
         others = "the other ranks" if self.world_size > 2 else f"rank {1 - rank}"
-        head = (f"rank {rank} (host {record['host']}, pid {record['pid']}) made no progress for {seconds:.0f} s "
-                f"{record['where']}, while {others} waited for it")
+        head = (f"rank {rank} (host {host}, pid {pid}) made no progress for {seconds:.0f} s "
+                f"{record['where'] or 'where it was (not reported)'}, while {others} waited for it")
         tail = "; every rank stopped, the previous last.ckpt is intact: resume with ckpt_path=last"
         if silent:
             return (f"{head}; it cannot run Python (stopped, e.g. by SIGSTOP or a debugger, or stuck in C code), so "
-                    f"its stack could not be written: look at it with py-spy dump --native --pid {record['pid']} on "
-                    f"{record['host']}{tail}")
-        return f"{head}; its Python stack is in {record['log']}{tail}"
+                    f"its stack could not be written: look at it with py-spy dump --native --pid {pid} on "
+                    f"{host}{tail}")
+        return f"{head}; its Python stack is in {log}{tail}"
 
     def _answer(self, verdict: dict[str, Any]) -> None:
-        """The judges found this rank stuck: its stack goes to its log, then the run ends with the verdict's line."""
+        """The judge found this rank stuck: its stack goes to its log, then the run ends with the verdict's line."""
         from src import heartbeat
 
         if verdict["rank"] != self.rank or not verdict["can_run"]:
@@ -463,31 +603,35 @@ class HangWatch:
         self.end(verdict["line"], EXIT_FAILED)
 
     def _store_host_silent(self, last: dict[str, Any] | None, seconds: float) -> None:
-        """The store stopped answering: its host (rank 0, unless torchrun's agent holds it) is stopped or gone.
-        ``last``: rank 0's latest record, where this rank judges (its first one, read by every rank, has its pid)."""
+        """The store stopped answering this node's reporter: its host (rank 0, unless torchrun's agent holds it) is
+        stopped or gone. The node's ranks end with it (the board's ``end`` note). ``last``: rank 0's latest record,
+        where this rank judges."""
         host = self._host
-        merged = "SLURM_STEP_ID" in os.environ
-        says = self.rank == 1 or (self.local_rank == 0 and self.node_rank != 0 and not merged)
         if torchrun.active():
             who = f"the torchrun agent at {os.environ['MASTER_ADDR']}, which hosts the run's store,"
         elif host is None:
             who = "rank 0, which hosts the run's store,"
         else:
             who = f"rank 0 (host {host['host']}, pid {host['pid']}), which hosts the run's store,"
-        where = f" (last seen {last['where']})" if last else ""
+        where = f" (last seen {last['where']})" if last and last.get("where") else ""
         line = (f"{who} stopped answering for {seconds:.0f} s{where}: it cannot run (stopped, e.g. by SIGSTOP or a "
                 "debugger, or stuck in C code) or its host is gone; every rank stopped, the previous last.ckpt is "
                 "intact: resume with ckpt_path=last")
         stuck = {"host": host["host"], "pid": host["pid"]} if host and not torchrun.active() else None
-        self.end(line if says else None, EXIT_FAILED, publish=False, stuck=stuck)
+        self.board.post("end", {"line": line, "code": EXIT_FAILED, "stuck": stuck})
+        self.end(line if says_store_silence(self.rank, self.node_rank, self.local_rank) else None, EXIT_FAILED,
+                 publish=False, stuck=stuck)
 
 
 def store_client(timeout_s: float) -> Any:
     """A client of the run's store (``MASTER_ADDR:MASTER_PORT``), for the failure record and the hang watch."""
     import torch.distributed as dist
 
-    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                         timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+    address, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    # torch's client tries a refused address again until its timeout, and a rank that fails after the store's host
+    # has gone would wait that long to say so: one plain connect first tells at once whether anything listens
+    socket.create_connection((address, port), timeout=min(timeout_s, 2.0)).close()
+    return dist.TCPStore(address, port, is_master=False, timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
 
 
 def _group_exists() -> bool:
@@ -517,9 +661,9 @@ _WATCHED: tuple[Any, ...] | None = None  # the process group FAILURES and HANGS 
 
 
 def watch_failures(rank: int, node_rank: int, local_rank: int, world_size: int, in_sweep: bool = False,
-                   hang_timeout_s: float | None = None, run_dir: str | None = None) -> None:
+                   hang_timeout_s: float | None = None, run_dir: str | None = None, local_world: int = 1) -> None:
     """Once the process group exists: join the run's failure record and watch it, and (``hang_timeout_s``) watch
-    for a rank that hangs (see the module's docstring)."""
+    for a rank that hangs (see the module's docstring). ``local_world``: the ranks of each node."""
     global FAILURES, HANGS, _WATCHED
     if world_size < 2 or "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
         return
@@ -528,11 +672,27 @@ def watch_failures(rank: int, node_rank: int, local_rank: int, world_size: int, 
         return
     stop_watching_failures(wait=False)  # an earlier group's (a sweep's previous job): closed, never orphaned
     _WATCHED = group
-    FAILURES = FailureRecord(rank, node_rank, local_rank, world_size, in_sweep)
+    run = _this_run(rank)
+    board = NodeBoard(run["id"], node_rank, local_rank, local_world, stale_s=BOARD_STALE_S)
+    FAILURES = FailureRecord(rank, node_rank, local_rank, world_size, in_sweep, board)
     FAILURES.watch()
     if hang_timeout_s:
-        HANGS = HangWatch(rank, node_rank, local_rank, world_size, hang_timeout_s, run_dir)
+        HANGS = HangWatch(rank, node_rank, local_rank, world_size, hang_timeout_s, run_dir, board,
+                          num_nodes=max(1, world_size // local_world), host=run)
         HANGS.start()
+
+
+def _this_run(rank: int) -> dict[str, Any]:
+    """What identifies this run, from rank 0 through the store (once per rank): an id no earlier run on the same
+    address and port had (the nodes' boards are named by it), and rank 0's host and pid (for the line that says it
+    stopped answering)."""
+    key = torchrun.attempt_prefix() + "run"
+    store = store_client(RUN_WAIT_S)
+    if rank == 0:
+        run = {"id": uuid.uuid4().hex[:16], "host": socket.gethostname(), "pid": os.getpid()}
+        store.set(key, json.dumps(run))
+        return run
+    return json.loads(store.get(key))  # waits for rank 0's, up to RUN_WAIT_S
 
 
 def stop_watching_failures(wait: bool = True) -> None:
@@ -560,7 +720,7 @@ def leave_group() -> None:
 
 def reported_failure() -> tuple[str | None, int] | None:
     """If another rank has already failed the run: what this rank should print (mostly nothing) and the code."""
-    return None if FAILURES is None else FAILURES.follow()
+    return None if FAILURES is None else FAILURES.follow(from_store=True)
 
 
 def in_distributed_run() -> bool:

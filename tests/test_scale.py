@@ -3,8 +3,11 @@ validation or test image, too few open files for the world, and a learning rate 
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import resource
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -13,6 +16,7 @@ from src.data.in_memory import check_shards
 from src.distributed import check_open_files, open_files_needed
 from src.errors import UserError
 from src.models.classifier import ImageClassifier
+from src.node_board import NodeBoard
 from tests.conftest import output, run_script, train, write_cifar_folder
 
 CIFAR_TRAIN, CIFAR_VAL, CIFAR_TEST = 45_000, 5_000, 10_000
@@ -38,10 +42,10 @@ def test_a_rank_without_a_validation_or_test_image_is_refused_before_training(wh
         check_shards(16_384, 8, **counts)
 
 
-def test_the_open_files_a_rank_needs_grow_with_the_world_and_rank_zero_holds_every_ranks_store_connections():
+def test_the_open_files_a_rank_needs_grow_with_the_world_and_rank_zero_holds_a_connection_a_rank_and_three_a_node():
     assert open_files_needed(1, 2) < open_files_needed(0, 2)
-    assert open_files_needed(1, 2048) - open_files_needed(1, 1024) == 2 * 1024
-    assert open_files_needed(0, 2048) - open_files_needed(0, 1024) == 5 * 1024
+    assert open_files_needed(1, 2048, 8) - open_files_needed(1, 1024, 8) == 2 * 1024
+    assert open_files_needed(0, 2048, 8) - open_files_needed(0, 1024, 8) == 3 * 1024 + 3 * 128
 
 
 def test_a_soft_open_files_limit_is_raised_to_what_the_world_needs_and_a_hard_one_below_it_is_one_line():
@@ -108,7 +112,7 @@ def test_a_dry_run_of_2048_ranks_on_this_cpu_gives_rank_zeros_and_the_last_ranks
            "(1 batches)" in lines
     assert "  this rank        22 training images an epoch; 2 validation images (1 batches); 4 test images " \
            "(1 batches)" in lines
-    assert f"  open files       about {open_files_needed(0, 2048)} " in out
+    assert f"  open files       about {open_files_needed(0, 2048, 8)} " in out
     assert out.count("warning: linear lr scaling gives a peak lr of 25.6 ") == 1
     assert not list(tmp_path.glob("**/*.ckpt")) and "Traceback" not in out
 
@@ -176,3 +180,45 @@ def test_under_mpirun_without_mpi4py_the_other_ranks_exit_quietly_with_rank_zero
     result = train("data=synthetic", "trainer.accelerator=cpu", f"hydra.run.dir={tmp_path}",
                    env={"OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_RANK": "3"}, timeout=120)
     assert result.returncode == 2 and "error:" not in output(result), output(result)[-3000:]
+
+
+def test_a_nodes_reporter_is_its_lowest_local_rank_with_a_fresh_pulse_and_the_first_note_stays(tmp_path):
+    boards = [NodeBoard("run", 3, local, 3, stale_s=3.0, folder=tmp_path / "node3") for local in range(3)]
+    assert boards[0].reporter() is None  # nobody has a pulse yet
+    for board in boards:
+        board.publish({"rank": 24 + board.local_rank})
+    assert boards[2].reporter() == 0
+    old = time.time() - 10
+    os.utime(tmp_path / "node3" / "r0.json", (old, old))  # local rank 0 stopped: its pulse ages
+    assert [b.reporter() for b in boards] == [1, 1, 1]
+    assert boards[1].ranks()[0][1] >= 10 and boards[1].ranks()[2][0] == {"rank": 26}
+    boards[0].beat()  # it runs again: it reports again
+    assert boards[2].reporter() == 0
+    assert boards[1].post("failure", {"rank": 25}) and not boards[2].post("failure", {"rank": 26})
+    assert boards[0].read("failure") == {"rank": 25} and boards[0].read("verdict") is None
+
+
+def test_the_rank_that_completes_its_node_says_so_once_and_the_folder_goes(tmp_path):
+    boards = [NodeBoard("run", 0, local, 3, stale_s=3.0, folder=tmp_path / "node0") for local in range(3)]
+    assert [board.finish() for board in boards] == [False, False, True]
+    assert not (tmp_path / "node0").exists()
+    boards[0].publish({"rank": 0})  # a watch's last round after its rank finished writes nothing
+    assert not (tmp_path / "node0").exists()
+
+
+def test_the_control_plane_simulator_names_a_stuck_rank_stops_all_at_a_dead_one_and_holds_two_connections_a_node(
+        tmp_path):
+    result = run_script("benchmarks/control_plane.py", "--ranks=24", "--seconds=2", "--warmup=0.5",
+                        "--hang-timeout=3", "--fault-hang-timeout=3", "--faults=stuck,dead", f"--out={tmp_path}", timeout=240)
+    assert result.returncode == 0, output(result)[-3000:]
+    report = json.loads((tmp_path / "results.json").read_text())
+    row = report["rows"][0]
+    assert row["ranks"] == 24 and row["nodes"] == 3 and row["verdicts"] == 0
+    assert row["sockets"] <= 2 * 3 + 1  # two a node, and the latency probe's
+    # a round (every 0.2 s at a hang timeout of 3 s): each node's set and look for a verdict, the judge's check and
+    # multi_get, the standby's get
+    assert 0 < row["requests_per_s"] <= (2 * 3 + 3) / 0.2 * 1.1
+    stuck, dead = report["faults"]
+    assert stuck["named"] == stuck["stuck"] == 13 and 3 <= stuck["seconds"] < 3 + 6
+    assert dead["stopped"] == dead["of"] == 23 and dead["max_s"] < 3
+    assert "| 24 | 3 |" in (tmp_path / "table.md").read_text() and (tmp_path / "load.svg").read_text().startswith("<svg")

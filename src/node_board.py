@@ -1,0 +1,123 @@
+"""What the ranks of one node share without the network: a folder in shared memory, one per node of a run.
+
+The control plane (src/supervision.py) talks to the run's store once per node, not once per rank: each rank
+leaves its record here, and the node's *reporter*, the lowest local rank still alive, carries them all to the
+store in one request and brings back what the store says (a failure, a hang verdict) as a file every local rank
+reads. A file's age is its rank's pulse: a rank that cannot run Python (stopped, or stuck in C code) stops
+touching it, and the next local rank takes its place as the reporter.
+
+The folder is ``/dev/shm`` (``TMPDIR`` where there is none) ``/cifar10-ddp-<run id>-node<N>``; the run id comes
+from rank 0 through the process group's store, so a run never reads a folder an earlier run left behind. The ranks
+of a node must share that folder, as processes of one job on one host do (a container per rank would not).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+
+def root() -> Path:
+    shm = Path("/dev/shm")
+    return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
+
+
+class NodeBoard:
+    """The folder of one node of one run: ``r<local rank>.json`` per rank (its record; its age, the pulse), and the
+    notes the reporter brings from the store (``failure.json``, ``verdict.json``, ``end.json``)."""
+
+    def __init__(self, run_id: str, node_rank: int, local_rank: int, local_world: int, stale_s: float,
+                 folder: Path | None = None) -> None:
+        self.local_rank, self.local_world, self.stale_s = local_rank, local_world, stale_s
+        self.path = folder or root() / f"cifar10-ddp-{run_id}-node{node_rank}"
+        self.path.mkdir(parents=True, exist_ok=True)
+        self._own = self.path / f"r{local_rank}.json"
+        self._record: dict[str, Any] = {}
+        self.closed = False  # this rank is done with the run: it writes nothing more here
+
+    def _write(self, path: Path, value: Any) -> None:
+        if self.closed:
+            return
+        temp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}")  # two threads may write at once
+        try:
+            temp.write_text(json.dumps(value))
+        except FileNotFoundError:  # the folder was cleaned away under the run (a tmp cleaner): again
+            self.path.mkdir(parents=True, exist_ok=True)
+            temp.write_text(json.dumps(value))
+        os.replace(temp, path)
+
+    def beat(self) -> None:
+        """This rank can run Python: its file's age starts again from zero."""
+        if self.closed:
+            return
+        try:
+            os.utime(self._own)
+        except FileNotFoundError:
+            self._write(self._own, self._record)
+
+    def publish(self, record: dict[str, Any]) -> None:
+        """This rank's record (where it is), for the reporter to carry."""
+        self._record = record
+        self._write(self._own, record)
+
+    def ranks(self) -> dict[int, tuple[dict[str, Any], float]]:
+        """Every local rank's record and its age in seconds."""
+        now, found = time.time(), {}
+        for local in range(self.local_world):
+            path = self.path / f"r{local}.json"
+            try:
+                age = now - path.stat().st_mtime
+                found[local] = (json.loads(path.read_text() or "{}"), max(0.0, age))
+            except (OSError, ValueError):  # not there yet, or being replaced this instant
+                continue
+        return found
+
+    def reporter(self, ranks: dict[int, tuple[dict[str, Any], float]] | None = None) -> int | None:
+        """The lowest local rank whose pulse is fresh: the one that talks to the store for the node."""
+        if ranks is not None:
+            return min((local for local, (_, age) in ranks.items() if age < self.stale_s), default=None)
+        now = time.time()
+        for local in range(self.local_world):
+            try:
+                if now - (self.path / f"r{local}.json").stat().st_mtime < self.stale_s:
+                    return local
+            except OSError:
+                continue
+        return None
+
+    def post(self, name: str, value: dict[str, Any]) -> bool:
+        """Leave a note (``failure``, ``verdict``, ``end``) for every local rank; the first one stays."""
+        path = self.path / f"{name}.json"
+        if self.closed or path.exists():
+            return False
+        self._write(path, value)
+        return True
+
+    def read(self, name: str) -> dict[str, Any] | None:
+        try:
+            return json.loads((self.path / f"{name}.json").read_text())
+        except (OSError, ValueError):
+            return None
+
+    def finish(self) -> bool:
+        """This rank is done with the run: True for the one rank that makes the node complete (it tells the store
+        for the node, and removes the folder)."""
+        self.closed = True
+        try:
+            (self.path / f"done{self.local_rank}").touch()
+        except OSError:
+            return False
+        if sum((self.path / f"done{local}").exists() for local in range(self.local_world)) < self.local_world:
+            return False
+        try:
+            os.close(os.open(self.path / "done", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return False
+        shutil.rmtree(self.path, ignore_errors=True)
+        return True
