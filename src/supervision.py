@@ -216,6 +216,7 @@ class FailureRecord:
         self._lock = threading.Lock()  # one store call at a time, and none once closed
         self._closed = False
         self._waiter: threading.Thread | None = None
+        self._ticks = 0
         self.echoing = False  # this rank has read another rank's failure
 
     def _call(self, method: str, *args: Any) -> Any:
@@ -289,7 +290,9 @@ class FailureRecord:
         this rank is its node's reporter, and what the board says: another rank's failure, or the node's reporter
         found the store's host silent. What to print, the exit code and the rank to kill, or None."""
         self.board.beat()
-        if self.board.reporter() == self.local_rank and (self._waiter is None or not self._waiter.is_alive()):
+        self._ticks += 1
+        if self._ticks % 4 == 1 and (self._waiter is None or not self._waiter.is_alive()) \
+                and self.board.reporter() == self.local_rank:  # a second's delay is nothing beside BOARD_STALE_S
             self._waiter = threading.Thread(target=self._wait, name="failure-wait", daemon=True)
             self._waiter.start()
         failure = self.follow()
@@ -470,14 +473,14 @@ class HangWatch:
         """Leave this rank's record on the board; answer a verdict; as the node's reporter, carry the node's
         records to the store, and judge (node 0's) or stand by (node 1's)."""
         self.board.publish(self.record())
-        ranks = self.board.ranks()
         verdict = self.board.read("verdict")
         if verdict is not None:
             self._answer(verdict)
-        if self.board.reporter(ranks) != self.local_rank:
+        if self.board.reporter() != self.local_rank:
             self._store, self._told = None, None  # another local rank reports: no connection held here
             self._last_ok = time.monotonic()
             return
+        ranks = self.board.ranks()  # only the reporter reads the others' records
         try:
             store = self._connect()
             self._tell_who(store, ranks)
