@@ -14,6 +14,7 @@ of a node must share that folder, as processes of one job on one host do (a cont
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -21,6 +22,8 @@ import threading
 import time
 from pathlib import Path
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 
 def root() -> Path:
@@ -40,17 +43,25 @@ class NodeBoard:
         self._own = self.path / f"r{local_rank}.json"
         self._record: dict[str, Any] = {}
         self.closed = False  # this rank is done with the run: it writes nothing more here
+        self._warned = False
 
     def _write(self, path: Path, value: Any) -> None:
         if self.closed:
             return
         temp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}")  # two threads may write at once
         try:
-            temp.write_text(json.dumps(value))
-        except FileNotFoundError:  # the folder was cleaned away under the run (a tmp cleaner): again
-            self.path.mkdir(parents=True, exist_ok=True)
-            temp.write_text(json.dumps(value))
-        os.replace(temp, path)
+            try:
+                temp.write_text(json.dumps(value))
+            except FileNotFoundError:  # the folder was cleaned away under the run (a tmp cleaner): again
+                self.path.mkdir(parents=True, exist_ok=True)
+                temp.write_text(json.dumps(value))
+            os.replace(temp, path)
+        except OSError as err:  # full, or read-only: the pulse (a file's time) still works; say it once
+            temp.unlink(missing_ok=True)
+            if not self._warned:
+                self._warned = True
+                log.warning("the node's board %s cannot be written (%s): this node's hang reports may be stale; "
+                            "free space in %s", self.path, err.strerror or err, self.path.parent)
 
     def beat(self) -> None:
         """This rank can run Python: its file's age starts again from zero."""

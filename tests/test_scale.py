@@ -222,3 +222,23 @@ def test_the_control_plane_simulator_names_a_stuck_rank_stops_all_at_a_dead_one_
     assert stuck["named"] == stuck["stuck"] == 13 and 3 <= stuck["seconds"] < 3 + 6
     assert dead["stopped"] == dead["of"] == 23 and dead["max_s"] < 3
     assert "| 24 | 3 |" in (tmp_path / "table.md").read_text() and (tmp_path / "load.svg").read_text().startswith("<svg")
+
+
+def test_a_full_board_keeps_the_pulse_and_says_so_once(tmp_path, monkeypatch, caplog):
+    board = NodeBoard("run", 0, 0, 1, stale_s=3.0, folder=tmp_path / "node0")
+    board.publish({"rank": 0, "step": 1})
+
+    def full(self, *args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(type(tmp_path), "write_text", full)  # /dev/shm full: no new file can be written
+    with caplog.at_level(logging.WARNING, logger="src.node_board"):
+        board.publish({"rank": 0, "step": 2})
+        board.publish({"rank": 0, "step": 3})
+    assert [r.getMessage() for r in caplog.records] == [
+        f"the node's board {tmp_path / 'node0'} cannot be written (No space left on device): this node's hang reports "
+        f"may be stale; free space in {tmp_path}"]
+    old = time.time() - 10
+    os.utime(tmp_path / "node0" / "r0.json", (old, old))
+    board.beat()  # the pulse is the file's time: it still moves
+    assert board.ranks()[0] == ({"rank": 0, "step": 1}, pytest.approx(0, abs=1))
