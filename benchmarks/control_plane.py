@@ -157,12 +157,14 @@ class Simulation:
     on a pool of threads, as late as the machine makes it."""
 
     def __init__(self, port: int, world: int, per_node: int, timeout_s: float, step_s: float, threads: int,
-                 nodes_here: set[int] | None = None) -> None:
+                 nodes_here: set[int] | None = None, t0: float | None = None) -> None:
         import torch.distributed as dist
 
         from src import heartbeat, supervision
 
         self.world, self.timeout_s, self.step_s = world, timeout_s, step_s
+        self.t0 = time.monotonic() if t0 is None else t0
+        self._stepping = threading.Lock()  # a step of the clock, or the moment a rank sticks
         self.counts: dict[str, int] = {}
         self._lock = threading.Lock()
         self.ended: list[dict[str, Any]] = []  # each end_run a rank called: when, which rank, what line
@@ -260,18 +262,22 @@ class Simulation:
                 heapq.heappush(self._queue, (max(due + period, time.monotonic()), rank, index))
                 self._cv.notify()
 
+    def step(self) -> int:
+        """The training step every healthy rank is at: one clock for all the processes, as DDP's all-reduce keeps
+        a run's ranks in step."""
+        return int((time.monotonic() - self.t0) / self.step_s)
+
     def _train(self) -> None:
         """Every healthy rank takes a step each ``step_s``: the marks of a training step, as src.heartbeat makes."""
-        step = 0
         while self.running:
             time.sleep(self.step_s)
-            step += 1
-            for r, progress in self.progress.items():
-                if r in self.frozen:
-                    continue
-                progress.step, progress.phase = step, "in a training step"
-                progress.tick += 2
-                progress.position += 2
+            with self._stepping:
+                step = self.step()
+                for r, progress in self.progress.items():
+                    if r in self.frozen:
+                        continue
+                    progress.step, progress.phase = step, "in a training step"
+                    progress.tick = progress.position = 2 * step
 
     def settle(self, least_s: float) -> None:
         """Wait at least ``least_s``, and until no connection has been made for 2 s."""
@@ -287,14 +293,14 @@ class Simulation:
         for thread in self._threads:
             thread.start()
 
-    def stick(self, rank: int) -> float:
-        """``rank`` stops in a training step; the others reach the gradient all-reduce and wait there for it."""
-        self.frozen = set(self.ranks)
+    def stick(self, rank: int, step: int) -> float:
+        """``rank`` stops in training step ``step``; the others reach its gradient all-reduce and wait there."""
+        with self._stepping:
+            self.frozen = set(self.ranks)
         for r, progress in self.progress.items():
+            progress.step = step
             progress.phase = "in a training step" if r == rank else "waiting for the other ranks (all-reduce)"
-            if r != rank:
-                progress.tick += 1
-                progress.position += 1
+            progress.tick = progress.position = 2 * step + (r != rank)
         return time.monotonic()
 
     def kill(self, rank: int) -> float:
@@ -326,9 +332,10 @@ def percentile(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
-def worker(port: int, world: int, args: argparse.Namespace, timeout_s: float, nodes_here: set[int], conn: Any) -> None:
+def worker(port: int, world: int, args: argparse.Namespace, timeout_s: float, nodes_here: set[int], t0: float,
+           conn: Any) -> None:
     """One process of the simulation: the ranks of ``nodes_here``, run until the parent says stop."""
-    sim = Simulation(port, world, args.per_node, timeout_s, args.step_s, args.threads, nodes_here)
+    sim = Simulation(port, world, args.per_node, timeout_s, args.step_s, args.threads, nodes_here, t0)
     sim.start()
     sim.settle(args.warmup)
     conn.send(sim.poll_s)
@@ -339,7 +346,7 @@ def worker(port: int, world: int, args: argparse.Namespace, timeout_s: float, no
         elif command == "late":
             conn.send(sim.late[arg:])
         elif command == "stick":
-            conn.send(sim.stick(arg))
+            conn.send(sim.stick(*arg))
         elif command == "kill":
             conn.send(sim.kill(arg))
         elif command == "report":
@@ -361,10 +368,11 @@ class Fleet:
         procs = max(1, min(args.procs, nodes))
         context = multiprocessing.get_context("fork")  # nothing of torch is loaded here yet
         self.conns, self.procs = [], []
+        self.t0, self.step_s = time.monotonic(), args.step_s
         for k in range(procs):
             ours, theirs = context.Pipe()
             proc = context.Process(target=worker, args=(host.port, world, args, timeout_s,
-                                                        {n for n in range(nodes) if n % procs == k}, theirs))
+                                                        {n for n in range(nodes) if n % procs == k}, self.t0, theirs))
             proc.start()
             self.conns.append(ours)
             self.procs.append(proc)
@@ -425,7 +433,7 @@ def stuck(world: int, args: argparse.Namespace, rank: int) -> dict[str, Any]:
     host = Host()
     try:
         fleet = Fleet(host, world, args, args.fault_hang_timeout)
-        began = min(fleet.ask("stick", rank))
+        began = min(fleet.ask("stick", (rank, int((time.monotonic() - fleet.t0) / fleet.step_s))))
         deadline = began + args.fault_hang_timeout * 3 + 30
         report = fleet.report()
         while not report["ended"] and time.monotonic() < deadline:
