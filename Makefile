@@ -157,7 +157,7 @@ profile:
 	$(GPU_CHECK_PYTHON) benchmarks/profile_step.py $(PROFILE_ARGS)
 
 ## the control plane (failure record, hang watch) of 16 to 2,048 simulated ranks against one real store: the host's
-## requests, bytes, CPU, sockets and latency, a stuck and a dead rank, projected to 16,384 (~6 min on 2 cores)
+## requests, bytes, CPU, sockets and latency, a stuck and a dead rank, projected to 16,384 (~9 min on 2 cores)
 ## (SCALE_ARGS="--ranks 16,64 --healthy-s 600") -> outputs/bench/control-plane/table.md, results.json, load.svg
 SCALE_ARGS ?=
 scale: install
