@@ -54,6 +54,7 @@ DONE_WAIT_S = 10.0  # ... and, at a good end, for the others to stop watching
 WAIT_S = 24 * 3600.0  # a node's reporter waits this long for the run's failure in one request, then again
 # (torch logs a timed-out wait twice on stderr: a short one would fill the logs; rank 0 ends the wait at a good end)
 BOARD_STALE_S = 3.0  # a local rank whose pulse on the node's board is older stops being the node's reporter
+WAITER_JOIN_S = 5.0  # how long a good end waits for its failure wait to return (rank 0's "ended" wakes it)
 RUN_WAIT_S = 120.0  # how long a rank waits for rank 0 to say which run this is
 _STOPPED_ON_REQUEST = 128 + signal.SIGTERM
 _INTERRUPTED = 128 + signal.SIGINT  # Ctrl-C: rank zero says where the run stopped
@@ -323,6 +324,8 @@ class FailureRecord:
         if self.rank == 0 and wait:
             self.wait_for("done", DONE_WAIT_S)
             self._call("compare_set", self._prefix + "failure", "", json.dumps({"ended": True}))  # ends the waits
+        if self._waiter is not None and wait:  # out of its store call before this process may end
+            self._waiter.join(WAITER_JOIN_S)
         with self._lock:
             self._closed = True
             self._store = None
