@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import pickle
+import shutil
 import socket
 import subprocess
 import sys
@@ -162,24 +165,52 @@ def sample_checkpoint(tmp_path_factory) -> Path:
     so its predictions have something to agree on. Its run dir; the checkpoint is checkpoints/last.ckpt."""
     if not (SAMPLE / "cifar-10-batches-py").is_dir():
         pytest.skip(f"the CIFAR-10 sample is not at {SAMPLE} (it comes with ../shared)")
-    run_dir = tmp_path_factory.mktemp("sample") / "run"
+    with shared_between_workers(tmp_path_factory, "sample") as (folder, made):
+        run_dir = folder / "run"
+        if not made:
+            _train_sample(run_dir)
+    return run_dir
+
+
+def _train_sample(run_dir: Path) -> None:
     result = train("data=cifar10", f"data.root={SAMPLE}", "data.download=false", "model.arch=resnet18",
                    "model.stem=imagenet", "model.optimizer.lr=0.05", "data.batch_size=32", "trainer.accelerator=cpu",
                    "trainer.max_epochs=1", "trainer.limit_train_batches=60", "trainer.limit_val_batches=4", "test=false",
                    "trainer.enable_model_summary=false", f"hydra.run.dir={run_dir}")
     assert result.returncode == 0, output(result)[-4000:]
-    return run_dir
 
 
 @pytest.fixture(scope="session")
 def exported_sample_model(sample_checkpoint, tmp_path_factory) -> tuple[Path, str]:
     """``sample_checkpoint`` exported by src.export in both formats and validated on the sample's test images: the
     folder of the files, and what src.export printed."""
-    out = tmp_path_factory.mktemp("exported")
-    result = run_module("src.export", f"ckpt_path={sample_checkpoint}/checkpoints/last.ckpt", f"export.dir={out}",
-                        f"hydra.run.dir={out}/run")
-    assert result.returncode == 0, output(result)[-4000:]
-    return out, output(result)
+    with shared_between_workers(tmp_path_factory, "exported") as (out, made):
+        if not made:
+            result = run_module("src.export", f"ckpt_path={sample_checkpoint}/checkpoints/last.ckpt",
+                                f"export.dir={out}", f"hydra.run.dir={out}/run")
+            assert result.returncode == 0, output(result)[-4000:]
+            (out / "said.txt").write_text(output(result))
+        return out, (out / "said.txt").read_text()
+
+
+@contextlib.contextmanager
+def shared_between_workers(tmp_path_factory, name: str):
+    """A folder that the session's pytest-xdist workers share, made by the first that asks (under a lock), and
+    whether it was made already: a session fixture runs once per worker otherwise, and these are minutes of
+    training. Without xdist, the session's own folder."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the session's folder, above each worker's popen-gwN
+    folder = root / f"shared-{name}"
+    with open(root / f"shared-{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        done = folder / ".done"
+        made = done.exists()
+        if not made:
+            shutil.rmtree(folder, ignore_errors=True)  # a worker that failed half way
+            folder.mkdir()
+        yield folder, made
+        done.touch()
 
 
 # ------------------------------------------------------------------------------------------------- the time budget

@@ -100,9 +100,10 @@ def test_resnet50_itself_trains_a_few_steps_and_steps_the_learning_rate():
 
 def test_loss_falls_on_synthetic_data():
     L.seed_everything(0)
-    model = ImageClassifier(arch="resnet18", optimizer={"lr": 0.02, "lr_scaling": "none"},
+    # the ImageNet stem at 32 px: a sixteenth of the CIFAR stem's work, and the loss falls further (to ~7%)
+    model = ImageClassifier(arch="resnet18", stem="imagenet", optimizer={"lr": 0.02, "lr_scaling": "none"},
                             scheduler={"warmup_epochs": 0.5})
-    data = SyntheticDataModule(num_train=480, num_test=64, image_size=16, batch_size=32)
+    data = SyntheticDataModule(num_train=480, num_test=64, image_size=32, batch_size=32)
     losses: dict[int, list[float]] = {}
 
     class Record(L.Callback):
