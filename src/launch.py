@@ -59,20 +59,29 @@ def check_strategy(name: str, backend: str, timeout_s: Any, accelerator: str, de
     return name, local
 
 
+MPI_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK")  # Open MPI's, MPICH's and Intel MPI's, PMIx's
+
+
+def mpi_launched() -> bool:
+    """Whether mpirun (or another MPI process manager) started this process."""
+    return any(key in os.environ for key in MPI_VARIABLES)
+
+
 def check_mpi() -> None:
     """Under mpirun (Open MPI, MPICH, Intel MPI) every process is a rank already, and Lightning learns which one
-    through mpi4py (its MPIEnvironment). Without mpi4py each would take itself for the only rank: one line instead."""
-    import importlib.util
-
+    through mpi4py (its MPIEnvironment). Without mpi4py, or with one that finds no MPI library, each would take itself
+    for the only rank (Lightning's detection says no MPI and goes on): one line instead."""
     size = os.environ.get("OMPI_COMM_WORLD_SIZE") or os.environ.get("PMI_SIZE")
     if size is None or "SLURM_STEP_ID" in os.environ or "TORCHELASTIC_RUN_ID" in os.environ or size == "1":
         return
-    if importlib.util.find_spec("mpi4py") is None:
+    try:
+        from mpi4py import MPI  # noqa: F401 - what Lightning's MPIEnvironment imports; under mpirun: MPI_Init
+    except ImportError as err:
         if (supervision.launcher_rank() or "0") != "0":
-            raise SystemExit(EXIT_USER_ERROR)  # mpirun gathers every process's output: rank 0 says it, once
+            raise SystemExit(EXIT_USER_ERROR) from None  # mpirun gathers every process's output: rank 0 says it, once
         raise UserError(f"mpirun started {size} processes, but Lightning reads their ranks through mpi4py, which "
-                        "this Python cannot import: pip install mpi4py (built against your MPI), or start the "
-                        "ranks with srun or torchrun")
+                        f"this Python cannot import ({err}): pip install mpi4py (built against your MPI, or "
+                        "cifar10-ddp[mpi]), or start the ranks with srun or torchrun") from None
 
 
 def start_local_ranks(strategy: Any, ckpt_path: str | None = None) -> None:
@@ -225,8 +234,11 @@ def check_launch(accelerator: str, local_processes: int, timeout_s: Any, num_nod
     rendezvous; and a MASTER_PORT that is not a port, or one already taken where this process will host the
     rendezvous, fails only once the ranks try to meet, after the others have started.
     """
+    # Where srun, torchrun or mpirun started the ranks, each process is one of them, and the launcher placed it (mpirun
+    # and srun's binding give each its own cores): what this process may use says nothing of the node's count.
+    placed = any(key in os.environ for key in _EXTERNAL_LAUNCHERS) and not ranks_started_here_under_slurm()
     cores = len(os.sched_getaffinity(0))
-    if not uses_cuda(accelerator) and local_processes > cores:
+    if not uses_cuda(accelerator) and not placed and local_processes > cores:
         raise UserError(f"trainer.devices={local_processes} starts {local_processes} CPU processes but this node has "
                         f"{cores} CPU core(s) for this run: use trainer.devices={cores} or fewer")
     if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:

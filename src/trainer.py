@@ -8,7 +8,8 @@ from pathlib import Path
 import lightning as L
 import torch
 from hydra.utils import instantiate
-from lightning.fabric.plugins.environments import LightningEnvironment, SLURMEnvironment
+from lightning.fabric.plugins.environments import (ClusterEnvironment, LightningEnvironment, LSFEnvironment,
+                                                   SLURMEnvironment, TorchElasticEnvironment)
 from omegaconf import DictConfig, OmegaConf
 
 from src import torchrun
@@ -16,7 +17,8 @@ from src.checkpoints import AtomicCheckpointIO, read_checkpoint
 from src.console import quiet_console, quiet_dependencies
 from src.distributed import TaskGPU
 from src.fast_path import fast_path
-from src.launch import is_launch_rank_zero, node_gpus, one_gpu_per_task, ranks_started_here_under_slurm, uses_cuda
+from src.launch import (is_launch_rank_zero, mpi_launched, node_gpus, one_gpu_per_task, ranks_started_here_under_slurm,
+                        uses_cuda)
 from src.loggers import remember_runs
 from src.errors import UserError
 
@@ -77,6 +79,15 @@ def check_trainer_settings(trainer_cfg: DictConfig) -> None:
                         "(Lightning's -1, 'forever', would leave the learning-rate schedule without an end)")
 
 
+def not_mpi_environment() -> ClusterEnvironment:
+    """Lightning's own choice of cluster environment, less MPI's: its MPIEnvironment.detect() imports mpi4py's MPI,
+    which initialises MPI in every process where mpi4py is installed, mpirun or not."""
+    for kind in (TorchElasticEnvironment, LSFEnvironment):  # SLURMEnvironment is build_trainer's
+        if kind.detect():
+            return kind()
+    return LightningEnvironment()
+
+
 def build_trainer(cfg: DictConfig, arch: str) -> L.Trainer:
     """A Trainer whose strategy, callbacks and loggers come from their config groups; ``arch``: the network it
     trains or tests (what ``trainer.precision=auto`` is measured with on a CPU)."""
@@ -90,6 +101,8 @@ def build_trainer(cfg: DictConfig, arch: str) -> L.Trainer:
     elif SLURMEnvironment.detect() and not torchrun.active():  # srun torchrun: torchrun's environment, Lightning's
         # src/callbacks/slurm_requeue.py owns SIGUSR1 instead of Lightning (see there why)
         plugins.append(SLURMEnvironment(auto_requeue=False))
+    elif not mpi_launched():
+        plugins.append(not_mpi_environment())
     return instantiate(cfg.trainer, strategy=instantiate(cfg.strategy), callbacks=callbacks,
                        logger=loggers or False, plugins=plugins, **hardware_defaults(cfg.trainer, arch))
 

@@ -87,8 +87,10 @@ CASES = {
                                         "data.batch_size=64", "data.batch_size=43 or less"]),
     "a-rank-without-a-test-image": Case([*FAST, *DDP2, "data.num_test=1", "test=true"],
                                         ["1 test images for 2 processes", "every process needs at least one"]),
-    "mpirun-without-mpi4py": Case([*FAST], ["mpirun started 4 processes", "pip install mpi4py", "srun or torchrun"],
-                                  env={"OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_RANK": "0"}),
+    "mpirun-without-mpi4py": Case([*FAST], ["mpirun started 4 processes", "No module named 'mpi4py'",
+                                            "pip install mpi4py", "srun or torchrun"],
+                                  env={"OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_RANK": "0",
+                                       "PYTHONPATH": "{tmp}/no-mpi4py"}),
     "batch-size-zero": Case([*FAST, "data.batch_size=0"], ["data.batch_size=0", ">= 1"]),
     "val-size-not-a-fraction": Case([*FAST, "data.val_size=2.0"], ["data.val_size=2.0", "fraction in (0, 1)"]),
     "ckpt-missing": Case([*FAST, "ckpt_path=/nonexistent.ckpt"], ["ckpt_path=/nonexistent.ckpt does not exist"]),
@@ -162,8 +164,16 @@ def make_files(tmp: Path) -> None:
     batch = write_cifar_folder(tmp / "truncated") / "cifar-10-batches-py" / "data_batch_3"
     batch.write_bytes(batch.read_bytes()[:1000])
     write_cifar_folder(tmp / "unreadable").chmod(0o000)
+    hide_mpi4py(tmp / "no-mpi4py")
     (tmp / "readonly").mkdir()
     (tmp / "readonly").chmod(0o555)
+
+
+def hide_mpi4py(folder: Path) -> Path:
+    """A folder that, first on PYTHONPATH, makes ``import mpi4py`` fail as where it is not installed."""
+    (folder / "mpi4py").mkdir(parents=True)
+    (folder / "mpi4py" / "__init__.py").write_text('raise ModuleNotFoundError("No module named \'mpi4py\'")\n')
+    return folder
 
 
 def launch(case: Case, name: str, tmp: Path, port: int, full_error: str, prefixes: dict) -> Result | str:
@@ -176,7 +186,7 @@ def launch(case: Case, name: str, tmp: Path, port: int, full_error: str, prefixe
     args = [a.format(tmp=tmp, port=port) for a in case.args]
     if not any(a.startswith("hydra.run.dir=") for a in args):
         args.append(f"hydra.run.dir={tmp}/runs/{name}")
-    env = {"HYDRA_FULL_ERROR": full_error, **{k: v.format(port=port) for k, v in case.env.items()}}
+    env = {"HYDRA_FULL_ERROR": full_error, **{k: v.format(port=port, tmp=tmp) for k, v in case.env.items()}}
     start = time.monotonic()
     try:
         done = run_module(case.module, *args, env=env, timeout=120, prefix=prefix)

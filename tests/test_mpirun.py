@@ -1,0 +1,64 @@
+"""mpirun as a launcher: Debian's Open MPI starting real ranks (gloo, CPU, synthetic data, resnet18), each bound to
+a core as mpirun binds them, Lightning reading who is who through mpi4py."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from tests.conftest import FAST, ROOT
+from tests.test_supervision import RAISE, error_lines
+
+
+@pytest.fixture(scope="module")
+def mpirun() -> str:
+    """Open MPI's mpirun, installed from Debian when missing (as the Slurm test cluster installs Slurm)."""
+    found = shutil.which("mpirun")
+    if found is None and os.geteuid() == 0 and shutil.which("apt-get"):
+        subprocess.run("apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "
+                       "--no-install-recommends -o DPkg::Lock::Timeout=120 openmpi-bin", shell=True, check=True,
+                       capture_output=True, timeout=600)
+        found = shutil.which("mpirun")
+    if found is None:
+        pytest.skip("mpirun is not installed, and apt-get cannot install openmpi-bin here (root needed)")
+    return found
+
+
+def run_mpirun(mpirun: str, *overrides: str, ranks: int = 2) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+    for key in ("RANK", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    # mpirun binds each rank to a core of its own (its default at 2 ranks); --oversubscribe only where there are fewer
+    cmd = [mpirun, "-np", str(ranks), "--oversubscribe", sys.executable, "-m", "src.train", *overrides]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+
+
+def test_mpiruns_ranks_train_one_world_and_a_failing_rank_stops_the_other_with_one_line(mpirun, tmp_path):
+    args = [*FAST, "strategy=ddp", "trainer.devices=2", "strategy.timeout_s=60"]
+    result = run_mpirun(mpirun, *args, f"hydra.run.dir={tmp_path}/run")
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out[-3000:]
+    log = (tmp_path / "run" / "train.log").read_text()
+    assert "world size 2 | strategy ddp | backend gloo" in log, log[-3000:]
+    assert "test accuracy" in log
+    # each rank knew which it was: rank 1 wrote its own log, and rank 0 alone the checkpoints
+    assert (tmp_path / "run" / "train_rank1.log").exists()
+    last = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    assert last["saved_by"]["world_size"] == 2 and last["global_step"] == 2
+
+    start = time.monotonic()
+    result = run_mpirun(mpirun, *args, *RAISE, "+callbacks.fault.rank=1", "trainer.limit_train_batches=6",
+                        f"hydra.run.dir={tmp_path}/failing")
+    out = result.stdout + result.stderr
+    assert result.returncode != 0 and time.monotonic() - start < 60, out[-3000:]
+    errors = error_lines(result.stdout + "\n" + result.stderr)
+    assert errors and all(re.match(r"error: rank 1: RuntimeError: injected failure at step 3", e) for e in errors), \
+        out[-3000:]
+    assert "Traceback" not in out
