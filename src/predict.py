@@ -1,7 +1,8 @@
 """``python -m src.predict ckpt_path=PATH images=FILE|DIR [top_k=3] [--json]``: the top classes of each image.
 
-The model is a checkpoint of src.train, or an ``.onnx`` / ``.safetensors`` written by src.export. Images are PNG or
-JPEG files; the networks here are trained on 32x32 CIFAR-style images, and other sizes are resized to 32x32.
+The model is a checkpoint of src.train, or an ``.onnx`` / ``.safetensors`` written by src.export. Images are PNG,
+JPEG, GIF or WebP files, read as a viewer shows them (``read_image``); the networks here are trained on 32x32
+CIFAR-style images, and other sizes are resized to 32x32.
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ from src.export import IMAGE_SIZE, Normalised, class_names, load_classifier, onn
 
 log = logging.getLogger("src.predict")
 
-SUFFIXES = (".png", ".jpg", ".jpeg")
+SUFFIXES = (".png", ".jpg", ".jpeg", ".gif", ".webp")
+MIN_SIDE = 8  # pixels: smaller, a 32x32 copy is made up
+MAX_ASPECT = 3  # longer side over shorter: beyond, squeezing to a square distorts what the image shows
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="predict")
@@ -133,7 +136,7 @@ def image_files(images: Any) -> list[Path]:
         if item.is_dir():
             found = sorted(p for p in item.iterdir() if p.suffix.lower() in SUFFIXES and p.is_file())
             if not found:
-                raise UserError(f"images={item} holds no PNG or JPEG file")
+                raise UserError(f"images={item} holds no PNG, JPEG, GIF or WebP file")
             files += found
         elif item.is_file():
             files.append(item)
@@ -143,21 +146,43 @@ def image_files(images: Any) -> list[Path]:
 
 
 def read_image(path: Path) -> tuple[torch.Tensor, list[int] | None]:
-    """One image as float RGB in [0, 1], 3 x 32 x 32, and its width and height where it had to be resized (with
-    antialiasing) to that."""
+    """One image as float RGB in [0, 1], 3 x 32 x 32, as a viewer shows it, and its width and height where it had to
+    be resized (with antialiasing) to that.
+
+    What a viewer shows: a JPEG turned as its EXIF orientation says; 16-bit PNGs scaled by 65535, not 255; grey-scale
+    and palette images in their colours; a transparent pixel over white. A GIF or WebP of one frame is an image too.
+    """
     from torchvision.io import ImageReadMode, decode_image
     from torchvision.transforms.v2 import functional as F
 
     try:
-        image = decode_image(str(path), mode=ImageReadMode.RGB)
+        # the file's own channels (grey, grey + alpha, RGB, RGBA), at its own depth (uint8 or uint16)
+        raw = decode_image(str(path), mode=ImageReadMode.UNCHANGED, apply_exif_orientation=True)
+        # palette and grey-scale images in RGB: decode_image expands them (a palette PNG's UNCHANGED is its indices)
+        rgb = raw if raw.shape[-3] == 3 else decode_image(str(path), mode=ImageReadMode.RGB,
+                                                            apply_exif_orientation=True)
     except (RuntimeError, ValueError, OSError) as err:
-        raise UserError(f"{path} cannot be decoded as an image (not a PNG or JPEG file, or a damaged one): pass PNG "
-                        "or JPEG files") from err
+        raise UserError(f"{path} cannot be decoded as an image (not a PNG, JPEG, GIF or WebP file, or a damaged or "
+                        "truncated one): pass PNG or JPEG files") from err
+    if raw.ndim == 4:  # GIF: frames x channels x height x width
+        if raw.shape[0] > 1:
+            raise UserError(f"{path} is an animation of {raw.shape[0]} frames, not one image: save the frame to "
+                            "classify as a PNG or JPEG")
+        raw, rgb = raw[0], rgb[0]
+    height, width = rgb.shape[-2:]
+    if min(height, width) < MIN_SIDE or max(height, width) > MAX_ASPECT * min(height, width):
+        raise UserError(f"{path} is {width}x{height}: too {'small' if min(height, width) < MIN_SIDE else 'elongated'} "
+                        f"to make a 32x32 image of what it shows (the networks know CIFAR-10's 32x32 photos): crop "
+                        f"it to at most {MAX_ASPECT}:1, and at least {MIN_SIDE} pixels a side")
+    image = F.to_dtype(rgb, torch.float32, scale=True)  # uint8 / 255, uint16 / 65535
+    if raw.shape[-3] in (2, 4):  # an alpha channel: composited over white, as a viewer shows a transparent pixel
+        alpha = F.to_dtype(raw[-1:], torch.float32, scale=True)
+        image = image * alpha + (1 - alpha)
     size = None
-    if image.shape[-2:] != (IMAGE_SIZE, IMAGE_SIZE):
-        size = [image.shape[-1], image.shape[-2]]
-        image = F.resize(image, [IMAGE_SIZE, IMAGE_SIZE], antialias=True)
-    return image.float() / 255, size
+    if (height, width) != (IMAGE_SIZE, IMAGE_SIZE):
+        size = [int(width), int(height)]
+        image = F.resize(image, [IMAGE_SIZE, IMAGE_SIZE], antialias=True).clamp_(0, 1)
+    return image, size
 
 
 def one_line_of(err: BaseException) -> str:
