@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import os
+from typing import Any
 from pathlib import Path
 
 import lightning as L
@@ -26,6 +28,9 @@ ACCELERATORS = ("auto", "cpu", "gpu", "cuda", "mps")
 
 
 quiet_dependencies()
+
+
+log = logging.getLogger("src.trainer")
 
 
 def route_lightning_logs() -> None:
@@ -103,8 +108,28 @@ def build_trainer(cfg: DictConfig, arch: str) -> L.Trainer:
         plugins.append(SLURMEnvironment(auto_requeue=False))
     elif not mpi_launched():
         plugins.append(not_mpi_environment())
-    return instantiate(cfg.trainer, strategy=instantiate(cfg.strategy), callbacks=callbacks,
-                       logger=loggers or False, plugins=plugins, **hardware_defaults(cfg.trainer, arch))
+    users_cublas = os.environ.get(CUBLAS)
+    trainer = instantiate(cfg.trainer, strategy=instantiate(cfg.strategy), callbacks=callbacks,
+                          logger=loggers or False, plugins=plugins, **hardware_defaults(cfg.trainer, arch))
+    keep_users_cublas_config(users_cublas, cfg.trainer.get("deterministic"))
+    return trainer
+
+
+CUBLAS = "CUBLAS_WORKSPACE_CONFIG"
+DETERMINISTIC_CUBLAS = (":4096:8", ":16:8")  # the two torch accepts under deterministic algorithms
+
+
+def keep_users_cublas_config(before: str | None, deterministic: Any) -> None:
+    """Lightning sets CUBLAS_WORKSPACE_CONFIG=:4096:8 under trainer.deterministic whatever the user had set; cuBLAS
+    reads it at its first use, later. A user's :16:8 (less GPU memory, deterministic too) is put back; any other
+    value of theirs stays replaced, and a warning says so."""
+    if not deterministic or before is None or os.environ.get(CUBLAS) == before:
+        return
+    if before in DETERMINISTIC_CUBLAS:
+        os.environ[CUBLAS] = before
+    else:
+        log.warning("%s=%s replaced by %s: trainer.deterministic=%s needs %s (torch refuses other values there)",
+                    CUBLAS, before, os.environ.get(CUBLAS), deterministic, " or ".join(DETERMINISTIC_CUBLAS))
 
 
 def record_config(cfg: DictConfig, trainer: L.Trainer) -> None:

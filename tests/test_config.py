@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from pathlib import Path
 
 import lightning as L
@@ -89,6 +91,27 @@ def test_trainer_builds_from_the_composed_config(tmp_path):
     assert {"ModelCheckpoint", "LastCheckpoint", "LearningRateMonitor", "ThroughputRecorder", "ProgressBar", "RunSummary",
              "GracefulStop"} <= names
     assert Path(trainer.logger.log_dir) == tmp_path / "run" / "tensorboard"
+
+
+@pytest.mark.parametrize("users, kept", [(":16:8", ":16:8"), (":4096:8", ":4096:8"), (None, ":4096:8"),
+                                         (":0:0", ":4096:8")])
+def test_a_users_deterministic_cublas_workspace_is_kept_and_another_replaced_with_a_warning(users, kept, tmp_path,
+                                                                                           monkeypatch, caplog):
+    """Lightning sets :4096:8 under trainer.deterministic, over whatever the user had."""
+    from src.trainer import build_trainer
+
+    if users is None:
+        monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    else:
+        monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", users)
+    cfg = make_cfg(tmp_path, "trainer.accelerator=cpu", "trainer.deterministic=true")
+    with caplog.at_level("WARNING", logger="src.trainer"):
+        build_trainer(cfg, cfg.model.arch)
+    assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == kept
+    warned = [r.getMessage() for r in caplog.records if "CUBLAS_WORKSPACE_CONFIG" in r.getMessage()]
+    assert warned == ([] if users != ":0:0" else [
+        "CUBLAS_WORKSPACE_CONFIG=:0:0 replaced by :4096:8: trainer.deterministic=True needs :4096:8 or :16:8 (torch "
+        "refuses other values there)"])
 
 
 def test_experiment_demo_is_two_cpu_processes_on_synthetic_data(tmp_path):
