@@ -156,11 +156,12 @@ class HydraDDPStrategy(DDPStrategy):
                 check_open_files(self.global_rank, self.world_size, self.num_processes)
             if self.num_nodes == 1:
                 keep_to_loopback()
+            run_dir = self._run_dir()
+            # NCCL reads its watchdog's and flight recorder's environment as a group forms: before either below
+            if traces_nccl(self.root_device.type) and run_dir is not None and not torch.distributed.is_initialized():
+                heartbeat.switch_on_nccl_trace(run_dir)
             if torchrun.active() and not torch.distributed.is_initialized():  # fit forms it; test reuses it
                 self._init_attempt_group()
-            run_dir = self._run_dir()
-            if self.root_device.type == "cuda" and run_dir is not None:  # NCCL reads it as the group forms
-                heartbeat.switch_on_nccl_trace(run_dir)
             if not torch.distributed.is_initialized():
                 self._init_bound_group()
             super().setup_distributed()  # Lightning's own: it leaves a process group that exists as it is
@@ -211,6 +212,11 @@ class HydraDDPStrategy(DDPStrategy):
                                              world_size=self.world_size, store=store, timeout=self._timeout,
                                              device_id=self.root_device if self.root_device.type != "cpu" else None)
         torchrun.group_formed()
+
+
+def traces_nccl(device_type: str) -> bool:
+    """Whether a rank's process group is NCCL's, whose watchdog and flight recorder dump into the run dir."""
+    return device_type == "cuda"
 
 
 LOOPBACK = "127.0.0.1"

@@ -198,25 +198,30 @@ def register_stack_dump(label: str, run_dir: str | os.PathLike | None = None) ->
 def nccl_trace_env(run_dir: str | os.PathLike) -> dict[str, str]:
     """The environment that switches NCCL's watchdog and flight recorder on, with dumps into ``run_dir``.
 
-    torch reads these when it creates an NCCL process group; both spellings, as torch renames them
-    (``TORCH_FR_*`` is the newer). A value the user set is kept.
+    torch reads these when it creates an NCCL process group, under either of two names as it renames them
+    (``TORCH_FR_*`` the newer, read first). A value the user set under either name is kept, and given to both: the
+    project's own under the newer name would otherwise win over the user's under the older.
     """
     prefix = str(Path(run_dir, NCCL_TRACE_DIR, "rank_"))
-    wanted = {
-        "TORCH_NCCL_TRACE_BUFFER_SIZE": str(NCCL_TRACE_ENTRIES), "TORCH_FR_BUFFER_SIZE": str(NCCL_TRACE_ENTRIES),
-        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1", "TORCH_FR_DUMP_ON_TIMEOUT": "1",
-        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": prefix, "TORCH_FR_DUMP_TEMP_FILE": prefix,
-        "TORCH_NCCL_ENABLE_MONITORING": "1",  # the watchdog's own watchdog: a stuck NCCL call ends the process
-        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",  # a timed-out collective ends this process, not just its stream
-    }
-    return {key: os.environ.get(key, value) for key, value in wanted.items()}
+    env = {}
+    for older, newer, value in (("TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_FR_BUFFER_SIZE", str(NCCL_TRACE_ENTRIES)),
+                                ("TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_FR_DUMP_ON_TIMEOUT", "1"),
+                                ("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "TORCH_FR_DUMP_TEMP_FILE", prefix)):
+        users = os.environ.get(newer, os.environ.get(older))
+        env[older] = os.environ.get(older, users or value)
+        env[newer] = os.environ.get(newer, users or value)
+    env["TORCH_NCCL_ENABLE_MONITORING"] = os.environ.get("TORCH_NCCL_ENABLE_MONITORING", "1")  # the watchdog's
+    # own watchdog: a stuck NCCL call ends the process; and a timed-out collective ends it, not just its stream
+    env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
+    return env
 
 
 def switch_on_nccl_trace(run_dir: str | os.PathLike) -> Path:
-    """Before the process group forms, on CUDA: set :func:`nccl_trace_env` here; return the dump's folder."""
+    """Before any process group forms, on CUDA: set :func:`nccl_trace_env` here; return the dump's folder (the one
+    torch writes to: the user's, where they named one)."""
     env = nccl_trace_env(run_dir)
     os.environ.update(env)
-    folder = Path(env["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"]).parent
+    folder = Path(env["TORCH_FR_DUMP_TEMP_FILE"]).parent
     folder.mkdir(parents=True, exist_ok=True)
     return folder
 
@@ -224,7 +229,7 @@ def switch_on_nccl_trace(run_dir: str | os.PathLike) -> Path:
 def write_nccl_trace(rank: int) -> Path | None:
     """Write this rank's flight recorder now (a hang stops the run before NCCL's own timeout would); None without
     CUDA, NCCL or a configured dump file."""
-    prefix = os.environ.get("TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
+    prefix = os.environ.get("TORCH_FR_DUMP_TEMP_FILE", os.environ.get("TORCH_NCCL_DEBUG_INFO_TEMP_FILE"))
     try:
         import torch
         import torch.distributed as dist

@@ -117,3 +117,29 @@ class SlowValidation(L.Callback):
 
         if trainer.global_rank == self.rank:
             time.sleep(self.seconds)
+
+
+class RecordGroupEnv(L.Callback):
+    """Record, in ``folder``/rank_N.json, the NCCL and flight-recorder variables this process has at the moment it
+    forms a process group. The CPU stands in for CUDA here: the run dir's NCCL environment is set as on a GPU
+    (``src.distributed.traces_nccl``); gloo ignores it."""
+
+    def __init__(self, folder: str) -> None:
+        import json
+        import os
+
+        import torch.distributed
+
+        import src.distributed
+
+        src.distributed.traces_nccl = lambda device_type: True
+        form = torch.distributed.init_process_group
+
+        def recording(*args: Any, **kwargs: Any) -> Any:
+            os.makedirs(folder, exist_ok=True)
+            seen = {k: v for k, v in os.environ.items() if k.startswith(("TORCH_NCCL_", "TORCH_FR_"))}
+            with open(os.path.join(folder, f"rank_{kwargs.get('rank')}.json"), "w") as f:
+                json.dump(seen, f)
+            return form(*args, **kwargs)
+
+        torch.distributed.init_process_group = recording

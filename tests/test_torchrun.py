@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -79,9 +80,14 @@ def wait_for(condition, timeout: float, what: str, proc: subprocess.Popen | None
     pytest.fail(f"no {what} within {timeout:.0f} s")
 
 
-def test_two_workers_of_torchrun_train_one_ddp_world_with_the_launchers_counts(new_run_dirs):
+def test_two_workers_of_torchrun_train_one_ddp_world_with_the_launchers_counts(new_run_dirs, tmp_path):
     """The command a torchrun user types first: no trainer.devices, no strategy, no hydra.run.dir."""
-    agent = torchrun("--standalone", "--nproc-per-node=2", "-m", "src.train", *FAST, "test=false", background=True)
+    # NCCL's environment is set before the group forms (torchrun's is formed first, on its attempt's keys), and a
+    # user's dump path under torch's older name is the one both names carry; the probe records it as the group forms
+    mine = tmp_path / "my-traces" / "rank_"
+    agent = torchrun("--standalone", "--nproc-per-node=2", "-m", "src.train", *FAST, "test=false",
+                     "+callbacks.probe._target_=tests.faults.RecordGroupEnv", f"+callbacks.probe.folder={tmp_path}",
+                     background=True, env={"TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(mine)})
     result, listeners = watch_listeners(agent)
     assert result.returncode == 0, output(result)[-3000:]
     assert "world size 2 | strategy ddp | backend gloo" in result.stdout
@@ -93,6 +99,14 @@ def test_two_workers_of_torchrun_train_one_ddp_world_with_the_launchers_counts(n
     assert sorted(p.name for p in run_dir.glob("*.log")) == ["train.log", "train_rank1.log"]
     last = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
     assert last["saved_by"]["world_size"] == 2 and last["global_step"] == 2
+    for rank in (0, 1):
+        seen = json.loads((tmp_path / f"rank_{rank}.json").read_text())
+        assert seen["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == seen["TORCH_FR_DUMP_TEMP_FILE"] == str(mine), seen
+        assert seen["TORCH_NCCL_TRACE_BUFFER_SIZE"] == seen["TORCH_FR_BUFFER_SIZE"] == "2000"
+        assert seen["TORCH_NCCL_DUMP_ON_TIMEOUT"] == seen["TORCH_FR_DUMP_ON_TIMEOUT"] == "1"
+        # torchrun's agent gives its workers TORCH_NCCL_ASYNC_ERROR_HANDLING=1 (tear down), kept as a user's would be
+        assert seen["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1" and seen["TORCH_NCCL_ENABLE_MONITORING"] == "1"
+    assert mine.parent.is_dir()  # made, for NCCL to write in
 
 
 def test_a_count_that_disagrees_with_torchrun_is_one_line_naming_both(new_run_dirs):
