@@ -270,7 +270,7 @@ def rendezvous_store(rank: int, world_size: int, timeout: timedelta) -> torch.di
     every interface, and says so.
     """
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-    listener = _bound_listener(host, port) if rank == 0 else None
+    listener = (launch.held_port(host, port) or _bound_listener(host, port)) if rank == 0 else None
     try:
         return torch.distributed.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout,
                                           multi_tenant=True,

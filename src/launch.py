@@ -102,7 +102,8 @@ def start_local_ranks(strategy: Any, ckpt_path: str | None = None) -> None:
     if name != "ddp" or local == 1:
         return
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    if "MASTER_PORT" not in os.environ:  # one node (more need it set): a port held here until rank 0's store listens
+        os.environ["MASTER_PORT"] = str(_hold_free_port())
     os.environ.setdefault("NODE_RANK", "0")
     os.environ["LOCAL_RANK"] = "0"
     os.environ["WORLD_SIZE"] = str(local * strategy.num_nodes)
@@ -133,10 +134,29 @@ def in_sweep() -> bool:
     return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
+_HELD_PORT: socket.socket | None = None
+
+
+def _hold_free_port() -> int:
+    """A free port on 127.0.0.1 (where one node's store listens), kept bound from now until rank 0's store takes the
+    socket (:func:`held_port`). Picked and released, it stayed free for the seconds the ranks take to start, and
+    another process could bind it first: rank 0's store then failed with EADDRINUSE."""
+    global _HELD_PORT
+    if _HELD_PORT is not None:  # a sweep's earlier job that never formed its group
+        _HELD_PORT.close()
+    _HELD_PORT = socket.socket(socket.AF_INET, socket.SOCK_STREAM)  # no SO_REUSEADDR: nobody else may bind it
+    _HELD_PORT.bind(("127.0.0.1", 0))
+    return _HELD_PORT.getsockname()[1]
+
+
+def held_port(host: str, port: int) -> socket.socket | None:
+    """The bound socket of :func:`_hold_free_port`, for rank 0's store to listen on, if it is ``host:port``; once."""
+    global _HELD_PORT
+    held, _HELD_PORT = _HELD_PORT, None
+    if held is not None and held.getsockname() != (host, port):
+        held.close()
+        return None
+    return held
 
 
 def uses_cuda(accelerator: str) -> bool:
@@ -256,6 +276,8 @@ def check_launch(accelerator: str, local_processes: int, timeout_s: Any, num_nod
                         "Lightning picks a free one")
     if not is_launch_rank_zero() or "TORCHELASTIC_RUN_ID" in os.environ:
         return  # another process hosts the rendezvous (under torchrun, its agent already holds the port)
+    if _HELD_PORT is not None and _HELD_PORT.getsockname()[1] == int(port):
+        return  # this process picked it, and holds it for its store
     with socket.socket() as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the rendezvous store binds it
         try:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import csv
+import errno
 import inspect
 import json
+import socket
 import time
 from pathlib import Path
 
@@ -17,7 +19,7 @@ from src.callbacks import throughput
 from src.callbacks.throughput import ThroughputRecorder
 from src.checkpoints import AtomicCheckpointIO, LastCheckpoint
 from src.fast_path import fast_path
-from tests.conftest import FAST, FAST_RUN, free_port, output, run_module, train
+from tests.conftest import FAST, FAST_RUN, descendants, free_port, output, run_module, train
 
 
 def checkpoint(path: Path) -> dict:
@@ -198,6 +200,32 @@ def test_two_processes_train_into_one_run_dir_and_rank_zero_writes_the_one_check
         rows = list(csv.DictReader((run_dir / "metrics.csv").open()))  # only rank zero wrote it
         assert [float(r["train/loss_epoch"]) for r in rows if r.get("train/loss_epoch")] == pytest.approx(
             [found["train/loss_epoch"][0].value])
+
+
+def test_the_port_the_launcher_picks_is_held_until_rank_zeros_store_listens_on_it(tmp_path):
+    """From the moment local rank 1 is started with MASTER_PORT, no other process can bind that port (torch's own
+    store binds with SO_REUSEADDR, as this probe does): picked and released, it stayed free while the ranks started."""
+    # cold: a warm start's ranks are forks, whose /proc/PID/environ does not show what they were given
+    proc = train(*FAST, "strategy=ddp", "trainer.devices=2", f"hydra.run.dir={tmp_path}/run", background=True,
+                 env={"CIFAR10_DDP_COLD": "1"})
+    port, deadline = None, time.monotonic() + 60
+    while port is None and proc.poll() is None and time.monotonic() < deadline:
+        for pid in descendants(proc.pid):
+            try:
+                environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            port = next((int(e.split(b"=", 1)[1]) for e in environ if e.startswith(b"MASTER_PORT=")), None)
+            if port is not None:
+                break
+    assert port is not None, "local rank 1 never started"
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        with pytest.raises(OSError) as taken:
+            probe.bind(("127.0.0.1", port))
+    assert taken.value.errno == errno.EADDRINUSE
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out[-3000:]
 
 
 def test_logger_csv_writes_metrics_csv_in_the_run_dir_with_every_epochs_training_loss(tmp_path):
