@@ -70,6 +70,21 @@ def test_a_run_stopped_mid_epoch_resumes_with_ckpt_path_last_to_the_same_weights
     assert_same_training(load(tmp_path / "checkpoints" / "last.ckpt"), uninterrupted[world])
 
 
+def test_the_dataloader_pipelines_first_epoch_after_an_epochs_end_resume_draws_its_own_order(tmp_path):
+    """data.pipeline=dataloader with workers, ddp x 2: the resumed run's first epoch draws the batches the
+    uninterrupted run drew in that epoch, not epoch 0's again (Lightning #21938); rank 0's batches, by their labels."""
+    args = [*FAST, "strategy=ddp", "trainer.devices=2", "data.pipeline=dataloader", "data.num_workers=1",
+            "trainer.limit_train_batches=4", "test=false", "callbacks.progress_bar=null",
+            "+callbacks.batches._target_=tests.faults.RecordBatches"]
+    for name, epochs, resume in (("whole", 2, []), ("resumed", 1, []), ("resumed", 2, ["ckpt_path=last"])):
+        result = train(*args, f"trainer.max_epochs={epochs}", f"+callbacks.batches.path={tmp_path}/{name}.txt",
+                       f"hydra.run.dir={tmp_path}/{name}", *resume)
+        assert result.returncode == 0, output(result)[-3000:]
+    whole, resumed = ((tmp_path / f"{name}.txt").read_text().splitlines() for name in ("whole", "resumed"))
+    assert len(whole) == 8 and whole[4:] != [f"1 {line[2:]}" for line in whole[:4]]  # epoch 1 has an order of its own
+    assert resumed == whole
+
+
 @pytest.mark.parametrize("minutes, last_saves, previous", [("1e-9", 11, 11), ("1e9", 2, 4)])
 def test_every_n_minutes_is_agreed_by_both_ranks_and_the_saves_are_timed(minutes, last_saves, previous, tmp_path):
     """Tiny: due at every batch, saved one batch after (the ranks' agreement arrives then); huge: only the first epoch's

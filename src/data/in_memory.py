@@ -9,6 +9,7 @@ import lightning as L
 import torch
 from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
 from torch.utils.data import DataLoader, Dataset
+from torch.utils.data.distributed import DistributedSampler
 from torchvision.transforms import v2
 
 from src.data.device_batches import DeviceBatches
@@ -20,6 +21,36 @@ PIPELINES = ("auto", "device", "dataloader")
 CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
 CIFAR10_STD = (0.2470, 0.2435, 0.2616)
 
+
+
+class EpochOfTrainer(DistributedSampler):
+    """A ``DistributedSampler`` whose epoch is read (``epoch_of``) as its indices are drawn, not only set from
+    outside (the loader's iterator is made before the loop sets it), and that remembers the epoch it drew last."""
+
+    def __init__(self, *args: Any, epoch_of: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.epoch_of = epoch_of
+
+    def __iter__(self):  # noqa: ANN204 - DistributedSampler's own
+        self.set_epoch(self.epoch_of())
+        return super().__iter__()
+
+
+class FirstEpochOrder(L.Callback):
+    """The first epoch of a resumed fit draws in its own epoch's order (the DataLoader pipeline).
+
+    Lightning makes the training iterator before a checkpoint's epoch is restored (here as early as
+    ``configure_optimizers``, whose schedule asks for the run's steps), and since Lightning 2.5.3 it keeps that
+    iterator for the first epoch of a resumed run: a loader with workers had drawn epoch 0's indices into it
+    (Lightning #21938). Once the fit has restored its epoch, an iterator drawn for another is made again.
+    """
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        loop = trainer.fit_loop
+        loaders = loop._combined_loader.flattened if loop._combined_loader is not None else []
+        if any(isinstance(getattr(dl, "sampler", None), EpochOfTrainer)
+               and dl.sampler.epoch != loop.epoch_progress.current.processed for dl in loaders):
+            iter(loop._data_fetcher)  # draws again, the epoch read now
 
 class ImageTensors(Dataset):
     """uint8 images (N, 3, H, W) and int64 labels, transformed one item at a time."""
@@ -121,6 +152,8 @@ class InMemoryImageDataModule(L.LightningDataModule):
             self._split()
         if self.trainer is None:  # not a run (a look at the data): nothing to check against
             return
+        if self.pipeline == "dataloader" and not any(isinstance(c, FirstEpochOrder) for c in self.trainer.callbacks):
+            self.trainer.callbacks.append(FirstEpochOrder())
         world = self.trainer.world_size
         fit = stage in ("fit", None)
         check_shards(world, self.batch_size, train=len(self.train_set) if fit else None,
@@ -155,7 +188,21 @@ class InMemoryImageDataModule(L.LightningDataModule):
             if self._resume_position is not None:
                 self._train_batches.resume_from(self._resume_position)
             return self._train_batches
-        return self._loader(self.train_set, shuffle=shuffle, drop_last=True)
+        return self._loader(self.train_set, drop_last=True, sampler=self._training_sampler(shuffle))
+
+    def _training_sampler(self, shuffle: bool) -> DistributedSampler:
+        """The DataLoader pipeline's training order: a ``DistributedSampler`` of this datamodule's own (one replica on
+        one process) that takes the epoch from the trainer each time an epoch's indices are drawn.
+
+        Lightning injects its own and sets its epoch only once the first epoch's iterator exists; a loader with
+        workers has drawn its first indices by then, so a run resumed from an epoch's end trained that epoch in
+        epoch 0's order (Lightning #21938). Lightning leaves a DistributedSampler of the loader's own in place.
+        """
+        trainer = self.trainer
+        world = trainer.world_size if trainer is not None else 1
+        return EpochOfTrainer(self.train_set, num_replicas=world, rank=trainer.global_rank if world > 1 else 0,
+                              shuffle=shuffle, seed=self.seed,
+                              epoch_of=lambda: trainer.fit_loop.epoch_progress.current.processed if trainer else 0)
 
     @property
     def class_names(self) -> list[str]:
@@ -214,7 +261,7 @@ class InMemoryImageDataModule(L.LightningDataModule):
         )
 
     def _loader(self, dataset: ImageTensors | None, shuffle: bool = False, drop_last: bool = False,
-                sampler: UnrepeatedDistributedSampler | None = None) -> DataLoader:
+                sampler: DistributedSampler | None = None) -> DataLoader:
         if dataset is None:
             raise RuntimeError("setup() must run before the dataloaders are asked for")
         workers = self._workers()
