@@ -143,3 +143,31 @@ class RecordGroupEnv(L.Callback):
             return form(*args, **kwargs)
 
         torch.distributed.init_process_group = recording
+
+
+class RecordBatches(L.Callback):
+    """Append to ``path``, on global rank 0, one line per training batch: the epoch, and the batch's labels (which
+    images it holds, in order)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+                             ) -> None:
+        if trainer.global_rank == 0:
+            with open(self.path, "a") as f:
+                f.write(f"{trainer.current_epoch} {batch[1].tolist()}\n")
+
+
+class SlowEnd(L.Callback):
+    """Keep global rank ``rank`` ``seconds`` longer at the end of fit, before its loggers write their last lines: the
+    rank that flushes the run's logs is the last to exit."""
+
+    def __init__(self, rank: int = 0, seconds: float = 5.0) -> None:
+        self.rank, self.seconds = rank, seconds
+
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.global_rank == self.rank:
+            import time
+
+            time.sleep(self.seconds)
