@@ -166,8 +166,14 @@ class SlowEnd(L.Callback):
     def __init__(self, rank: int = 0, seconds: float = 5.0) -> None:
         self.rank, self.seconds = rank, seconds
 
-    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+    def _wait(self, trainer: L.Trainer) -> None:
         if trainer.global_rank == self.rank:
             import time
 
             time.sleep(self.seconds)
+
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._wait(trainer)
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        self._wait(trainer)  # a stop (SIGTERM, Ctrl-C) ends fit with an exception: Lightning finalizes the loggers after

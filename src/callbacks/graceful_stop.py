@@ -173,6 +173,9 @@ class GracefulStop(L.Callback):
                 self._last.save(trainer)
             self._send(self._last)  # after the save: the flag it sends reads a clock the save has reset
             return
+        # Lightning hands a step's logged values to the loggers after on_train_batch_end, which the stop below never
+        # returns to: this step's would be the one missing from every logger. Handed over now, as Lightning would.
+        trainer._logger_connector.update_train_step_metrics()
         path = self._save(trainer)
         self._saved_stop = True
         if self._signal_or_sigterm() == signal.SIGINT:

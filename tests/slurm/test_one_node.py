@@ -59,11 +59,14 @@ def test_one_node_two_tasks_train_one_world_of_two_into_the_jobs_run_dir(cluster
 
 
 def test_sigusr1_requeues_and_the_restart_resumes_to_exactly_the_requested_epochs(cluster, tmp_path):
-    steps = 21  # 96 synthetic images, 10% held out, batches of 4
+    steps = 10  # 96 synthetic images, 10% held out, batches of 4 on each of 2 ranks
     mlflow = f"sqlite:///{tmp_path}/mlflow.db"  # the requeued run logs on into the MLflow run it began
-    job = cluster.sbatch("--nodes=1", "--ntasks-per-node=1", *CPU, "slurm/train.sbatch", *RUN,
-                         "trainer.limit_train_batches=null", "trainer.max_epochs=4", "logger=[tensorboard,mlflow]",
-                         f"logger.mlflow.tracking_uri={mlflow}", f"logger.mlflow.artifact_location={tmp_path}/art")
+    # rank 0, which writes the logs, ends 2 s after rank 1 (tests/faults.py; within KillWait, 5 s here): srun must not
+    # kill it in between
+    job = cluster.sbatch("--nodes=1", "--ntasks-per-node=2", *CPU, "slurm/train.sbatch", *RUN,
+                         "trainer.limit_train_batches=null", "trainer.max_epochs=4", "logger=[tensorboard,csv,mlflow]",
+                         f"logger.mlflow.tracking_uri={mlflow}", f"logger.mlflow.artifact_location={tmp_path}/art",
+                         "+callbacks.slow_end._target_=tests.faults.SlowEnd", "+callbacks.slow_end.seconds=2")
     last = run_dir(job) / "checkpoints" / "last.ckpt"
     deadline = time.monotonic() + 240
     while not last.exists() and time.monotonic() < deadline:  # epoch 0 is done: signal in the middle of epoch 1
@@ -85,6 +88,14 @@ def test_sigusr1_requeues_and_the_restart_resumes_to_exactly_the_requested_epoch
     assert run.info.status == "FINISHED" and "continuing MLflow run" in log
     assert [m.step for m in client.get_metric_history(run.info.run_id, "val/acc")] == [
         (epoch + 1) * steps - 1 for epoch in range(4)]  # one run, every epoch once, across the requeue
+    # rank 0's TensorBoard and CSV logs hold every step, those before the stop among them: it was not killed while
+    # it wrote them
+    from tests.test_train import scalars
+
+    logged = {e.step for e in scalars(run_dir(job))["train/loss"]}
+    assert logged == set(range(min(logged), min(logged) + 4 * steps)), (sorted(logged), log)
+    rows = list(csv.DictReader((run_dir(job) / "metrics.csv").open()))
+    assert {int(r["step"]) for r in rows if r.get("train/loss")} == logged, log
 
 
 def test_an_allocation_that_does_not_match_the_config_fails_fast_with_what_to_change(cluster):
