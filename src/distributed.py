@@ -49,6 +49,10 @@ def build_strategy(
     resolved, local = launch.check_strategy(name, backend, timeout_s, accelerator, devices, num_nodes)
     check_slurm_allocation(local, num_nodes)
     hang_timeout_s = ddp_kwargs.pop("hang_timeout_s", None)
+    store_bind = ddp_kwargs.pop("store_bind", "master_addr")
+    if store_bind not in STORE_BINDS:
+        raise UserError(f"strategy.store_bind={store_bind} is not known: choose one of {', '.join(STORE_BINDS)} (where "
+                        "rank 0's rendezvous store listens across nodes)")
     if resolved == "auto":
         return "auto"  # Lightning picks SingleDeviceStrategy: no process group, no DDP wrapper
     hang_timeout_s = check_hang_timeout(hang_timeout_s, timeout_s)
@@ -61,8 +65,12 @@ def build_strategy(
         process_group_backend=None if backend == "auto" else backend,  # Lightning: nccl on CUDA, else gloo
         timeout=timedelta(seconds=timeout_s),
         hang_timeout_s=hang_timeout_s,
+        store_bind=store_bind,
         **ddp_kwargs,
     )
+
+
+STORE_BINDS = ("master_addr", "all")
 
 
 HANG_TIMEOUT_AUTO_S = 120.0
@@ -136,9 +144,12 @@ class HydraDDPStrategy(DDPStrategy):
     """DDP whose local ranks join this Hydra job, watch their launcher, and whose rendezvous failure says what is
     missing; a rank that hangs is found within ``hang_timeout_s`` (src/supervision.py's HangWatch)."""
 
-    def __init__(self, *args: Any, hang_timeout_s: float | None = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, hang_timeout_s: float | None = None, store_bind: str = "master_addr",
+                 **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.hang_timeout_s = hang_timeout_s
+        self.store_bind = store_bind
+        self._store_where = ""  # where this rank's store listened, or what it dialled: for the timeout's line
 
     def _configure_launcher(self) -> None:
         super()._configure_launcher()
@@ -172,10 +183,11 @@ class HydraDDPStrategy(DDPStrategy):
                                        local_world=self.num_processes)
         except torch.distributed.DistError as err:
             env = self.cluster_environment
+            where = f"{self._store_where}; " if self._store_where else ""
             raise UserError(
                 f"rank {self.global_rank} (NODE_RANK={self.node_rank}) could not form a process group of "
                 f"world size {self.world_size} at MASTER_ADDR:MASTER_PORT={env.main_address}:{env.main_port} "
-                f"within {self._timeout.total_seconds():.0f} s: start every node with the same MASTER_ADDR, "
+                f"within {self._timeout.total_seconds():.0f} s: {where}start every node with the same MASTER_ADDR, "
                 "MASTER_PORT and trainer.num_nodes, check the address is reachable, "
                 f"or raise strategy.timeout_s ({type(err).__name__})"
             ) from err
@@ -197,7 +209,9 @@ class HydraDDPStrategy(DDPStrategy):
         env = self.cluster_environment
         os.environ["MASTER_ADDR"] = LOOPBACK if self.num_nodes == 1 else env.main_address
         os.environ["MASTER_PORT"] = str(env.main_port)  # src/supervision.py's failure record reads both
-        store = rendezvous_store(self.global_rank, self.world_size, self._timeout)
+        bind = self.store_bind if self.num_nodes > 1 else "master_addr"  # one node: loopback only, always
+        self._store_where = store_where(self.global_rank, bind)
+        store = rendezvous_store(self.global_rank, self.world_size, self._timeout, bind=bind)
         torch.distributed.init_process_group(self._get_process_group_backend(), rank=self.global_rank,
                                              world_size=self.world_size, store=store, timeout=self._timeout,
                                              device_id=self.root_device if self.root_device.type != "cpu" else None)
@@ -262,15 +276,21 @@ def keep_to_loopback() -> None:
         os.environ.setdefault("NCCL_SOCKET_IFNAME", loopback)
 
 
-def rendezvous_store(rank: int, world_size: int, timeout: timedelta) -> torch.distributed.TCPStore:
-    """The run's rendezvous store at MASTER_ADDR:MASTER_PORT; rank 0 hosts it on MASTER_ADDR's own address only.
+def rendezvous_store(rank: int, world_size: int, timeout: timedelta, bind: str = "master_addr"
+                     ) -> torch.distributed.TCPStore:
+    """The run's rendezvous store at MASTER_ADDR:MASTER_PORT; rank 0 hosts it on MASTER_ADDR's own address only, or
+    with ``bind="all"`` (``strategy.store_bind``) on every interface.
 
     torch's TCPStore binds every interface unless handed a bound socket: 127.0.0.1 on one node, the interface that
     carries MASTER_ADDR across nodes. Where MASTER_ADDR is no address of this node (NAT, a virtual IP) it listens on
-    every interface, and says so.
+    every interface, and says so. Node 0 binds the address *it* resolves MASTER_ADDR to; where the other nodes resolve
+    the name to another address of node 0 (``/etc/hosts`` naming the fast interface, DNS the management one), they
+    dial where nothing listens: ``all`` is for those clusters.
     """
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-    listener = (launch.held_port(host, port) or _bound_listener(host, port)) if rank == 0 else None
+    listener = None
+    if rank == 0 and bind == "master_addr":
+        listener = launch.held_port(host, port) or _bound_listener(host, port)
     try:
         return torch.distributed.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout,
                                           multi_tenant=True,
@@ -278,6 +298,24 @@ def rendezvous_store(rank: int, world_size: int, timeout: timedelta) -> torch.di
     finally:
         if listener is not None and listener.fileno() != -1:
             listener.close()
+
+
+def store_where(rank: int, bind: str) -> str:
+    """Where the rendezvous store is, as this rank sees it, for the line a rendezvous that times out ends with."""
+    host, port = os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]
+    if rank == 0 and bind == "all":
+        return f"node 0's store listened on every interface at port {port} (strategy.store_bind=all)"
+    try:
+        found = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+        address = min(found, key=lambda info: info[0] != socket.AF_INET)[4][0]
+    except (socket.gaierror, ValueError):
+        return ""  # said elsewhere: MASTER_ADDR that does not resolve is its own error
+    if rank == 0:
+        return (f"node 0's store listened on {address}:{port}, {host} as node 0 resolves it; a node that resolves "
+                f"{host} to another address dials where nothing listens: strategy.store_bind=all listens on every "
+                "interface")
+    return (f"this node dialled {address}:{port}, {host} as this node resolves it; node 0 listens where its own "
+            f"resolution of {host} points: where the nodes resolve it differently, set strategy.store_bind=all")
 
 
 def _bound_listener(host: str, port: int) -> socket.socket | None:

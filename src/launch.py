@@ -159,6 +159,21 @@ def held_port(host: str, port: int) -> socket.socket | None:
     return held
 
 
+def rank_cores(local_processes: int) -> int:
+    """The cores a rank of ``local_processes`` on this node may use, counted once.
+
+    Under srun with per-task binding (``--cpu-bind=cores``, a cluster's default binding) the process's affinity is
+    its task's own cores, and dividing them by the node's ranks again left each GPU rank one loader worker instead of
+    ``--cpus-per-task`` less one. Elsewhere (our own local ranks, torchrun's, srun's unbound) the ranks share the
+    affinity they see.
+    """
+    cores = len(os.sched_getaffinity(0))
+    per_task = os.environ.get("SLURM_CPUS_PER_TASK", "")
+    if srun_task() and per_task.isdigit() and cores < (os.cpu_count() or cores) and cores <= int(per_task):
+        return cores  # bound: fewer cores than the machine has, no more than the task was given
+    return max(1, cores // max(1, local_processes))
+
+
 def uses_cuda(accelerator: str) -> bool:
     """Whether ``trainer.accelerator`` resolves to CUDA GPUs on this machine."""
     if accelerator in ("gpu", "cuda"):

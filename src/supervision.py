@@ -44,7 +44,7 @@ from typing import Any, Callable, NoReturn, Sequence
 
 from src import torchrun
 from src.node_board import NodeBoard
-from src.errors import EXIT_FAILED, EXIT_USER_ERROR
+from src.errors import EXIT_FAILED, EXIT_USER_ERROR, UserError
 
 # the global rank each launcher gives its processes: mpirun (Open MPI; MPICH and Intel MPI's PMI), LSF's jsrun
 LAUNCHER_RANKS = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "JSM_NAMESPACE_RANK")
@@ -799,6 +799,8 @@ def explain(err: BaseException) -> tuple[str | None, int] | None:
     seen = set()
     while err is not None and id(err) not in seen:
         seen.add(id(err))
+        if isinstance(err, UserError):  # its own line says what to change (a rendezvous that timed out, and where)
+            return None
         if isinstance(err, ProcessExitedException):  # ddp_spawn: the parent learns that a rank ended
             code = err.exit_code if err.exit_code is not None else -signal.Signals[err.signal_name].value
             if said_why(code):  # the rank said why (or, after SIGTERM, where it stopped and how to resume)

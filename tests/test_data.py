@@ -7,6 +7,7 @@ import hashlib
 import http.server
 import json
 import logging
+import os
 import pickle
 import socket
 import subprocess
@@ -271,3 +272,26 @@ def test_a_complete_download_puts_the_folder_in_place_whole_and_leaves_nothing_e
     assert sorted(p.name for p in root.iterdir()) == [".cifar-10-download.lock", "cifar-10-batches-py"]
     dm.setup("fit")
     assert len(dm.train_set) + len(dm.val_set) == 100 and len(dm.test_set) == 20
+
+
+def test_a_rank_counts_the_cores_srun_bound_it_to_once(monkeypatch):
+    """data.num_workers=auto's cores: srun's per-task binding gives a rank its own cores, not a share to divide again."""
+    from src.launch import rank_cores
+
+    def machine(cpus: int, affinity: int, **slurm: str) -> None:
+        monkeypatch.setattr(os, "cpu_count", lambda: cpus)
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(affinity)))
+        for key in ("SLURM_NTASKS", "SLURM_STEP_ID", "SLURM_CPUS_PER_TASK", "SLURM_JOB_NAME", "TORCHELASTIC_RUN_ID"):
+            monkeypatch.delenv(key, raising=False)
+        for key, value in slurm.items():
+            monkeypatch.setenv(key, value)
+
+    srun = {"SLURM_NTASKS": "4", "SLURM_STEP_ID": "0", "SLURM_JOB_NAME": "train", "SLURM_CPUS_PER_TASK": "8"}
+    machine(64, 8, **srun)
+    assert rank_cores(4) == 8  # --cpu-bind=cores: the task's own 8 (it was 8 // 4 = 2)
+    machine(64, 64, **srun)
+    assert rank_cores(4) == 16  # not bound: the node's cores shared by its 4 tasks
+    machine(64, 32, **srun)
+    assert rank_cores(4) == 8  # the job's cores on this node (a cgroup), not bound per task: shared
+    machine(64, 8)
+    assert rank_cores(4) == 2  # no srun: our own 4 local ranks share what this process may use

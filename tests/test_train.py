@@ -273,7 +273,8 @@ def test_a_rank_whose_peers_never_arrive_fails_after_the_timeout_naming_the_rend
     result = train(*FAST, "strategy=ddp", "trainer.devices=1", "trainer.num_nodes=2", "strategy.timeout_s=5",
                    f"hydra.run.dir={tmp_path}", env={"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                                                      "NODE_RANK": "0"}, timeout=120)
-    assert_user_error(result, f"MASTER_ADDR:MASTER_PORT=127.0.0.1:{port}", "NODE_RANK=0", "world size 2", "within 5 s")
+    assert_user_error(result, f"MASTER_ADDR:MASTER_PORT=127.0.0.1:{port}", "NODE_RANK=0", "world size 2", "within 5 s",
+                      f"node 0's store listened on 127.0.0.1:{port}", "strategy.store_bind=all")
     assert time.monotonic() - start < 60
 
 

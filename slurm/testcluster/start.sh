@@ -107,9 +107,12 @@ if [ "$NODES" = 2 ]; then
     ip -n c10-n$i link set c10-v${i}n up
     ip -n c10-n$i link set lo up
   done
-  # bind-mounted over /etc/hosts inside each node
-  printf '127.0.0.1 localhost\n%s %s\n%s node1\n%s node2\n' \
-    "$CTL_ADDR" "$CTL_NAME" "$NET.11" "$NET.12" >"$DIR/etc/hosts"
+  # bind-mounted over /etc/hosts inside each node, a file a node (the same text; a test may give one node
+  # another view of a name, rewriting its file in place)
+  for n in node1 node2; do
+    printf '127.0.0.1 localhost\n%s %s\n%s node1\n%s node2\n' \
+      "$CTL_ADDR" "$CTL_NAME" "$NET.11" "$NET.12" >"$DIR/etc/hosts.$n"
+  done
 else
   NAMES=(localhost); CTL_NAME=localhost; CTL_ADDR=127.0.0.1
 fi
@@ -153,7 +156,10 @@ SlurmdDebug=info
 MailProg=/bin/true
 # no cgroups: works in containers without a usable cgroup hierarchy
 ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
+# task/affinity binds a task to its cores only where srun is asked to (--cpu-bind=cores, SLURM_CPU_BIND=cores):
+# by default nothing is bound, since each node advertises more CPUs than this machine may have
+TaskPlugin=task/affinity
+TaskPluginParam=None
 # no accounting (no slurmdbd): sacct does not work, use scontrol show job (kept MinJobAge s)
 JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
@@ -201,7 +207,7 @@ for i in "${!NAMES[@]}"; do
     # nsenter --net, not `ip netns exec`: that one remounts /sys, hides /sys/fs/cgroup, and
     # slurmd 22.05 then refuses to start. The mount namespace holds the private /etc/hosts.
     nsenter --net=/run/netns/c10-n$((i + 1)) unshare --mount --uts \
-      sh -c "mount --bind '$DIR/etc/hosts' /etc/hosts && hostname $n && exec slurmd -N $n" ||
+      sh -c "mount --bind '$DIR/etc/hosts.$n' /etc/hosts && hostname $n && exec slurmd -N $n" ||
       die "slurmd $n did not start"
   else
     slurmd -N "$n" || die "slurmd $n did not start"

@@ -12,6 +12,7 @@ from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 from torchvision.transforms import v2
 
+from src import launch
 from src.data.device_batches import DeviceBatches
 from src.errors import UserError
 
@@ -277,8 +278,24 @@ class InMemoryImageDataModule(L.LightningDataModule):
             return int(self.num_workers)
         if not self._on_gpu():
             return 0  # on CPUs the cores are better spent on the model than on decoding tensors
+        return max(1, min(8, self.rank_cores() - 1))
+
+    def rank_cores(self) -> int:
+        """The cores this rank may use, counted once: its own where srun bound each task to its cores, else its share
+        of what the node's ranks may all use (our own local ranks, torchrun's, srun's without binding)."""
         processes = self.trainer.num_devices if self.trainer is not None else 1
-        return max(1, min(8, len(os.sched_getaffinity(0)) // processes - 1))
+        return launch.rank_cores(processes)
+
+    def describe_workers(self) -> str | None:
+        """The run line's word on the loader's workers (the DataLoader pipeline only)."""
+        if self.pipeline != "dataloader":
+            return None
+        workers, cores = self._workers(), self.rank_cores()
+        if self.num_workers != "auto":
+            return f"{workers} loader workers a process (data.num_workers; {cores} core(s) for this rank)"
+        if not self._on_gpu():
+            return f"0 loader workers (auto: on the CPU this rank's {cores} core(s) train)"
+        return f"{workers} loader workers a process (auto: this rank's {cores} core(s), less one, at most 8)"
 
     def _pin(self) -> bool:
         return self._on_gpu() if self.pin_memory == "auto" else bool(self.pin_memory)

@@ -98,6 +98,17 @@ def test_sigusr1_requeues_and_the_restart_resumes_to_exactly_the_requested_epoch
     assert {int(r["step"]) for r in rows if r.get("train/loss")} == logged, log
 
 
+def test_tasks_that_srun_binds_to_a_core_each_count_that_core_once_in_the_run_line(cluster):
+    """SLURM_CPU_BIND=cores: each of the 2 tasks runs on a core of its own. (This machine's 2 cores cannot show a
+    task of several bound cores divided again by the tasks; tests/test_data.py checks that arithmetic.)"""
+    job = cluster.sbatch("--nodes=1", "--ntasks-per-node=2", "--cpus-per-task=1", *CPU,
+                         "--export=ALL,SLURM_CPU_BIND=cores", "slurm/train.sbatch", *RUN, "data.pipeline=dataloader")
+    info = cluster.wait(job)
+    log = cluster.log(job)
+    assert info["JobState"] == "COMPLETED", log
+    assert "| 0 loader workers (auto: on the CPU this rank's 1 core(s) train)" in log, log
+
+
 def test_an_allocation_that_does_not_match_the_config_fails_fast_with_what_to_change(cluster):
     start = time.monotonic()
     job = cluster.sbatch("--nodes=1", "--ntasks-per-node=2", *CPU, "slurm/train.sbatch", *RUN, "trainer.devices=1")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -79,3 +80,41 @@ def test_a_rank_that_hangs_on_the_second_node_is_named_with_its_stack_within_sec
     days, _, clock = info["RunTime"].rpartition("-")
     hours, minutes, seconds = (int(part) for part in clock.split(":"))
     assert not days and hours * 3600 + minutes * 60 + seconds < 90, info["RunTime"]  # not strategy.timeout_s's 300
+
+
+@pytest.fixture
+def node1_resolves_itself_elsewhere(cluster):
+    """node1 as a multi-homed node: a second address, 10.200.1.11 (its fast network, say), that its own /etc/hosts
+    gives its name, while node2's /etc/hosts (DNS, say) gives the first, 10.200.0.11. Both addresses reach node1."""
+    hosts = cluster.state_dir / "etc" / "hosts.node1"
+    before = hosts.read_text()
+    commands = [["ip", "-n", "c10-n1", "addr", "add", "10.200.1.11/24", "dev", "c10-v1n"],
+                ["ip", "-n", "c10-n2", "route", "add", "10.200.1.0/24", "dev", "c10-v2n"]]
+    for command in commands:
+        subprocess.run(command, check=True, capture_output=True)
+    with open(hosts, "w") as f:  # in place: the file node1's mount namespace has over /etc/hosts
+        f.write(before.replace("10.200.0.11 node1", "10.200.1.11 node1"))
+    try:
+        yield
+    finally:
+        with open(hosts, "w") as f:
+            f.write(before)
+        for command in reversed(commands):
+            subprocess.run([*command[:3], command[3].replace("add", "del"), *command[4:]], capture_output=True)
+
+
+def test_a_node_that_resolves_node_0s_name_elsewhere_is_named_in_the_line_and_store_bind_all_trains(
+        cluster, node1_resolves_itself_elsewhere):
+    args = ["--nodes=2", "--ntasks-per-node=1", "--gpus-per-node=0", "slurm/train.sbatch", *FAST, "test=false"]
+    # strategy.store_bind=master_addr: node1 listens on 10.200.1.11 only; node2 gives up after two tries of 10 s
+    job = cluster.sbatch(*args, "strategy.timeout_s=10")
+    info = cluster.wait(job, timeout=180)
+    log = cluster.log(job)
+    assert info["JobState"] == "FAILED", log
+    errors = [line for line in log.splitlines() if line.startswith("error:")]
+    assert any("this node dialled 10.200.0.11:" in e and "set strategy.store_bind=all" in e for e in errors), log
+    assert any("node 0's store listened on 10.200.1.11:" in e for e in errors), log
+    job = cluster.sbatch(*args, "strategy.timeout_s=60", "strategy.store_bind=all")
+    info = cluster.wait(job, timeout=180)
+    assert info["JobState"] == "COMPLETED", cluster.log(job)
+    assert "Run: 2 node(s) x 1 device(s) = world size 2" in cluster.log(job)
