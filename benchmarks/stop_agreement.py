@@ -50,7 +50,8 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, fixed:
     callback = graceful_stop.GracefulStop(period=1 if fixed else args.period)
     trainer = SimpleNamespace(world_size=world, callbacks=[], default_root_dir=str(out), is_global_zero=rank == 0,
                               fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace()), global_step=0, current_epoch=0,
-                              save_checkpoint=lambda path, weights_only=False: None)
+                              save_checkpoint=lambda path, weights_only=False: None,
+                              _logger_connector=SimpleNamespace(update_train_step_metrics=lambda: None))  # no loggers
     callback.setup(trainer, None, "fit")
     callback.on_train_start(trainer, None)
     grads = torch.zeros(256)

@@ -59,7 +59,10 @@ def check_strategy(name: str, backend: str, timeout_s: Any, accelerator: str, de
     return name, local
 
 
-MPI_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK")  # Open MPI's, MPICH's and Intel MPI's, PMIx's
+# Open MPI's, MPICH's and Intel MPI's. Not PMIx's PMIX_RANK alone: a process that merely imported mpi4py's MPI (a
+# singleton MPI_Init, as Lightning's own MPI detection does) has PMIX_RANK=0 in its environment, and so has every
+# process it starts after that.
+MPI_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
 
 
 def mpi_launched() -> bool:

@@ -47,7 +47,7 @@ from src.node_board import NodeBoard
 from src.errors import EXIT_FAILED, EXIT_USER_ERROR, UserError
 
 # the global rank each launcher gives its processes: mpirun (Open MPI; MPICH and Intel MPI's PMI), LSF's jsrun
-LAUNCHER_RANKS = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "JSM_NAMESPACE_RANK")
+LAUNCHER_RANKS = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "JSM_NAMESPACE_RANK")
 POLL_S = 0.25
 SEEN_WAIT_S = 5.0  # how long a failing store host waits for the others to read the record before it goes
 DONE_WAIT_S = 10.0  # ... and, at a good end, for the others to stop watching

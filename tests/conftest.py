@@ -224,6 +224,20 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
 
 def pytest_sessionstart(session: pytest.Session) -> None:
     session.config._budget_start = time.monotonic()  # type: ignore[attr-defined]
+    _no_mpi_in_this_process()
+
+
+def _no_mpi_in_this_process() -> None:
+    """The suite's own process builds Lightning Trainers (tests/test_models.py). Lightning's MPI detection imports
+    mpi4py's MPI there, whose singleton MPI_Init writes OMPI_*/PMIX_* variables into this process's environment, below
+    os.environ, where every later subprocess started without an env of its own inherits them. The project's trainer
+    never asks outside mpirun (src/trainer.py's not_mpi_environment); neither does this process."""
+    from lightning.fabric.plugins.environments import MPIEnvironment
+
+    from src.launch import mpi_launched
+
+    detect = MPIEnvironment.detect
+    MPIEnvironment.detect = staticmethod(lambda: mpi_launched() and detect())
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

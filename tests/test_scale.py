@@ -131,7 +131,7 @@ def test_a_dry_run_of_16384_ranks_says_in_its_last_line_what_will_not_work(cifar
     assert "  will not work:   5000 validation images for 16384 processes: every process needs at least one" in out
 
 
-@pytest.mark.parametrize("key", ["OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "JSM_NAMESPACE_RANK"])
+@pytest.mark.parametrize("key", ["OMPI_COMM_WORLD_RANK", "PMI_RANK", "JSM_NAMESPACE_RANK"])
 def test_under_mpirun_or_jsrun_only_the_launchers_rank_zero_takes_itself_for_rank_zero(key, monkeypatch):
     from src import launch, supervision
 
