@@ -106,8 +106,8 @@ def node1_resolves_itself_elsewhere(cluster):
 def test_a_node_that_resolves_node_0s_name_elsewhere_is_named_in_the_line_and_store_bind_all_trains(
         cluster, node1_resolves_itself_elsewhere):
     args = ["--nodes=2", "--ntasks-per-node=1", "--gpus-per-node=0", "slurm/train.sbatch", *FAST, "test=false"]
-    # strategy.store_bind=master_addr: node1 listens on 10.200.1.11 only; node2 gives up after two tries of 10 s
-    job = cluster.sbatch(*args, "strategy.timeout_s=10")
+    # strategy.store_bind=master_addr: node1 listens on 10.200.1.11 only; node2 gives up after two tries of 5 s
+    job = cluster.sbatch(*args, "strategy.timeout_s=5")
     info = cluster.wait(job, timeout=180)
     log = cluster.log(job)
     assert info["JobState"] == "FAILED", log
