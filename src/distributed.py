@@ -306,8 +306,7 @@ def store_where(rank: int, bind: str) -> str:
     if rank == 0 and bind == "all":
         return f"node 0's store listened on every interface at port {port} (strategy.store_bind=all)"
     try:
-        found = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
-        address = min(found, key=lambda info: info[0] != socket.AF_INET)[4][0]
+        address = _resolve(host, int(port))[1][0]
     except (socket.gaierror, ValueError):
         return ""  # said elsewhere: MASTER_ADDR that does not resolve is its own error
     if rank == 0:
@@ -325,11 +324,10 @@ def _bound_listener(host: str, port: int) -> socket.socket | None:
     A hostname's IPv4 address comes first: a peer whose resolver lists IPv6 first tries the next address.
     """
     try:
-        found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        family, address = _resolve(host, port)
     except socket.gaierror as err:
         raise UserError(f"MASTER_ADDR={host} does not resolve to an address ({err.strerror}): set it to node 0's "
                         "address or hostname") from err
-    family, _, _, _, address = min(found, key=lambda info: info[0] != socket.AF_INET)
     why = None
     if _is_hostname(host) and ipaddress.ip_address(address[0].split("%")[0]).is_loopback:
         why = "resolves to loopback on this node (/etc/hosts' 127.0.1.1, often), which other nodes cannot reach"
@@ -349,6 +347,13 @@ def _bound_listener(host: str, port: int) -> socket.socket | None:
     logging.getLogger(__name__).warning("MASTER_ADDR=%s (%s) %s: the rendezvous store listens on every interface at "
                                         "port %s", host, address[0], why, port)
     return None
+
+
+def _resolve(host: str, port: int) -> tuple[int, tuple]:
+    """``host``'s address family and socket address as this node resolves it, an IPv4 address first."""
+    family, _, _, _, address = min(socket.getaddrinfo(host, port, type=socket.SOCK_STREAM),
+                                   key=lambda info: info[0] != socket.AF_INET)
+    return family, address
 
 
 def _is_hostname(host: str) -> bool:

@@ -62,19 +62,24 @@ def check_strategy(name: str, backend: str, timeout_s: Any, accelerator: str, de
 # Open MPI's, MPICH's and Intel MPI's. Not PMIx's PMIX_RANK alone: a process that merely imported mpi4py's MPI (a
 # singleton MPI_Init, as Lightning's own MPI detection does) has PMIX_RANK=0 in its environment, and so has every
 # process it starts after that.
-MPI_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
+MPI_SIZES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
+
+
+def mpi_world_size() -> str | None:
+    """The world size mpirun (or another MPI process manager) gave this process, if it started it."""
+    return next((size for key in MPI_SIZES if (size := os.environ.get(key))), None)
 
 
 def mpi_launched() -> bool:
     """Whether mpirun (or another MPI process manager) started this process."""
-    return any(key in os.environ for key in MPI_VARIABLES)
+    return mpi_world_size() is not None
 
 
 def check_mpi() -> None:
     """Under mpirun (Open MPI, MPICH, Intel MPI) every process is a rank already, and Lightning learns which one
     through mpi4py (its MPIEnvironment). Without mpi4py, or with one that finds no MPI library, each would take itself
     for the only rank (Lightning's detection says no MPI and goes on): one line instead."""
-    size = os.environ.get("OMPI_COMM_WORLD_SIZE") or os.environ.get("PMI_SIZE")
+    size = mpi_world_size()
     if size is None or "SLURM_STEP_ID" in os.environ or "TORCHELASTIC_RUN_ID" in os.environ or size == "1":
         return
     try:
@@ -98,7 +103,7 @@ def start_local_ranks(strategy: Any, ckpt_path: str | None = None) -> None:
     check_mpi()
     if "LOCAL_RANK" in os.environ:
         return
-    if any(key in os.environ for key in _EXTERNAL_LAUNCHERS) and not ranks_started_here_under_slurm():
+    if ranks_placed_by_launcher():
         return
     name, local = check_strategy(strategy.name, strategy.backend, strategy.timeout_s, strategy.accelerator,
                                  strategy.devices, strategy.num_nodes)
@@ -274,9 +279,8 @@ def check_launch(accelerator: str, local_processes: int, timeout_s: Any, num_nod
     """
     # Where srun, torchrun or mpirun started the ranks, each process is one of them, and the launcher placed it (mpirun
     # and srun's binding give each its own cores): what this process may use says nothing of the node's count.
-    placed = any(key in os.environ for key in _EXTERNAL_LAUNCHERS) and not ranks_started_here_under_slurm()
     cores = len(os.sched_getaffinity(0))
-    if not uses_cuda(accelerator) and not placed and local_processes > cores:
+    if not uses_cuda(accelerator) and not ranks_placed_by_launcher() and local_processes > cores:
         raise UserError(f"trainer.devices={local_processes} starts {local_processes} CPU processes but this node has "
                         f"{cores} CPU core(s) for this run: use trainer.devices={cores} or fewer")
     if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
@@ -318,6 +322,12 @@ def launcher_pid() -> int | None:
 def in_slurm_batch_script() -> bool:
     """Whether this process runs in a Slurm job's batch script (sbatch), outside any srun step."""
     return "SLURM_JOB_ID" in os.environ and os.environ.get("SLURM_STEP_ID") in (None, "batch", "4294967294")
+
+
+def ranks_placed_by_launcher() -> bool:
+    """Whether a launcher (srun, torchrun, mpirun, LSF) started every rank, this process one of them, rather than
+    this process starting its node's ranks itself."""
+    return any(key in os.environ for key in _EXTERNAL_LAUNCHERS) and not ranks_started_here_under_slurm()
 
 
 def ranks_started_here_under_slurm() -> bool:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 import lightning as L
 import torch

@@ -97,6 +97,16 @@ def sample_root() -> Path:
     return SAMPLE
 
 
+def process_environ(pid: int) -> dict[str, str] | None:
+    """The environment process ``pid`` was started with (/proc/PID/environ), or None where it is gone. A forked
+    process that was not exec'd, a warm start's, shows its parent's."""
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_text(errors="replace")
+    except OSError:
+        return None
+    return dict(item.split("=", 1) for item in raw.split("\0") if "=" in item)
+
+
 def descendants(pid: int) -> list[int]:
     """Every process below ``pid`` (children, grandchildren, ...), read from /proc."""
     children: dict[int, list[int]] = {}

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import FAST, ROOT, descendants, free_port, output, running
+from tests.conftest import FAST, ROOT, descendants, free_port, output, process_environ, running
 from tests.test_security import assert_loopback_only
 from tests.test_serving import watch_listeners
 
@@ -54,10 +54,7 @@ def workers(agent_pid: int) -> dict[int, int]:
     """{global rank: pid} of the workers below a torchrun agent."""
     found = {}
     for pid in descendants(agent_pid):
-        try:
-            env = dict(item.split("=", 1) for item in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in item)
-        except OSError:
-            continue
+        env = process_environ(pid) or {}
         if "TORCHELASTIC_RUN_ID" in env and "RANK" in env:
             found[int(env["RANK"])] = pid
     return found

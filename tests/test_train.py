@@ -19,7 +19,7 @@ from src.callbacks import throughput
 from src.callbacks.throughput import ThroughputRecorder
 from src.checkpoints import AtomicCheckpointIO, LastCheckpoint
 from src.fast_path import fast_path
-from tests.conftest import FAST, FAST_RUN, descendants, free_port, output, run_module, train
+from tests.conftest import FAST, FAST_RUN, descendants, free_port, output, process_environ, run_module, train
 
 
 def checkpoint(path: Path) -> dict:
@@ -210,14 +210,8 @@ def test_the_port_the_launcher_picks_is_held_until_rank_zeros_store_listens_on_i
                  env={"CIFAR10_DDP_COLD": "1"})
     port, deadline = None, time.monotonic() + 60
     while port is None and proc.poll() is None and time.monotonic() < deadline:
-        for pid in descendants(proc.pid):
-            try:
-                environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            port = next((int(e.split(b"=", 1)[1]) for e in environ if e.startswith(b"MASTER_PORT=")), None)
-            if port is not None:
-                break
+        port = next((int(env["MASTER_PORT"]) for pid in descendants(proc.pid)
+                     if "MASTER_PORT" in (env := process_environ(pid) or {})), None)
     assert port is not None, "local rank 1 never started"
     with socket.socket() as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -23,10 +23,9 @@ CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
 CIFAR10_STD = (0.2470, 0.2435, 0.2616)
 
 
-
 class EpochOfTrainer(DistributedSampler):
     """A ``DistributedSampler`` whose epoch is read (``epoch_of``) as its indices are drawn, not only set from
-    outside (the loader's iterator is made before the loop sets it), and that remembers the epoch it drew last."""
+    outside (the loader's iterator is made before the loop sets it); ``epoch`` is the one it drew last."""
 
     def __init__(self, *args: Any, epoch_of: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -52,6 +51,7 @@ class FirstEpochOrder(L.Callback):
         if any(isinstance(getattr(dl, "sampler", None), EpochOfTrainer)
                and dl.sampler.epoch != loop.epoch_progress.current.processed for dl in loaders):
             iter(loop._data_fetcher)  # draws again, the epoch read now
+
 
 class ImageTensors(Dataset):
     """uint8 images (N, 3, H, W) and int64 labels, transformed one item at a time."""
