@@ -10,7 +10,7 @@ order that alternates, so a slow minute of the machine does not land on one side
 counts, as timeit takes the fastest: on a shared machine the slower runs measure the neighbours):
   project  ``python -m src.train`` as a user runs it: Hydra, Lightning, the default callbacks (checkpoints, LR and
            throughput logging, progress bar, SIGTERM handling) and the default number format (``auto``: what
-           src/fast_path.py picks for this hardware), with ``data.pipeline`` and (for the DataLoader)
+           src/models/fast_path.py picks for this hardware), with ``data.pipeline`` and (for the DataLoader)
            ``data.num_workers`` set; the rate is throughput.json's, over the steps after the warm-up.
   bare     ``torchrun benchmarks/bare_ddp.py``: the same batches (the project's device-resident pipeline, or a
            DistributedSampler + DataLoader with per-image transforms and as many workers), DDP or not, SGD,
@@ -88,7 +88,7 @@ def loader_workers(cuda: bool, processes: int) -> int:
 
 def auto_choice(cuda: bool, arch: str):
     """What the project's trainer.precision=auto and model.channels_last=auto pick for ``arch`` on this machine."""
-    from src.fast_path import fast_path
+    from src.models.fast_path import fast_path
 
     return fast_path("cuda" if cuda else "cpu", arch)
 
@@ -127,7 +127,7 @@ def bare_command(args: argparse.Namespace, s: Setting, cuda: bool, result: Path,
     command += ["--fused"] if cuda else []  # the project's model.optimizer.fused=auto: on CUDA
     command += ["--bf16"] if chosen.precision == "bf16-mixed" else []
     command += ["--channels-last"] if chosen.channels_last else []
-    # the project's strategy.gradient_as_bucket_view=auto: on for CUDA (src/distributed.py)
+    # the project's strategy.gradient_as_bucket_view=auto: on for CUDA (src/distributed/strategy.py)
     command += ["--gradient-as-bucket-view"] if s.ddp and cuda else []
     return command
 
@@ -186,10 +186,10 @@ def main() -> int:
             runs = []
             for pipeline in pipelines:
                 s = settings[processes, pipeline]
-                runs += [(("bare", pipeline), lambda s=s: bare(args, s, cuda, out)),
-                         (("project", pipeline), lambda s=s: project(args, s, cuda, out))]
+                runs += [(("bare", pipeline), lambda s=s, out=out: bare(args, s, cuda, out)),
+                         (("project", pipeline), lambda s=s, out=out: project(args, s, cuda, out))]
             if processes == first and not args.equal_only:
-                runs.append((("bare-defaults", ""), lambda s=settings[first, pipelines[0]]: bare(args, s, cuda, out,
+                runs.append((("bare-defaults", ""), lambda s=settings[first, pipelines[0]], out=out: bare(args, s, cuda, out,
                                                                                                   defaults=True)))
             for (side, pipeline), measure in runs if (i + repeat) % 2 == 0 else runs[::-1]:
                 results.setdefault((processes, side, pipeline), []).append(measure())

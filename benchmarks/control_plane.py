@@ -1,11 +1,11 @@
 """The control plane at 16 to 2,048 ranks on one machine: what the failure record and the hang watch cost the
 store's host, and whether they still name a stuck rank and stop every rank when one dies.
 
-The project's own classes run here, not copies: ``src.supervision.FailureRecord`` and ``HangWatch``, one of each
+The project's own classes run here, not copies: ``src.resilience.supervision.FailureRecord`` and ``HangWatch``, one of each
 per simulated rank (nodes of ``--per-node`` ranks), each with its own connection to one real ``TCPStore`` in a
 process of its own, as rank 0's store is in a run. Each rank's work is what its threads do in a run: a hang-watch
 round (``HangWatch._round``) every ``poll_s`` and a look at the failure record (``FailureRecord.follow``) every
-``POLL_S``. Training is replaced by a clock that moves every healthy rank's ``src.heartbeat.Progress`` a step at a
+``POLL_S``. Training is replaced by a clock that moves every healthy rank's ``src.resilience.heartbeat.Progress`` a step at a
 time.
 
 Measured on the store's host, over ``--seconds`` of a healthy run at each size:
@@ -49,7 +49,7 @@ from typing import Any, Callable
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from src.node_board import NodeBoard  # noqa: E402 - after the path above
+from src.resilience.node_board import NodeBoard  # noqa: E402 - after the path above
 
 TICK_S = os.sysconf("SC_CLK_TCK")
 
@@ -160,7 +160,7 @@ class Simulation:
                  nodes_here: set[int] | None = None, t0: float | None = None) -> None:
         import torch.distributed as dist
 
-        from src import heartbeat, supervision
+        from src.resilience import heartbeat, supervision
 
         self.world, self.timeout_s, self.step_s = world, timeout_s, step_s
         self.t0 = time.monotonic() if t0 is None else t0
@@ -268,7 +268,7 @@ class Simulation:
         return int((time.monotonic() - self.t0) / self.step_s)
 
     def _train(self) -> None:
-        """Every healthy rank takes a step each ``step_s``: the marks of a training step, as src.heartbeat makes."""
+        """Every healthy rank takes a step each ``step_s``: the marks of a training step, as src.resilience.heartbeat makes."""
         while self.running:
             time.sleep(self.step_s)
             with self._stepping:

@@ -7,7 +7,7 @@ Every variant is one ``python -m src.train data=synthetic trainer.accelerator=cp
 its rate is throughput.json's (the steps after the warm-up). Runs alternate between variants, ``--repeats``
 times, and each variant's best run counts (on a shared machine the slower runs measure the neighbours).
 ``defaults`` sets neither ``trainer.precision`` nor ``model.channels_last``: what ``auto`` picks here
-(src/fast_path.py). The table names the CPU and whether it computes bf16 natively; the last line is the
+(src/models/fast_path.py). The table names the CPU and whether it computes bf16 natively; the last line is the
 defaults' rate over plain fp32 (contiguous), the figure the CPU fast path is judged by.
 
 On a CPU without native bf16, bf16 autocast is emulated and runs several times slower than fp32: the bf16
@@ -65,7 +65,7 @@ def main() -> int:
     import torch
 
     from src.callbacks.throughput import device_name
-    from src.fast_path import cpu_bf16_isa, cpu_capability, fast_path
+    from src.models.fast_path import cpu_bf16_isa, cpu_capability, fast_path
 
     records: dict[str, list[dict]] = {v: [] for v in variants}
     for repeat in range(args.repeats):

@@ -42,7 +42,7 @@ ESTIMATE_S = {"env": (25, 0), "nccl": (40, 15), "deterministic": (55, 25), "resu
               "bench": (60, 25)}
 RUN_ESTIMATE_S = (25, 10)  # one src.train run of the throughput table
 COMPILE_RUN_ESTIMATE_S = (110, 120)  # one compiled run, its compilation cold (inductor's cache empty)
-COMPILE_MODE = "reduce-overhead"  # what model.compile=auto compiles a long GPU fit with (src/fast_path.py)
+COMPILE_MODE = "reduce-overhead"  # what model.compile=auto compiles a long GPU fit with (src/models/fast_path.py)
 KILL_GRACE_S = 10  # after SIGTERM at a timeout (a run then writes last.ckpt), before SIGKILL
 LAUNCH_VARS = ("RANK", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -50,7 +50,7 @@ LAUNCH_VARS = ("RANK", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "
 NCCL_TRACE_PROBE = r"""
 import os, pickle, socket, sys
 import torch, torch.distributed as dist
-from src import heartbeat
+from src.resilience import heartbeat
 heartbeat.switch_on_nccl_trace(sys.argv[1])
 with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
@@ -77,7 +77,7 @@ info = {"python": platform.python_version(), "torch": torch.__version__, "cuda_b
 try:
     import hydra, omegaconf
     info["hydra"], info["omegaconf"] = hydra.__version__, omegaconf.__version__
-    from src.fast_path import cpu_model
+    from src.models.fast_path import cpu_model
     info["cpu"] = cpu_model()
 except Exception as err:
     info["cpu"] = f"n/a ({type(err).__name__})"
@@ -505,7 +505,7 @@ class GpuCheck:
                 step.update(status="timeout" if err.timed_out else "failed",
                             note=(step["note"] + " " + str(err)).strip())
                 step["output_tail"] = tail(err.log) or step["output_tail"]
-            except Exception as err:  # a check's own bug, or a file a run did not write: that step fails, not all
+            except Exception as err:  # noqa: BLE001 - a check's own bug, or a file a run did not write: that step fails, not all
                 step.update(status="failed", note=f"{type(err).__name__}: {err}",
                             output_tail=traceback.format_exc()[-3000:])
             step["seconds"] = self.info.get("probe_s", 0.0) if name == "env" else round(time.time() - began, 1)

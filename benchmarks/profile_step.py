@@ -198,8 +198,7 @@ def table(results: dict[str, dict[str, Any]]) -> list[str]:
 
 def main() -> int:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from bench import (ROOT, Setting, auto_choice, bare_command, hardware, loader_workers,  # noqa: E402
-                       project_command, run)
+    from bench import ROOT, Setting, auto_choice, bare_command, hardware, loader_workers, project_command, run  # noqa: E402
 
     cuda, device = hardware()
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])

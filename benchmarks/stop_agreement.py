@@ -62,7 +62,7 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, fixed:
         if step == args.ask_longer_at and rank == 0 and not fixed:  # rank 0 alone finds its next reads slow
             slow = [graceful_stop.SLOW_READS]
 
-            def slow_read(waited_s: float, since_send_s: float, real=graceful_stop.slow_read) -> bool:
+            def slow_read(waited_s: float, since_send_s: float, real=graceful_stop.slow_read, slow=slow) -> bool:
                 slow[0] -= 1
                 return slow[0] >= 0 or real(waited_s, since_send_s)
 
@@ -132,8 +132,8 @@ def main() -> None:
                              "the period)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    import torch  # noqa: F401 - once, before the ranks fork
     import lightning  # noqa: F401
+    import torch  # noqa: F401 - once, before the ranks fork
 
     rows = []
     designs = args.designs.split(",")

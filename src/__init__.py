@@ -2,7 +2,7 @@
 
 from omegaconf import OmegaConf
 
-from src.launch import rank_log_suffix, rank_zero_only
+from src.launch.ranks import rank_log_suffix, rank_zero_only
 
 # conf/hydra/default.yaml uses these to keep per-process files apart; they must exist before Hydra composes.
 OmegaConf.register_new_resolver("rank_log_suffix", rank_log_suffix, replace=True)

@@ -10,11 +10,13 @@ import hydra
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from src.checkpoints import model_from, read_checkpoint
-from src.entry import handle_errors, run
-from src.errors import UserError
-from src.launch import start_local_ranks
-from src.trainer import build_trainer, describe_checkpoint, record_config, test_summary
+from src.checkpoints.files import read_checkpoint
+from src.checkpoints.resume import model_from
+from src.cli.entry import handle_errors, run
+from src.core.errors import UserError
+from src.launch.ranks import start_local_ranks
+from src.resilience import supervision
+from src.training.trainer import build_trainer, describe_checkpoint, record_config, test_summary
 
 log = logging.getLogger("src.eval")
 
@@ -27,7 +29,8 @@ def main(cfg: DictConfig) -> dict[str, float]:
         raise UserError("ckpt_path=PATH is required: the checkpoint to evaluate (e.g. outputs/.../checkpoints/last.ckpt)")
     path = Path(cfg.ckpt_path)
     checkpoint = read_checkpoint(path, trusted=cfg.ckpt_trusted)
-    start_local_ranks(cfg.strategy)  # every device by default: the test shards count each image once at any world size
+    # every device by default: the test shards count each image once at any world size
+    supervision.track(*start_local_ranks(cfg.strategy))
     datamodule = instantiate(cfg.data)
     model = model_from(checkpoint, path)
     trainer = build_trainer(cfg, model.hparams.arch)

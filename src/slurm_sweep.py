@@ -7,7 +7,7 @@ The overrides are expanded as ``python -m src.train -m`` would (Hydra's own swee
 is ``sbatch slurm/train.sbatch`` with ``--nodes`` = its ``trainer.num_nodes`` and ``--ntasks-per-node``
 = its ``trainer.devices`` (and ``--gpus-per-node`` the same, unless you pass one), writing into
 ``outputs/slurm/sweeps/<time>/<k>/`` (``SWEEP_DIR=...`` to choose). A last job, started when all of them
-have ended, writes the scaling report there (``src.report``). hydra-submitit-launcher would size every job
+have ended, writes the scaling report there (``src.sweeps.report``). hydra-submitit-launcher would size every job
 like the first (it resolves its resources once per sweep), so the jobs are submitted here instead.
 
 Run again with the same ``SWEEP_DIR`` and overrides, it resumes the sweep: a job that finished (its
@@ -29,7 +29,7 @@ from pathlib import Path
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
-from src.run_dir import RESULT_FILE, read_result, write_json
+from src.launch.run_dir import RESULT_FILE, read_result, write_json
 
 SBATCH_SCRIPT = "slurm/train.sbatch"
 JOBS_FILE = "jobs.json"
@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         dependency = [f"--dependency=afterany:{':'.join(waiting)}"] if waiting else []
         report = submit(["sbatch", "--parsable", *dependency, "--nodes=1", "--ntasks=1",
                          f"--output={sweep_dir}/report.out", "--job-name=scaling-report",
-                         "--wrap", f"{shlex.quote(os.environ.get('PYTHON', '.venv/bin/python'))} -m src.report "
+                         "--wrap", f"{shlex.quote(os.environ.get('PYTHON', '.venv/bin/python'))} -m src.sweeps.report "
                                    f"{shlex.quote(str(sweep_dir))}"])
     except (RuntimeError, ValueError) as err:
         for job_id in waiting:

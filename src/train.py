@@ -13,9 +13,10 @@ import os
 import hydra
 from omegaconf import DictConfig
 
-from src import torchrun
-from src.entry import handle_errors, run
-from src.launch import is_launch_rank_zero, start_local_ranks
+from src.cli.entry import handle_errors, run
+from src.launch import torchrun
+from src.launch.ranks import is_launch_rank_zero, start_local_ranks
+from src.resilience import supervision
 
 log = logging.getLogger("src.train")
 
@@ -25,22 +26,28 @@ log = logging.getLogger("src.train")
 def main(cfg: DictConfig) -> float | None:
     """Train; return the best validation accuracy (what a sweep's search maximises)."""
     if cfg.get("dry_run"):  # one rank's view of the configured world, on torch's fake process group: nothing trains
-        from src.dry_run import run as dry_run
+        from src.distributed.dry_run import run as dry_run
 
         dry_run(cfg)
         return None
-    start_local_ranks(cfg.strategy, cfg.ckpt_path)
+    supervision.track(*start_local_ranks(cfg.strategy, cfg.ckpt_path))  # started now, watched from now on
     import lightning as L
     from hydra.utils import instantiate
 
-    from src.batch_size import keep_checkpoint_batch
-    from src.checkpoints import check_compatible, resume_from
-    from src.console import quiet_resume
     from src.callbacks.trial_pruning import pruned_at
-    from src.hparams_search import log_trial
-    from src.loggers import continue_logs
-    from src.run_dir import record_result
-    from src.trainer import build_trainer, describe_checkpoint, record_config, route_lightning_logs, test_summary
+    from src.checkpoints.resume import check_compatible, resume_from
+    from src.core.console import quiet_resume
+    from src.launch.run_dir import record_result
+    from src.models.batch_size import keep_checkpoint_batch
+    from src.sweeps.hparams_search import log_trial
+    from src.tracking.loggers import continue_logs
+    from src.training.trainer import (
+        build_trainer,
+        describe_checkpoint,
+        record_config,
+        route_lightning_logs,
+        test_summary,
+    )
 
     route_lightning_logs()
     log_trial(cfg)  # in a search, every rank says the values it trains with

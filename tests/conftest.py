@@ -159,7 +159,7 @@ def _rank_zero_is_restored():
 
 @pytest.fixture(autouse=True)
 def _environment_is_restored():
-    """What a test's in-process code put in os.environ (src.heartbeat's TORCH_NCCL_* variables, a launcher's
+    """What a test's in-process code put in os.environ (src.resilience.heartbeat's TORCH_NCCL_* variables, a launcher's
     MASTER_PORT) is undone after it: left there, it would reach every later run of the worker, and a variable read
     when torch loads would make each of them start cold (tests/warm.py)."""
     saved = dict(os.environ)
@@ -241,10 +241,10 @@ def _no_mpi_in_this_process() -> None:
     """The suite's own process builds Lightning Trainers (tests/test_models.py). Lightning's MPI detection imports
     mpi4py's MPI there, whose singleton MPI_Init writes OMPI_*/PMIX_* variables into this process's environment, below
     os.environ, where every later subprocess started without an env of its own inherits them. The project's trainer
-    never asks outside mpirun (src/trainer.py's not_mpi_environment); neither does this process."""
+    never asks outside mpirun (src/training/trainer.py's not_mpi_environment); neither does this process."""
     from lightning.fabric.plugins.environments import MPIEnvironment
 
-    from src.launch import mpi_launched
+    from src.launch.ranks import mpi_launched
 
     detect = MPIEnvironment.detect
     MPIEnvironment.detect = staticmethod(lambda: mpi_launched() and detect())

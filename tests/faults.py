@@ -102,7 +102,7 @@ class SlowCheckpoint(L.Callback):
                 time.sleep(seconds / pieces)
 
         if trainer.is_global_zero and getattr(torch.save, "__name__", "") != "slow_save":
-            torch.save = slow_save  # this process's: src/checkpoints.py writes through it
+            torch.save = slow_save  # this process's: src/checkpoints/ writes through it
 
 
 class SlowValidation(L.Callback):
@@ -122,7 +122,7 @@ class SlowValidation(L.Callback):
 class RecordGroupEnv(L.Callback):
     """Record, in ``folder``/rank_N.json, the NCCL and flight-recorder variables this process has at the moment it
     forms a process group. The CPU stands in for CUDA here: the run dir's NCCL environment is set as on a GPU
-    (``src.distributed.traces_nccl``); gloo ignores it."""
+    (``src.distributed.strategy.traces_nccl``); gloo ignores it."""
 
     def __init__(self, folder: str) -> None:
         import json
@@ -130,9 +130,9 @@ class RecordGroupEnv(L.Callback):
 
         import torch.distributed
 
-        import src.distributed
+        import src.distributed.strategy
 
-        src.distributed.traces_nccl = lambda device_type: True
+        src.distributed.strategy.traces_nccl = lambda device_type: True
         form = torch.distributed.init_process_group
 
         def recording(*args: Any, **kwargs: Any) -> Any:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import yaml
 
-from src.batch_size import MARGIN, largest_fitting
+from src.models.batch_size import MARGIN, largest_fitting
 from tests.conftest import FAST, output, train
 
 GIB = 2**30

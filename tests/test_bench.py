@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 import re
 
-from src.fast_path import fast_path
-from tests.conftest import ROOT, run_script
+from src.models.fast_path import fast_path
+from tests.conftest import run_script
 
 
 def test_the_benchmark_compares_the_project_with_the_bare_loop_at_equal_settings_and_ends_with_the_ratio_lines(

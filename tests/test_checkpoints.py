@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from src.checkpoints import AtomicCheckpointIO, remove_stale_temp_files, resume_from
-from src.errors import UserError
+from src.checkpoints.files import AtomicCheckpointIO, remove_stale_temp_files
+from src.checkpoints.resume import resume_from
+from src.core.errors import UserError
 from tests.conftest import FAST, descendants, output, running, train
 from tests.test_supervision import LONG, error_lines, finish, last_step, start_and_wait_for_step
 

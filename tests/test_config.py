@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-
 from pathlib import Path
 
 import lightning as L
@@ -13,8 +12,8 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 import src  # noqa: F401 - registers the resolvers conf/hydra uses
-from src.distributed import HydraDDPStrategy, build_strategy
-from src.errors import UserError
+from src.core.errors import UserError
+from src.distributed.strategy import HydraDDPStrategy, build_strategy
 from tests.conftest import ROOT
 
 CONF = ROOT / "conf"
@@ -83,7 +82,7 @@ def test_bad_strategy_settings_are_user_errors(kwargs, words):
 
 def test_trainer_builds_from_the_composed_config(tmp_path):
     cfg = make_cfg(tmp_path, "trainer.accelerator=cpu", "trainer.max_epochs=1")
-    from src.trainer import build_trainer
+    from src.training.trainer import build_trainer
 
     trainer = build_trainer(cfg, cfg.model.arch)
     assert isinstance(trainer, L.Trainer) and trainer.max_epochs == 1
@@ -98,14 +97,14 @@ def test_trainer_builds_from_the_composed_config(tmp_path):
 def test_a_users_deterministic_cublas_workspace_is_kept_and_another_replaced_with_a_warning(users, kept, tmp_path,
                                                                                            monkeypatch, caplog):
     """Lightning sets :4096:8 under trainer.deterministic, over whatever the user had."""
-    from src.trainer import build_trainer
+    from src.training.trainer import build_trainer
 
     if users is None:
         monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
     else:
         monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", users)
     cfg = make_cfg(tmp_path, "trainer.accelerator=cpu", "trainer.deterministic=true")
-    with caplog.at_level("WARNING", logger="src.trainer"):
+    with caplog.at_level("WARNING", logger="src.training.trainer"):
         build_trainer(cfg, cfg.model.arch)
     assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == kept
     warned = [r.getMessage() for r in caplog.records if "CUBLAS_WORKSPACE_CONFIG" in r.getMessage()]

@@ -22,10 +22,10 @@ import numpy as np
 import pytest
 import torch
 
+from src.core.errors import UserError
 from src.data.cifar10 import CIFAR10DataModule, read_batch
 from src.data.in_memory import CIFAR10_MEAN, CIFAR10_STD
 from src.data.synthetic import SyntheticDataModule
-from src.errors import UserError
 from tests.conftest import FAST_RUN, ROOT, output, train, write_cifar_folder
 
 
@@ -221,7 +221,7 @@ def test_a_download_that_failed_while_this_process_waited_fails_it_at_once_with_
     # another process (on another node) holds the lock, then records its failure: this one, waiting, repeats its line
     # without trying the URL, which would hang here until the 30 s read timeout
     holder = subprocess.Popen([sys.executable, "-c", (
-        "import json, sys; from pathlib import Path; from src.run_dir import locked\n"
+        "import json, sys; from pathlib import Path; from src.launch.run_dir import locked\n"
         f"root = Path({str(tmp_path)!r})\n"
         "with locked(root / '.cifar-10-download.lock'):\n"
         "    print('locked', flush=True); sys.stdin.readline()\n"
@@ -276,7 +276,7 @@ def test_a_complete_download_puts_the_folder_in_place_whole_and_leaves_nothing_e
 
 def test_a_rank_counts_the_cores_srun_bound_it_to_once(monkeypatch):
     """data.num_workers=auto's cores: srun's per-task binding gives a rank its own cores, not a share to divide again."""
-    from src.launch import rank_cores
+    from src.launch.ranks import rank_cores
 
     def machine(cpus: int, affinity: int, **slurm: str) -> None:
         monkeypatch.setattr(os, "cpu_count", lambda: cpus)

@@ -14,11 +14,12 @@ import torch
 from lightning.pytorch.utilities.parsing import AttributeDict
 from omegaconf import ListConfig
 
-from src import launch, torchrun
 from src.callbacks.run_summary import number_format
-from src.distributed import HydraDDPStrategy, TaskGPU, backend_flags, build_strategy, set_backend_flags
-from src.errors import UserError, user_error_in
-from src.trainer import build_trainer
+from src.core.errors import UserError, user_error_in
+from src.distributed.strategy import HydraDDPStrategy, TaskGPU, backend_flags, build_strategy, set_backend_flags
+from src.launch import torchrun
+from src.launch.devices import local_device_count
+from src.training.trainer import build_trainer
 from tests.conftest import FAST, output, train
 from tests.test_config import make_cfg
 
@@ -75,8 +76,8 @@ def gpu_trainer(tmp_path, *overrides: str):
                                                 ("auto", 4), (-1, 4), ("-1", 4)])
 def test_every_form_of_trainer_devices_counts_its_processes(gpus, devices, count):
     gpus(4)
-    assert launch.local_device_count("gpu", devices) == count
-    assert launch.local_device_count("auto", devices) == count
+    assert local_device_count("gpu", devices) == count
+    assert local_device_count("auto", devices) == count
     if devices not in ("auto", -1, "-1"):
         assert torchrun._count(devices) == count  # what a torchrun worker matches against --nproc-per-node
     assert isinstance(build_strategy("ddp", accelerator="gpu", devices=devices), HydraDDPStrategy)
@@ -120,7 +121,7 @@ def test_ids_count_within_cuda_visible_devices_and_one_beyond_them_is_one_line(g
 def test_impossible_gpu_choices_are_one_line_naming_the_key(gpus, accelerator, devices, message):
     gpus(4)
     with pytest.raises(UserError) as refused:
-        launch.local_device_count(accelerator, devices)
+        local_device_count(accelerator, devices)
     assert str(refused.value) == message
 
 
@@ -172,4 +173,4 @@ def test_one_gpu_is_not_four_outside_srun(gpus):
     """Without srun's tasks, four processes on one GPU is a mistake, told as before."""
     gpus(1)
     with pytest.raises(UserError, match="trainer.devices=4 asks for 4 GPUs but this node has 1"):
-        launch.local_device_count("gpu", 4)
+        local_device_count("gpu", 4)

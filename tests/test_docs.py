@@ -1,4 +1,4 @@
-"""The documentation stays true: its commands compose, its make targets exist, its links resolve, its layering holds.
+"""The documentation stays true: its commands compose, its make targets exist, its links resolve.
 
 Every ``python -m src.<module> ...``, ``torchrun ... -m src.train ...``, ``sbatch slurm/X.sbatch ...`` and
 ``make <target> ...`` of README.md and docs/*.md, in code blocks and inline code, is checked without running it:
@@ -26,9 +26,8 @@ from hydra.core.override_parser.types import IntervalSweep
 from omegaconf import OmegaConf, read_write
 
 import src  # noqa: F401 - registers the resolvers conf/hydra uses
-from src.entry import check_group_choices
+from src.cli.entry import check_group_choices
 from tests.conftest import ROOT
-from tests.test_layout import src_imports
 
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 PLACEHOLDERS = {"...", "OVERRIDES", "[OVERRIDES]", "[overrides]", "[sbatch", "options]"}
@@ -101,7 +100,7 @@ def compose_run(config_name: str, overrides: tuple[str, ...]) -> None:
             cfg.hydra.runtime.output_dir = str(ROOT / "outputs" / "docs-check")  # never written: nothing runs
         HydraConfig.instance().set_config(cfg)
         try:
-            check_group_choices()  # src.entry's: an unknown option of an optional group (experiment=...)
+            check_group_choices()  # src.cli.entry's: an unknown option of an optional group (experiment=...)
             OmegaConf.to_container(OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"]), resolve=True)
         finally:
             HydraConfig.instance().cfg = None  # no later test in this process sees a run
@@ -236,8 +235,8 @@ def test_every_relative_link_and_anchor_resolves(page):
 
 @pytest.mark.parametrize("page", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
 def test_every_file_the_documentation_names_exists(page):
-    """A path in inline code (``src/launch.py``, ``conf/hydra/default.yaml``, ``tests/slurm/``) is a file or folder."""
-    for tick, span in INLINE.findall(FENCE.sub("", page.read_text())):
+    """A path in inline code (``src/launch/ranks.py``, ``conf/hydra/default.yaml``, ``tests/slurm/``) is a file or folder."""
+    for _tick, span in INLINE.findall(FENCE.sub("", page.read_text())):
         for path in re.findall(r"(?<![\w./-])((?:src|tests|conf|benchmarks|slurm|hydra_plugins|docs)/[\w./-]*[\w/])",
                                span):
             assert (ROOT / path).exists(), f"{page.name}: {path} does not exist"
@@ -246,35 +245,3 @@ def test_every_file_the_documentation_names_exists(page):
 def test_the_anchor_rules_are_githubs():
     text = "# The GPU path\n## `make gpu-check`: the first run\n## Notes\n## Notes\n```\n# not a heading\n```\n"
     assert list(anchors(text)) == ["the-gpu-path", "make-gpu-check-the-first-run", "notes", "notes-1"]
-
-
-def layers() -> list[list[str]]:
-    """docs/architecture.md's layer table, bottom first: the modules of each layer."""
-    text = (ROOT / "docs" / "architecture.md").read_text()
-    table = text[text.index("| layer |"):].split("\n\n")[0].splitlines()[2:]
-    return [re.findall(r"`(src[\w./]*)`", row.split("|")[2]) for row in table]
-
-
-def layer_of(module: str, table: list[list[str]]) -> int | None:
-    path = module.replace(".", "/")
-    for k, names in enumerate(table):
-        if any(path == n.removesuffix(".py").rstrip("/") or (n.endswith("/") and path.startswith(n.rstrip("/")))
-               for n in names):
-            return k
-    return None
-
-
-def test_the_architecture_pages_layers_match_the_imports():
-    table, graph = layers(), src_imports()
-    graph.pop("src")  # the package's __init__: it registers resolvers
-    layer = {}
-    for module in graph:
-        layer[module] = layer_of(module, table)
-        if layer[module] is None and "__main__" in (ROOT / f"{module.replace('.', '/')}.py").read_text():
-            layer[module] = len(table) - 1  # every python -m src.<name> is an entry point, the top layer
-        assert layer[module] is not None, f"{module} is in no layer of docs/architecture.md"
-    for name in (n for row in table for n in row):
-        assert (ROOT / name).exists(), f"docs/architecture.md names {name}, which does not exist"
-    for module, imported in graph.items():
-        for dep in imported:
-            assert layer[dep] <= layer[module], f"{module} imports {dep}, a layer above it in docs/architecture.md"

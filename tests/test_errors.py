@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from src.errors import EXIT_USER_ERROR, USER_FULL_ERROR, wants_traceback
+from src.core.errors import EXIT_USER_ERROR, USER_FULL_ERROR, wants_traceback
 from tests.conftest import FAST, FAST_RUN, output, run_module, write_cifar_folder
 
 EVAL = ["data=synthetic", "data.num_test=16", "trainer.accelerator=cpu"]
@@ -275,7 +275,7 @@ def test_the_users_hydra_full_error_wins_over_the_one_set_for_hydra(monkeypatch)
 def test_hydras_rejections_become_one_line_naming_the_override(override, words, tmp_path):
     from hydra.errors import HydraException
 
-    from src.errors import hydra_error_message
+    from src.core.errors import hydra_error_message
     from tests.test_config import make_cfg
 
     with pytest.raises(HydraException) as caught:
@@ -290,8 +290,8 @@ def test_hydras_rejections_become_one_line_naming_the_override(override, words, 
 def test_max_epochs_must_be_a_count_of_at_least_one(epochs):
     from omegaconf import OmegaConf
 
-    from src.errors import UserError
-    from src.trainer import check_trainer_settings
+    from src.core.errors import UserError
+    from src.training.trainer import check_trainer_settings
 
     with pytest.raises(UserError, match=f"trainer.max_epochs={epochs} must be a whole number >= 1"):
         check_trainer_settings(OmegaConf.create({"accelerator": "cpu", "max_epochs": epochs}))

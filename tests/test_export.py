@@ -11,9 +11,10 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from src.errors import UserError
-from src.export import Normalised, chosen_formats, export_safetensors, load_classifier
+from src.core.errors import UserError
 from src.models.classifier import ImageClassifier
+from src.serving.exporter import chosen_formats, export_safetensors
+from src.serving.formats import Normalised, load_classifier
 from tests.conftest import ROOT, output, run_module
 
 BOUNDS = {"min_top1_agreement": 0.999, "max_abs_logit_diff": 1e-3}
@@ -42,7 +43,7 @@ def test_a_trained_checkpoint_exports_to_onnx_and_safetensors_that_agree_with_py
 
 def test_the_onnx_model_takes_any_batch_of_images_in_0_1_and_names_its_classes(exported_sample_model,
                                                                               sample_checkpoint):
-    from src.export import onnx_session
+    from src.serving.formats import onnx_session
 
     session = onnx_session(exported_sample_model[0] / "last.onnx")
     assert [(i.name, i.shape[1:], i.type) for i in session.get_inputs()] == [("images", [3, 32, 32], "tensor(float)")]
@@ -130,7 +131,7 @@ def test_an_untrusted_checkpoint_with_python_objects_is_not_unpickled(tmp_path):
 
 
 def test_a_run_config_whose_data_would_import_something_else_is_not_used(tmp_path):
-    from src.export import run_config
+    from src.serving.formats import run_config
 
     (tmp_path / "checkpoints").mkdir()
     (tmp_path / "config.yaml").write_text("data:\n  _target_: os.system\n  command: touch pwned\n")

@@ -1,4 +1,4 @@
-"""trainer.precision=auto and model.channels_last=auto follow the hardware found (src/fast_path.py); spawned ranks keep
+"""trainer.precision=auto and model.channels_last=auto follow the hardware found (src/models/fast_path.py); spawned ranks keep
 the parent's TF32 settings."""
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ import torch
 from lightning.fabric.plugins.environments import LightningEnvironment
 from omegaconf import OmegaConf
 
-from src import fast_path as fp
-from src.distributed import HydraDDPStrategy, backend_flags, set_backend_flags
-from src.fast_path import BF16_MIN_SPEEDUP, cpu_bf16_isa, fast_path
-from src.trainer import hardware_defaults
+from src.distributed.strategy import HydraDDPStrategy, backend_flags, set_backend_flags
+from src.models import fast_path as fp
+from src.models.fast_path import BF16_MIN_SPEEDUP, cpu_bf16_isa, fast_path
+from src.training.trainer import hardware_defaults
 from tests.conftest import ROOT, free_port
 from tests.test_devices import gpus  # noqa: F401 - the fixture: GPUs stood in for, their context makers raising
 
@@ -177,9 +177,9 @@ def test_ddp_spawn_ranks_compute_with_the_tf32_settings_the_parent_chose(monkeyp
 
 
 def test_model_compile_auto_uses_cuda_graphs_only_for_long_gpu_fits_and_refuses_unknown_modes():
-    from src.errors import UserError
-    from src.fast_path import COMPILE_MIN_STEPS, compile_choice
+    from src.core.errors import UserError
     from src.models.classifier import ImageClassifier
+    from src.models.fast_path import COMPILE_MIN_STEPS, compile_choice
 
     assert compile_choice("auto", "cuda", 30 * 351) == ("reduce-overhead", "auto: CUDA graphs on a GPU")
     assert compile_choice("auto", "cuda", None)[0] == "reduce-overhead"  # not a fit: no steps to weigh

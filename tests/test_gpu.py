@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from src.data.device_batches import DeviceBatches
-from tests.conftest import ROOT, SAMPLE, free_port, output, run_module, running, train
+from tests.conftest import ROOT, SAMPLE, free_port, output, running, train
 from tests.test_eval_sharding import EVAL, TESTED, small_test_set  # noqa: F401 - a fixture
 from tests.test_gpu_failures import OUT_OF_MEMORY
 from tests.test_hangs import HANG, HANG_S, SLEEP, SLEEP_LINE, hang_line

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from benchmarks.gpu_check import STEPS, GpuCheck, StepFailed, tail
-from src.fast_path import cpu_model
+from src.models.fast_path import cpu_model
 from tests.conftest import ROOT, cmdline, descendants, run_script, running
 
 

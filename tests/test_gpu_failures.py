@@ -15,9 +15,9 @@ import pytest
 import torch
 from torch import nn
 
-from src.callbacks.out_of_memory import OutOfMemoryReport, describe
-from src.checkpoints import read_checkpoint
-from src.errors import UserError, user_error_in
+from src.checkpoints.files import read_checkpoint
+from src.core.errors import UserError, user_error_in
+from src.resilience.out_of_memory import OutOfMemoryReport, describe
 from tests.conftest import FAST, descendants, output, run_module, running
 from tests.test_supervision import error_lines, finish, last_step, start_and_wait_for_step
 
@@ -119,7 +119,7 @@ def test_the_callback_reads_the_pass_that_ran_out_before_lightning_tears_down():
     import lightning as L
     from lightning.pytorch.trainer.states import RunningStage
 
-    from src.callbacks.out_of_memory import LINE, line_for
+    from src.resilience.out_of_memory import LINE, line_for
 
     trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, precision="32-true")
@@ -177,7 +177,7 @@ def test_a_sweep_with_deterministic_jobs_sets_cublas_workspace_config_before_its
     """A sweep runs its jobs in one process: a later deterministic job would find cuBLAS set up by an earlier one."""
     from omegaconf import OmegaConf
 
-    from src.sweep import JobIsolation
+    from src.sweeps.sweep import JobIsolation
 
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", "")  # so that monkeypatch restores what was there
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG")

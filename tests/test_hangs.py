@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import FAST, ROOT, cmdline, descendants, free_port, output, running, train
+from tests.conftest import FAST, ROOT, descendants, free_port, output, running, train
 from tests.test_supervision import LONG, error_lines, finish, last_step, rank_pids, start_and_wait_for_step
 
 HANG_S = 6
@@ -212,8 +212,8 @@ def test_a_sweeps_ddp_job_that_tests_leaves_no_watch_behind_to_end_the_next_job(
 
 
 def test_hang_timeout_must_be_a_positive_number_below_timeout_s():
-    from src.distributed import check_hang_timeout
-    from src.errors import UserError
+    from src.core.errors import UserError
+    from src.distributed.strategy import check_hang_timeout
 
     assert check_hang_timeout(None, 300) is None and check_hang_timeout(120, 300) == 120.0
     # auto stays below a collective timeout the user lowered, instead of refusing a value they never set
@@ -226,7 +226,7 @@ def test_hang_timeout_must_be_a_positive_number_below_timeout_s():
 
 
 def test_a_cuda_rank_gets_nccl_watchdog_and_flight_recorder_dumping_into_the_run_dir(tmp_path, monkeypatch):
-    from src import heartbeat
+    from src.resilience import heartbeat
 
     for key in list(os.environ):
         if key.startswith(("TORCH_NCCL_", "TORCH_FR_")):

@@ -168,7 +168,7 @@ def test_a_logger_whose_package_is_missing_is_one_line_naming_the_extra(tmp_path
 
 
 def _open_store(uri: str, run_dir: str) -> None:
-    from src.loggers import MLFlowLogger
+    from src.tracking.loggers import MLFlowLogger
 
     MLFlowLogger(run_dir=run_dir, tracking_uri=uri)
 

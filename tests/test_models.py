@@ -7,10 +7,10 @@ import pytest
 import torch
 from torch import nn
 
+from src.core.errors import UserError
 from src.data.synthetic import SyntheticDataModule
-from src.errors import UserError
-from src.fast_path import fast_path
 from src.models.classifier import ImageClassifier, scaled_lr, warmup_then_decay
+from src.models.fast_path import fast_path
 from src.models.resnet import build_resnet, resnet_names
 
 # torchvision's ResNet-50 has 25,557,032 parameters for 1,000 classes; with a 10-class head that is
@@ -137,7 +137,6 @@ def test_learning_rate_scales_linearly_with_the_global_batch():
 
 def test_channels_last_and_compile_are_switches(tmp_path):
     model = ImageClassifier(arch="resnet18", channels_last=True, compile=True)
-    data = SyntheticDataModule(num_train=16, num_test=4, image_size=16, batch_size=4, val_size=4)
     trainer = L.Trainer(accelerator="cpu", logger=False, default_root_dir=tmp_path)
     trainer.strategy.connect(model)
     model.trainer = trainer
@@ -148,7 +147,7 @@ def test_channels_last_and_compile_are_switches(tmp_path):
     plain.trainer = trainer
     plain.setup("fit")
     assert plain.memory_format == torch.contiguous_format and plain.net._compiled_call_impl is None
-    auto = ImageClassifier(arch="resnet18")  # auto: what src/fast_path.py found faster on this CPU
+    auto = ImageClassifier(arch="resnet18")  # auto: what src/models/fast_path.py found faster on this CPU
     auto.trainer = trainer
     auto.setup("fit")
     expected = torch.channels_last if fast_path("cpu", "resnet18").channels_last else torch.contiguous_format

@@ -13,10 +13,11 @@ import pytest
 import torch
 from PIL import Image
 
+from src.core.errors import UserError
 from src.data.in_memory import eval_transform
-from src.errors import UserError
-from src.export import load_classifier
-from src.predict import image_files, json_flag, load_model, read_image
+from src.predict import json_flag
+from src.serving.formats import load_classifier, load_model
+from src.serving.images import image_files, read_image
 from tests.conftest import SAMPLE, output, run_module
 
 COUNT = 6  # PNG files written from the sample's first test images

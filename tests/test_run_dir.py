@@ -48,7 +48,7 @@ def test_a_second_run_in_a_held_run_dir_is_refused_at_once_naming_the_dir_host_a
 HOLD = """
 import sys, time
 from pathlib import Path
-from src.run_dir import lock_run_dir
+from src.launch.run_dir import lock_run_dir
 lock_run_dir(Path(sys.argv[1]))
 print("holding", flush=True)
 time.sleep(float(sys.argv[2]))

@@ -12,11 +12,11 @@ from types import SimpleNamespace
 
 import pytest
 
+from src.core.errors import UserError
 from src.data.in_memory import check_shards
-from src.distributed import check_open_files, open_files_needed
-from src.errors import UserError
+from src.distributed.strategy import check_open_files, open_files_needed
 from src.models.classifier import ImageClassifier
-from src.node_board import NodeBoard
+from src.resilience.node_board import NodeBoard
 from tests.conftest import output, run_script, train, write_cifar_folder
 
 CIFAR_TRAIN, CIFAR_VAL, CIFAR_TEST = 45_000, 5_000, 10_000
@@ -133,15 +133,16 @@ def test_a_dry_run_of_16384_ranks_says_in_its_last_line_what_will_not_work(cifar
 
 @pytest.mark.parametrize("key", ["OMPI_COMM_WORLD_RANK", "PMI_RANK", "JSM_NAMESPACE_RANK"])
 def test_under_mpirun_or_jsrun_only_the_launchers_rank_zero_takes_itself_for_rank_zero(key, monkeypatch):
-    from src import launch, supervision
+    from src.launch import ranks
+    from src.resilience import supervision
 
     for name in ("RANK", "SLURM_STEP_ID", "LOCAL_RANK", "NODE_RANK", *supervision.LAUNCHER_RANKS):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv(key, "3")  # as the launcher sets it in each process it starts
-    assert not launch.is_launch_rank_zero() and launch.rank_log_suffix() == "_rank3"
+    assert not ranks.is_launch_rank_zero() and ranks.rank_log_suffix() == "_rank3"
     assert supervision.rank_label() == "rank 3"
     monkeypatch.setenv(key, "0")
-    assert launch.is_launch_rank_zero() and launch.rank_log_suffix() == ""
+    assert ranks.is_launch_rank_zero() and ranks.rank_log_suffix() == ""
 
 
 def test_the_ranks_read_the_stop_agreement_every_period_and_a_signal_to_one_stops_all_after_the_same_step(tmp_path):
@@ -235,7 +236,7 @@ def test_a_full_board_keeps_the_pulse_and_says_so_once(tmp_path, monkeypatch, ca
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(type(tmp_path), "write_text", full)  # /dev/shm full: no new file can be written
-    with caplog.at_level(logging.WARNING, logger="src.node_board"):
+    with caplog.at_level(logging.WARNING, logger="src.resilience.node_board"):
         board.publish({"rank": 0, "step": 2})
         board.publish({"rank": 0, "step": 3})
     assert [r.getMessage() for r in caplog.records] == [

@@ -23,9 +23,10 @@ from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-from src.checkpoints import check_compatible, model_hparams_of, read_checkpoint
-from src.distributed import LOOPBACK, _bound_listener, keep_to_loopback, rendezvous_store
-from src.errors import UserError
+from src.checkpoints.files import read_checkpoint
+from src.checkpoints.resume import check_compatible, model_hparams_of
+from src.core.errors import UserError
+from src.distributed.strategy import LOOPBACK, _bound_listener, keep_to_loopback, rendezvous_store
 from tests.conftest import ROOT, free_port, output, run_module
 from tests.test_serving import WILDCARD, listeners_of
 
@@ -157,7 +158,7 @@ def test_the_rendezvous_store_across_nodes_listens_on_master_addr_only(monkeypat
     ("localhost", "(127.0.0.1) resolves to loopback on this node"),  # as a node's name in /etc/hosts often does
 ])
 def test_a_master_addr_other_nodes_cannot_reach_here_leaves_the_store_on_every_interface_and_says_so(caplog, host, why):
-    with caplog.at_level(logging.WARNING, logger="src.distributed"):
+    with caplog.at_level(logging.WARNING, logger="src.distributed.strategy"):
         assert _bound_listener(host, free_port()) is None
     assert f"MASTER_ADDR={host} {why}" in caplog.text
     assert "the rendezvous store listens on every interface" in caplog.text

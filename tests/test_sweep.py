@@ -14,7 +14,7 @@ import pytest
 import torch
 from PIL import Image
 
-from src.report import load_jobs, scaling_mode, write_report
+from src.sweeps.report import load_jobs, scaling_mode, write_report
 from tests.conftest import FAST, ROOT, output, run_module, train
 from tests.test_security import assert_loopback_only
 from tests.test_serving import watch_listeners
@@ -94,7 +94,7 @@ def test_sweeping_the_strategy_reports_one_series_per_strategy(tmp_path):
     # the report is rebuilt from the throughput.json files alone
     for name in ("scaling.csv", "scaling.md", "scaling.png"):
         (sweep_dir / name).unlink()
-    rebuilt = run_module("src.report", str(sweep_dir))
+    rebuilt = run_module("src.sweeps.report", str(sweep_dir))
     assert rebuilt.returncode == 0, output(rebuilt)
     assert (sweep_dir / "scaling.md").read_text() == report
 
@@ -137,7 +137,7 @@ def test_report_recognises_strong_scaling(tmp_path):
 
 
 def test_report_of_a_folder_that_is_no_sweep_says_so(tmp_path):
-    result = run_module("src.report", str(tmp_path))
+    result = run_module("src.sweeps.report", str(tmp_path))
     assert result.returncode == 2 and "no job dirs" in result.stderr
 
 

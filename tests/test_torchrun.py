@@ -246,9 +246,9 @@ def under_torchrun(monkeypatch):
 
 
 def adopted(tmp_path, *overrides: str):
-    """The config as a torchrun worker's task sees it (src/entry.py: the agent's counts, then every attempt resumes)."""
-    from src.run_dir import resume_own_run_dir
-    from src.torchrun import adopt
+    """The config as a torchrun worker's task sees it (src/cli/entry.py: the agent's counts, then every attempt resumes)."""
+    from src.launch.run_dir import resume_own_run_dir
+    from src.launch.torchrun import adopt
     from tests.test_config import make_cfg
 
     cfg = make_cfg(tmp_path, *overrides)
@@ -275,7 +275,7 @@ def test_counts_left_out_become_torchruns_and_a_run_resumes_from_its_dir(under_t
     (["strategy=ddp_spawn"], "strategy=ddp_spawn starts processes of its own, but torchrun has started them"),
 ])
 def test_a_config_that_disagrees_with_torchrun_is_one_error(under_torchrun, tmp_path, overrides, message):
-    from src.errors import UserError
+    from src.core.errors import UserError
 
     under_torchrun(world=8, local=4)
     with pytest.raises(UserError, match=re.escape(message)):
@@ -285,7 +285,7 @@ def test_a_config_that_disagrees_with_torchrun_is_one_error(under_torchrun, tmp_
 def test_a_global_batch_the_new_world_cannot_divide_becomes_the_nearest_and_says_so():
     from types import SimpleNamespace
 
-    from src.torchrun import keep_global_batch
+    from src.launch.torchrun import keep_global_batch
 
     data = SimpleNamespace(batch_size=5)
     saved = {"saved_by": {"world_size": 2, "batch_size": 5, "accumulate": 1}}
@@ -298,7 +298,7 @@ def test_a_global_batch_the_new_world_cannot_divide_becomes_the_nearest_and_says
 
 
 def test_every_worker_finds_the_run_dir_its_rendezvous_id_already_has(under_torchrun, tmp_path):
-    from src.torchrun import run_dir_for
+    from src.launch.torchrun import run_dir_for
 
     under_torchrun(world=2, local=1)
     today = tmp_path / "runs" / "2026-11-24" / "00-00-01"

@@ -17,8 +17,9 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from src.callbacks import throughput
 from src.callbacks.throughput import ThroughputRecorder
-from src.checkpoints import AtomicCheckpointIO, LastCheckpoint
-from src.fast_path import fast_path
+from src.checkpoints.files import AtomicCheckpointIO
+from src.checkpoints.last import LastCheckpoint
+from src.models.fast_path import fast_path
 from tests.conftest import FAST, FAST_RUN, descendants, free_port, output, process_environ, run_module, train
 
 
@@ -273,8 +274,9 @@ def test_a_rank_whose_peers_never_arrive_fails_after_the_timeout_naming_the_rend
 
 
 def test_ckpt_path_auto_means_the_run_dirs_last_checkpoint_if_there_is_one(tmp_path):
-    from src.checkpoints import UnreadableCheckpoint, resume_from
-    from src.errors import UserError
+    from src.checkpoints.files import UnreadableCheckpoint
+    from src.checkpoints.resume import resume_from
+    from src.core.errors import UserError
 
     assert resume_from("auto", str(tmp_path)) == (None, None)  # nothing yet: start fresh
     with pytest.raises(UserError, match="ckpt_path=last but .* does not exist"):

@@ -45,7 +45,7 @@ def test_a_warm_run_is_a_process_of_its_own_in_the_tests_process_group_and_its_r
 
 
 def test_a_variable_set_in_process_by_one_test_1_of_2():
-    os.environ["TORCH_CIFAR10_DDP_LEAK_CHECK"] = "1"  # as src.heartbeat sets TORCH_NCCL_* in-process
+    os.environ["TORCH_CIFAR10_DDP_LEAK_CHECK"] = "1"  # as src.resilience.heartbeat sets TORCH_NCCL_* in-process
 
 
 def test_a_variable_set_in_process_by_one_test_is_gone_for_the_next_2_of_2():

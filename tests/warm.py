@@ -22,8 +22,8 @@ import io
 import json
 import os
 import select
-import signal
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -197,9 +197,9 @@ def _fork_spares(count: int) -> None:
         os.close(read)
         _SPARES.append((pid, write))
     if count:
-        import src.launch
+        import src.launch.ranks
 
-        src.launch.subprocess = _SubprocessWithSpares()
+        src.launch.ranks.subprocess = _SubprocessWithSpares()
 
 
 def _exit(code: Any) -> None:
@@ -249,7 +249,7 @@ class _SparePopen(subprocess.Popen):
 
 
 class _SubprocessWithSpares:
-    """``subprocess`` as src.launch sees it in a warm run: Popen uses the spares."""
+    """``subprocess`` as src.launch.ranks sees it in a warm run: Popen uses the spares."""
 
     Popen = _SparePopen
 
@@ -441,7 +441,7 @@ class WarmProcess:
                 os.close(fd)
         self._buffer = b""
         self.pid = int(self._read_line(None))
-        wrap = (lambda fd: io.open(fd, "r", errors="replace")) if text else (lambda fd: io.open(fd, "rb"))
+        wrap = (lambda fd: open(fd, errors="replace")) if text else (lambda fd: open(fd, "rb"))
         self.stdout = wrap(r_out) if r_out is not None else None
         self.stderr = wrap(r_err) if r_err is not None else None
 
@@ -522,7 +522,7 @@ class WarmProcess:
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
 
-    def __enter__(self) -> "WarmProcess":
+    def __enter__(self) -> WarmProcess:
         return self
 
     def __exit__(self, *exc: object) -> None:

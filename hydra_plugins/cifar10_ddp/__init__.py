@@ -1,9 +1,9 @@
 """The project's Hydra sweepers. Hydra instantiates sweepers only from the ``hydra_plugins`` namespace, so the
-classes that conf/hydra/sweeper/*.yaml name live here; what they do lives in src/sweep.py and
-src/hparams_search.py."""
+classes that conf/hydra/sweeper/*.yaml name live here; what they do lives in src/sweeps/sweep.py and
+src/sweeps/hparams_search.py."""
 
-from src.hparams_search import OptunaSweeper as _OptunaSweeper
-from src.sweep import ResumingSweeper as _ResumingSweeper
+from src.sweeps.hparams_search import OptunaSweeper as _OptunaSweeper
+from src.sweeps.sweep import ResumingSweeper as _ResumingSweeper
 
 
 class ResumingSweeper(_ResumingSweeper):

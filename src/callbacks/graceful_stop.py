@@ -34,9 +34,12 @@ import lightning as L
 import torch
 import torch.distributed as dist
 
-from src import heartbeat, supervision, torchrun
-from src.checkpoints import LAST, LastCheckpoint
-from src.errors import UserError
+from src.checkpoints.files import LAST
+from src.checkpoints.last import LastCheckpoint
+from src.core.errors import UserError
+from src.launch import torchrun
+from src.resilience import heartbeat, supervision
+from src.resilience.failure import Terminated
 
 SAME_PRESS_S = 1.0  # SIGINTs this close together are one Ctrl-C (the terminal's, and ddp_spawn's parent passing it on)
 MAX_PERIOD = 64  # batches between two agreements, at most
@@ -54,19 +57,6 @@ def wanted_period(period: int, slow_reads: int) -> int:
     """The period a rank asks for: twice the current one after ``SLOW_READS`` slow reads in a row, up to
     ``MAX_PERIOD``; the agreed one otherwise (the all-reduce takes the largest any rank asks for)."""
     return min(MAX_PERIOD, period * 2) if slow_reads >= SLOW_READS else period
-
-
-class Terminated(Exception):
-    """Raised on every rank at the agreed batch; the entry point reports it and exits with ``exit_code``."""
-
-    def __init__(self, signum: int, message: str) -> None:
-        super().__init__(message)
-        self.signum, self.exit_code = signum, 128 + signum
-
-    @property
-    def line(self) -> str:
-        """What rank zero prints: ``interrupted (Ctrl-C) ...`` already says it; ``stopped: SIGTERM ...``."""
-        return str(self) if self.signum == signal.SIGINT else f"stopped: {self}"
 
 
 class GracefulStop(L.Callback):
@@ -95,8 +85,6 @@ class GracefulStop(L.Callback):
             self._group = dist.new_group(backend="gloo")  # every rank creates it, in the same order
         self._last = next((cb for cb in trainer.callbacks if isinstance(cb, LastCheckpoint)), None)
         self._run_dir, self._rank_zero = Path(trainer.default_root_dir), trainer.is_global_zero
-        if self._last is not None and self._group is not None:
-            self._last.agreed_due = self._due_as_agreed
         # Lightning's SIGTERM path broadcasts rank zero's flag before every training step: under NCCL a
         # device-to-host wait per step. With SIGTERM handled here, that broadcast only costs time.
         epoch_loop = trainer.fit_loop.epoch_loop
@@ -226,9 +214,9 @@ class GracefulStop(L.Callback):
         self._slow_reads = self._slow_reads + 1 if slow_read(waited, time.monotonic() - self._sent_at) else 0
         return bool(stop), bool(due) and last is not None and last.saves == saves  # a save has reset the clocks
 
-    def _due_as_agreed(self) -> bool:
-        """Whether any rank found last.ckpt due at the last batch end (an epoch's end asks; the next batch still
-        reads the stop flag)."""
+    def agreed_due(self) -> bool:
+        """Whether any rank found last.ckpt due at the last batch end: what LastCheckpoint asks at an epoch's end
+        (src/checkpoints/last.py); the next batch still reads the stop flag."""
         if self._pending is None or self._last is None:
             return False
         flags, work, saves = self._pending

@@ -9,7 +9,7 @@ from typing import Any, Sequence
 import lightning as L
 from lightning.pytorch.callbacks import RichProgressBar
 
-from src import supervision
+from src.resilience import supervision
 
 
 class ProgressBar(RichProgressBar):
@@ -46,7 +46,7 @@ class ProgressBar(RichProgressBar):
         # collective. Lightning's bar reads them on rank zero alone, before its logger reads them on every rank, and
         # with nothing else reading them first (callbacks.model_checkpoint=null) the ranks' collectives no longer
         # pair up and the run hangs. Every rank reads them here, together.
-        trainer.progress_bar_metrics
+        _ = trainer.progress_bar_metrics
         super().on_train_epoch_end(trainer, pl_module)
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,

@@ -8,7 +8,7 @@ import lightning as L
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
-from src.fast_path import fast_path
+from src.models.fast_path import fast_path
 
 log = logging.getLogger(__name__)
 

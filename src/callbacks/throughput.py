@@ -24,7 +24,7 @@ import lightning as L
 import torch
 
 from src.callbacks.run_summary import strategy_name
-from src.fast_path import cpu_model
+from src.models.fast_path import cpu_model
 
 log = logging.getLogger(__name__)
 

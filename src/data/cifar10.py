@@ -18,10 +18,10 @@ import torch
 from torchvision.datasets import CIFAR10
 from torchvision.datasets.utils import download_url, extract_archive
 
+from src.core.errors import ToldElsewhere, UserError
 from src.data.in_memory import InMemoryImageDataModule
-from src.errors import ToldElsewhere, UserError
-from src.launch import is_launch_rank_zero
-from src.run_dir import locked, read_json, write_json
+from src.launch.ranks import is_launch_rank_zero
+from src.launch.run_dir import locked, read_json, write_json
 
 log = logging.getLogger(__name__)
 

@@ -58,6 +58,12 @@ class DeviceBatches:
 
     ``epoch_of`` tells which epoch an iteration is (the trainer's). :meth:`position` and :meth:`resume_from`
     let a checkpoint carry the place inside an epoch, so a run resumed mid-epoch continues with the next batch.
+
+    The place is three numbers. ``consumed``: the epoch's batches trained on, counted as the trainer counts them,
+    one count across every world the epoch ran on. ``base``: the images of the epoch's order trained on before this
+    world (its size, its batch) took over; the trainer's count then stood at ``base // global batch``. The invariant:
+    the images of the epoch's order trained on are ``base + (consumed - base // global batch) * global batch``,
+    a prefix of the order (the shards interleave it), so a world of another size goes on with the rest.
     """
 
     def __init__(self, images: torch.Tensor, labels: torch.Tensor, batch_size: int, *, device: torch.device,
@@ -100,8 +106,9 @@ class DeviceBatches:
         params = None
         if self.augment:
             params = crop_and_flip_params(self.num_images, epoch, self.seed, self.padding).to(self.device)
-        first = start - base // (self.batch_size * self.world_size)  # this pass's own batch numbering
-        for b in range(first, min(self._batches(len(indices)), first + len(self) - start)):
+        took_over_at = base // (self.batch_size * self.world_size)  # the trainer's count when this world took over
+        # this world's own batches of the rest of the order, numbered from 0, up to the epoch's length in batches
+        for b in range(start - took_over_at, min(self._batches(len(indices)), len(self) - took_over_at)):
             batch = indices[b * self.batch_size:(b + 1) * self.batch_size]
             yield self._gather(batch, params), self.labels[batch]
 
@@ -111,7 +118,7 @@ class DeviceBatches:
         world, batch, base = at.get("world_size", self.world_size), at.get("batch_size", self.batch_size), at.get("base", 0)
         if (world, batch) == (self.world_size, self.batch_size):
             return base, at["consumed"]
-        trained = base + (at["consumed"] - base // (batch * world)) * batch * world
+        trained = base + (at["consumed"] - base // (batch * world)) * batch * world  # the class's invariant
         return trained, trained // (self.batch_size * self.world_size)
 
     def _gather(self, batch: torch.Tensor, params: torch.Tensor | None) -> torch.Tensor:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import lightning as L
@@ -12,9 +11,9 @@ from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 from torchvision.transforms import v2
 
-from src import launch
+from src.core.errors import UserError
 from src.data.device_batches import DeviceBatches
-from src.errors import UserError
+from src.launch import ranks
 
 PIPELINES = ("auto", "device", "dataloader")
 
@@ -131,7 +130,7 @@ class InMemoryImageDataModule(L.LightningDataModule):
         if not (fraction or count):
             raise UserError(f"data.val_size={val_size} must be a fraction in (0, 1) or a whole number of images >= 1 "
                             "(e.g. 0.1 or 5000)")
-        # auto becomes a number once the trainer has its device (src/batch_size.py, from the model's setup)
+        # auto becomes a number once the trainer has its device (src/models/batch_size.py, from the model's setup)
         self.batch_size, self.num_workers, self.val_size = batch_size, num_workers, val_size
         self.max_batch_size = max_batch_size
         self.augment, self.seed, self.pin_memory, self.num_classes = augment, seed, pin_memory, num_classes
@@ -284,7 +283,7 @@ class InMemoryImageDataModule(L.LightningDataModule):
         """The cores this rank may use, counted once: its own where srun bound each task to its cores, else its share
         of what the node's ranks may all use (our own local ranks, torchrun's, srun's without binding)."""
         processes = self.trainer.num_devices if self.trainer is not None else 1
-        return launch.rank_cores(processes)
+        return ranks.rank_cores(processes)
 
     def describe_workers(self) -> str | None:
         """The run line's word on the loader's workers (the DataLoader pipeline only)."""

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from src.core.errors import UserError
 from src.data.in_memory import InMemoryImageDataModule
-from src.errors import UserError
 
 
 def make_images(count: int, num_classes: int, image_size: int, seed: int, split_seed: int,

@@ -14,9 +14,10 @@ from torch import nn
 from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
-from src.batch_size import record_in_config, resolve as resolve_batch_size
-from src.errors import UserError
-from src.fast_path import check_compile, compile_choice, fast_path
+from src.core.errors import UserError
+from src.models.batch_size import record_in_config
+from src.models.batch_size import resolve as resolve_batch_size
+from src.models.fast_path import check_compile, compile_choice, fast_path
 from src.models.resnet import build_resnet
 
 DECAYS = ("cosine", "linear", "none")
@@ -81,14 +82,14 @@ class ImageClassifier(L.LightningModule):
         for metric in (self.val_loss, self.test_loss):
             metric.set_dtype(torch.float64)
         self.memory_format = torch.contiguous_format
-        # what model.compile became (src/fast_path.py's compile_choice): a torch.compile mode, or None (eager)
+        # what model.compile became (src/models/fast_path.py's compile_choice): a torch.compile mode, or None (eager)
         self.compile_mode: str | None = None
         self.compile_why = ""
         self.cuda_graphs = False  # the compiled network replays CUDA graphs: its outputs live until the next replay
 
     def setup(self, stage: str) -> None:
         channels_last = self.hparams.channels_last
-        if channels_last == "auto":  # what the hardware found runs faster: src/fast_path.py
+        if channels_last == "auto":  # what the hardware found runs faster: src/models/fast_path.py
             channels_last = fast_path(self.trainer.strategy.root_device.type, self.hparams.arch).channels_last
         if self.trainer.strategy.root_device.type == "mps":  # no float64 there
             for metric in (self.val_loss, self.test_loss):
@@ -234,7 +235,7 @@ class ImageClassifier(L.LightningModule):
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # Every rank builds this dict; only rank zero's reaches the disk, which the tests check.
-        # world size and per-process batch: a run resumed at another world size keeps the global batch (src/torchrun.py)
+        # world size and per-process batch: a run resumed at another world size keeps the global batch (src/launch/torchrun.py)
         checkpoint["saved_by"] = {"global_rank": self.global_rank, "world_size": self.trainer.world_size,
                                   "batch_size": getattr(self.trainer.datamodule, "batch_size", None),
                                   "accumulate": self.trainer.accumulate_grad_batches}

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 from torchvision import models
 
-from src.errors import UserError
+from src.core.errors import UserError
 
 STEMS = ("cifar", "imagenet")
 

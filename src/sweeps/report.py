@@ -1,4 +1,4 @@
-"""The scaling report of a sweep: ``python -m src.report SWEEP_DIR`` (also written when a sweep ends).
+"""The scaling report of a sweep: ``python -m src.sweeps.report SWEEP_DIR`` (also written when a sweep ends).
 
 Reads each job's ``throughput.json`` (or ``failure.json``) and ``.hydra/overrides.yaml``, and writes
 ``scaling.csv``, ``scaling.md`` and ``scaling.png`` into the sweep dir. Jobs that differ only in their
@@ -208,7 +208,7 @@ def _plot(series: dict[str, list[Job]], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m src.report", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m src.sweeps.report", description=__doc__.splitlines()[0])
     parser.add_argument("sweep_dir", type=Path, help="a finished sweep's dir (outputs/multirun/<date>/<time>)")
     args = parser.parse_args(argv)
     if not args.sweep_dir.is_dir():

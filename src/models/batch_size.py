@@ -116,7 +116,7 @@ def _probe(trainer: Any, pl_module: Any, datamodule: Any) -> Choice:
         best, measured = largest_fitting(measure, capacity, cap, first)
     finally:
         torch.backends.cudnn.benchmark = autotune
-        del net, optimizer
+        net = optimizer = None  # freed before the run's own model takes the memory
         gc.collect()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)

@@ -4,7 +4,7 @@
 
 The sweep's process asks Optuna for a trial's values and runs the trial as a job of the sweep
 (``SWEEP_DIR/<trial>/``), exactly as ``-m`` runs a grid's jobs: the values are overrides of the job, so the local
-ranks it starts (src/launch.py) are given the same ones. In the Lightning + Hydra template every DDP rank re-runs
+ranks it starts (src/launch/ranks.py) are given the same ones. In the Lightning + Hydra template every DDP rank re-runs
 the sweeper and samples values of its own (its issue #639). The study lives in ``SWEEP_DIR/optuna.db``: the same
 command again continues it. A trial the sweep was running when it was killed is run again with its own values
 and resumes from its ``last.ckpt``; one that had finished is told from its ``result.json``; the study ends with
@@ -35,10 +35,10 @@ from hydra.plugins.sweeper import Sweeper
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf
 
-from src.errors import FAILURE_FILE, UserError, require
-from src.launch import is_launch_rank_zero
-from src.run_dir import RESULT_FILE, read_result
-from src.sweep import job_dir as sweep_job_dir
+from src.core.errors import FAILURE_FILE, UserError, require
+from src.launch.ranks import is_launch_rank_zero
+from src.launch.run_dir import RESULT_FILE, read_result
+from src.sweeps.sweep import job_dir as sweep_job_dir
 
 log = logging.getLogger(__name__)
 
@@ -151,7 +151,7 @@ def check_one_sweeping_process(config: DictConfig) -> None:
     run a search of its own, and on several nodes every node would."""
     import os
 
-    from src import torchrun
+    from src.launch import torchrun
 
     srun = "SLURM_STEP_ID" in os.environ and int(os.environ.get("SLURM_NTASKS", "1")) > 1
     if srun or torchrun.active() or not is_launch_rank_zero() or config.trainer.get("num_nodes", 1) != 1:

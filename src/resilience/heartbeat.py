@@ -1,4 +1,4 @@
-"""Where each rank is, for the hang watch (src/supervision.py), and its Python stacks when asked for.
+"""Where each rank is, for the hang watch (src/resilience/supervision.py), and its Python stacks when asked for.
 
 The training thread only bumps a Python counter and swaps a string at hooks Lightning calls anyway (no device
 tensor is read, so nothing waits for a GPU); the hang watch's thread publishes them. Every rank makes the same
@@ -80,6 +80,7 @@ def _marked(phase: Callable[..., str], call: Callable[..., Any], trainer: Any, w
             PROGRESS.writing = None
             mark("after " + phase(*args, **kwargs), trainer)
 
+    wrapper._marks_progress = True  # type: ignore[attr-defined]  # wrapped once: setup runs at every stage
     return wrapper
 
 
@@ -91,13 +92,13 @@ def progress_callback() -> Any:
         def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
             strategy = trainer.strategy
             if not getattr(strategy.barrier, "_marks_progress", False):
-                strategy.barrier = _marked(lambda name=None, **_: f"waiting for the other ranks at a barrier ({name})",
-                                           strategy.barrier, trainer)
-                strategy.barrier._marks_progress = True
+                barrier = _marked(lambda name=None, **_: f"waiting for the other ranks at a barrier ({name})",
+                                  strategy.barrier, trainer)
+                strategy.barrier = barrier  # wrapped on this instance only
             if not getattr(trainer.save_checkpoint, "_marks_progress", False):
-                trainer.save_checkpoint = _marked(lambda path, *a, **k: f"writing a checkpoint ({path})",
-                                                  trainer.save_checkpoint, trainer, writes=True)
-                trainer.save_checkpoint._marks_progress = True
+                save = _marked(lambda path, *a, **k: f"writing a checkpoint ({path})", trainer.save_checkpoint, trainer,
+                               writes=True)
+                trainer.save_checkpoint = save  # wrapped on this instance only
 
         def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
             mark("in a training step", trainer)

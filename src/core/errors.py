@@ -1,7 +1,7 @@
 """Errors a user can cause, and the words that tell them what to change: the bottom of the project's imports.
 
 This module imports nothing of the project. How an entry point ends on an error (one line, the other ranks
-stopped, the exit status) is src/entry.py's; how the processes of a run stop together is src/supervision.py's.
+stopped, the exit status) is src/cli/entry.py's; how the processes of a run stop together is src/resilience/supervision.py's.
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ def require(package: str, extra: str, what: str) -> None:
                         f"(or pip install {package})")
 
 
-def user_error_in(err: BaseException) -> BaseException | None:
+def user_error_in(err: BaseException | None) -> BaseException | None:
     """The UserError (or Lightning's MisconfigurationException) behind ``err``, through Hydra's wrapping."""
     lightning = sys.modules.get("lightning.fabric.utilities.exceptions")  # not loaded: none of its errors is raised
     known = (UserError, lightning.MisconfigurationException) if lightning else (UserError,)
@@ -185,10 +185,10 @@ def _unknown_key_message(err: Exception) -> str | None:
 
     cause = err.__cause__
     parent, key, full_key = (getattr(cause, name, None) for name in ("parent_node", "key", "full_key"))
-    override = re.search(r"use \+(.*)$", str(err), re.M)
-    if not isinstance(parent, DictConfig) or not isinstance(key, str) or not full_key or override is None:
+    suggested = re.search(r"use \+(.*)$", str(err), re.M)
+    if not isinstance(parent, DictConfig) or not isinstance(key, str) or not full_key or suggested is None:
         return None
-    override = override.group(1)
+    override = suggested.group(1)
     prefix, rest = full_key[: -len(key)], override.split("=", 1)[0][len(full_key):]
     close = [prefix + name + rest for name in difflib.get_close_matches(key, [str(k) for k in parent.keys()], n=2)]
     name = override.split("=", 1)[0]

@@ -2,8 +2,8 @@
 
 Lightning owns the process group, the samplers and rank-zero IO. This module only adds what it
 lacks for a Hydra application: a ``backend`` key (auto | nccl | gloo), a rendezvous timeout that
-fails with a readable message, local ranks started from *this job's* overrides (src/launch.py),
-ranks that stop together when one of them or their launcher dies (src/supervision.py), srun tasks that
+fails with a readable message, local ranks started from *this job's* overrides (src/launch/ranks.py),
+ranks that stop together when one of them or their launcher dies (src/resilience/supervision.py), srun tasks that
 each see one GPU of their own (TaskGPU), spawned ranks that keep the parent's TF32 settings, and a rendezvous
 that listens only where the ranks are (:func:`rendezvous_store`).
 """
@@ -29,9 +29,10 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
-from src import heartbeat, launch, supervision, torchrun
-from src.entry import describe
-from src.errors import EXIT_FAILED, UserError
+from src.core.errors import EXIT_FAILED, UserError
+from src.launch import ranks, torchrun
+from src.launch.devices import uses_cuda
+from src.resilience import failure, heartbeat, supervision
 
 _START_METHODS = {"ddp": "popen", "ddp_spawn": "spawn"}
 
@@ -46,7 +47,7 @@ def build_strategy(
     **ddp_kwargs: Any,
 ) -> DDPStrategy | str:
     """Return the Trainer's strategy: Lightning's single-device choice for a world of one, else DDP."""
-    resolved, local = launch.check_strategy(name, backend, timeout_s, accelerator, devices, num_nodes)
+    resolved, local = ranks.check_strategy(name, backend, timeout_s, accelerator, devices, num_nodes)
     check_slurm_allocation(local, num_nodes)
     hang_timeout_s = ddp_kwargs.pop("hang_timeout_s", None)
     store_bind = ddp_kwargs.pop("store_bind", "master_addr")
@@ -59,7 +60,7 @@ def build_strategy(
     if ddp_kwargs.get("gradient_as_bucket_view") == "auto":
         # On GPUs the views save a copy of every gradient into its bucket. On CPUs they cost time instead: with gloo on
         # an Intel Xeon, 2 processes trained ResNet-50 at 22.5 img/s with them and 23.8 without (docs/performance.md).
-        ddp_kwargs["gradient_as_bucket_view"] = launch.uses_cuda(accelerator)
+        ddp_kwargs["gradient_as_bucket_view"] = uses_cuda(accelerator)
     return HydraDDPStrategy(
         start_method=_START_METHODS[resolved],
         process_group_backend=None if backend == "auto" else backend,  # Lightning: nccl on CUDA, else gloo
@@ -98,14 +99,14 @@ def check_slurm_allocation(devices: int, num_nodes: int) -> None:
 
     if "SLURM_JOB_ID" not in os.environ or not SLURMEnvironment.detect() or torchrun.active():
         return  # not Slurm, an interactive allocation (job name bash/interactive), or srun torchrun: its agents start
-        # the ranks (src/torchrun.py matched the counts to them)
-    if launch.ranks_started_here_under_slurm():  # a sweep in the batch script starts each job's ranks on this node
+        # the ranks (src/launch/torchrun.py matched the counts to them)
+    if ranks.ranks_started_here_under_slurm():  # a sweep in the batch script starts each job's ranks on this node
         if num_nodes > 1:
             raise UserError(f"a -m sweep in a Slurm batch script runs its jobs on this one node, but trainer.num_nodes="
                             f"{num_nodes}: sweep multi-node jobs with python -m src.slurm_sweep, which submits each "
                             "job to Slurm")
         return
-    if launch.in_slurm_batch_script() and (int(os.environ.get("SLURM_NTASKS", "1")) > 1 or devices * num_nodes > 1):
+    if ranks.in_slurm_batch_script() and (int(os.environ.get("SLURM_NTASKS", "1")) > 1 or devices * num_nodes > 1):
         raise UserError(
             "python runs in the Slurm job's batch script without srun, so no other rank will start: "
             "launch it as `srun python -m src.train ...` (slurm/train.sbatch does)"
@@ -142,7 +143,7 @@ class TaskGPU(CUDAAccelerator):
 
 class HydraDDPStrategy(DDPStrategy):
     """DDP whose local ranks join this Hydra job, watch their launcher, and whose rendezvous failure says what is
-    missing; a rank that hangs is found within ``hang_timeout_s`` (src/supervision.py's HangWatch)."""
+    missing; a rank that hangs is found within ``hang_timeout_s`` (src/resilience/supervision.py's HangWatch)."""
 
     def __init__(self, *args: Any, hang_timeout_s: float | None = None, store_bind: str = "master_addr",
                  **kwargs: Any) -> None:
@@ -159,27 +160,32 @@ class HydraDDPStrategy(DDPStrategy):
             self._launcher = HydraSpawnLauncher(self, start_method=self._start_method)
 
     def setup_distributed(self) -> None:
-        launcher_pid = launch.launcher_pid()
-        if launcher_pid is not None:  # a started rank: it must not outlive the process that started it
+        """Lightning calls this at every stage (fit, then test): the process group forms at the first, and the
+        watches start at each (a stage's end stops them). The order, each step needing the one before:
+
+        1. a started rank watches its launcher: it must not outlive the process that started it;
+        2. before the group forms: the open-file limit checked (sockets run out as it forms), one node's traffic kept
+           to loopback, NCCL's watchdog and flight-recorder variables set (NCCL reads them as the group forms);
+        3. the group forms: on torchrun's attempt keys under torchrun, else on the rendezvous store bound where the
+           ranks are (``rendezvous_store``);
+        4. Lightning's own setup, which leaves a group that exists as it is;
+        5. from here on a failure or a hang of any rank stops every rank: progress marks, the failure watch.
+
+        A rendezvous that times out is one UserError: where rank 0's store listened, or what this rank dialled.
+        """
+        launcher_pid = ranks.launcher_pid()
+        if launcher_pid is not None:
             supervision.watch_launcher(self.node_rank * self.num_processes + self.local_rank, launcher_pid)
+        run_dir = self._run_dir()
         try:
-            if not torch.distributed.is_initialized():  # sockets run out as the group forms: say so before
-                check_open_files(self.global_rank, self.world_size, self.num_processes)
-            if self.num_nodes == 1:
-                keep_to_loopback()
-            run_dir = self._run_dir()
-            # NCCL reads its watchdog's and flight recorder's environment as a group forms: before either below
-            if traces_nccl(self.root_device.type) and run_dir is not None and not torch.distributed.is_initialized():
-                heartbeat.switch_on_nccl_trace(run_dir)
-            if torchrun.active() and not torch.distributed.is_initialized():  # fit forms it; test reuses it
-                self._init_attempt_group()
             if not torch.distributed.is_initialized():
-                self._init_bound_group()
-            super().setup_distributed()  # Lightning's own: it leaves a process group that exists as it is
-            # from here on, a failure of any rank stops every rank of the run, on every node, and so does one that hangs
+                self._before_the_group_forms(run_dir)
+                if not (torchrun.active() and self._init_attempt_group()):
+                    self._init_bound_group()
+            super().setup_distributed()
             self._report_progress()
             supervision.watch_failures(self.global_rank, self.node_rank, self.local_rank, self.world_size,
-                                       in_sweep=launch.in_sweep(), hang_timeout_s=self.hang_timeout_s, run_dir=run_dir,
+                                       in_sweep=ranks.in_sweep(), hang_timeout_s=self.hang_timeout_s, run_dir=run_dir,
                                        local_world=self.num_processes)
         except torch.distributed.DistError as err:
             env = self.cluster_environment
@@ -191,6 +197,13 @@ class HydraDDPStrategy(DDPStrategy):
                 "MASTER_PORT and trainer.num_nodes, check the address is reachable, "
                 f"or raise strategy.timeout_s ({type(err).__name__})"
             ) from err
+
+    def _before_the_group_forms(self, run_dir: str | None) -> None:
+        check_open_files(self.global_rank, self.world_size, self.num_processes)
+        if self.num_nodes == 1:
+            keep_to_loopback()
+        if traces_nccl(self.root_device.type) and run_dir is not None:
+            heartbeat.switch_on_nccl_trace(run_dir)
 
     def _run_dir(self) -> str | None:
         trainer = getattr(self._lightning_module, "_trainer", None)
@@ -208,7 +221,7 @@ class HydraDDPStrategy(DDPStrategy):
         self.set_world_ranks()
         env = self.cluster_environment
         os.environ["MASTER_ADDR"] = LOOPBACK if self.num_nodes == 1 else env.main_address
-        os.environ["MASTER_PORT"] = str(env.main_port)  # src/supervision.py's failure record reads both
+        os.environ["MASTER_PORT"] = str(env.main_port)  # src/resilience/supervision.py's failure record reads both
         bind = self.store_bind if self.num_nodes > 1 else "master_addr"  # one node: loopback only, always
         self._store_where = store_where(self.global_rank, bind)
         store = rendezvous_store(self.global_rank, self.world_size, self._timeout, bind=bind)
@@ -216,16 +229,18 @@ class HydraDDPStrategy(DDPStrategy):
                                              world_size=self.world_size, store=store, timeout=self._timeout,
                                              device_id=self.root_device if self.root_device.type != "cpu" else None)
 
-    def _init_attempt_group(self) -> None:
-        """Under torchrun: form the process group on this attempt's own keys (src/torchrun.py says why)."""
+    def _init_attempt_group(self) -> bool:
+        """Under torchrun: form the process group on this attempt's own keys (src/launch/torchrun.py says why); False
+        where the agent's store is not at hand, and the group forms as elsewhere."""
         self.set_world_ranks()
         store = torchrun.attempt_store(self.global_rank, self.world_size, self._timeout)
         if store is None:
-            return
+            return False
         torch.distributed.init_process_group(self._get_process_group_backend(), rank=self.global_rank,
                                              world_size=self.world_size, store=store, timeout=self._timeout,
                                              device_id=self.root_device if self.root_device.type != "cpu" else None)
         torchrun.group_formed()
+        return True
 
 
 def traces_nccl(device_type: str) -> bool:
@@ -241,7 +256,7 @@ def open_files_needed(rank: int, world_size: int, local_world: int = 1) -> int:
     """The descriptors a rank of ``world_size`` (``local_world`` ranks a node) holds at most: a socket to every
     other rank (gloo's full mesh: the stop agreement's group, and the process group's on the CPU), its own store
     connections (the process group's, and as its node's reporter two more and one to write a failure), and on
-    rank 0, the store's host, every rank's process-group connection and three per node (src/supervision.py)."""
+    rank 0, the store's host, every rank's process-group connection and three per node (src/resilience/supervision.py)."""
     nodes = -(-world_size // max(1, local_world))
     sockets = 2 * (world_size - 1) + 4 + (world_size + 3 * nodes if rank == 0 else 0)
     return sockets + OPEN_FILES_SPARE
@@ -290,7 +305,7 @@ def rendezvous_store(rank: int, world_size: int, timeout: timedelta, bind: str =
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     listener = None
     if rank == 0 and bind == "master_addr":
-        listener = launch.held_port(host, port) or _bound_listener(host, port)
+        listener = ranks.held_port(host, port) or _bound_listener(host, port)
     try:
         return torch.distributed.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout,
                                           multi_tenant=True,
@@ -365,7 +380,7 @@ def _is_hostname(host: str) -> bool:
 
 
 class HydraJobLauncher(_SubprocessScriptLauncher):
-    """Starts local ranks 1..N-1 from this job's overrides (src/launch.py), when src.train has not already.
+    """Starts local ranks 1..N-1 from this job's overrides (src/launch/ranks.py), when src.train has not already.
 
     Lightning's own launcher replays ``sys.argv``; under ``-m`` that starts a whole sweep in every
     child (Lightning issue #11300).
@@ -379,21 +394,22 @@ class HydraJobLauncher(_SubprocessScriptLauncher):
         os.environ["NODE_RANK"] = str(env.node_rank())
         os.environ["LOCAL_RANK"] = str(env.local_rank())
         os.environ["WORLD_SIZE"] = str(self.num_processes * self.num_nodes)
-        self.procs = launch.spawn_local_ranks(self.num_processes, env.node_rank())
+        self.procs, started = ranks.spawn_local_ranks(self.num_processes, env.node_rank())
+        supervision.track(self.procs, started)
 
 
 class HydraSpawnLauncher(_MultiProcessingLauncher):
     """``ddp_spawn``'s launcher: the parent passes a SIGTERM on to its ranks (it is no rank itself), a rank that
     stopped on request exits with ``128 + signal`` instead of multiprocessing's 1, and the ranks compute with the
-    TF32 settings the parent chose (src/trainer.py's hardware_defaults)."""
+    TF32 settings the parent chose (src/training/trainer.py's hardware_defaults)."""
 
     def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
         self._backend_flags = backend_flags()  # the ranks get them with this launcher, pickled
         # torch warns "Terminating process N via signal SIGTERM" for every rank it stops after one failed; the
-        # failed rank (or, for a death, src/supervision.py) has said what happened
+        # failed rank (or, for a death, src/resilience/supervision.py) has said what happened
         logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
         heartbeat.register_stack_dump("ddp_spawn's parent process")  # kill -USR2: the ranks say their own
-        # a rank that kills a stuck one (src/supervision.py) notes its pid here: that death was the run's own doing
+        # a rank that kills a stuck one (src/resilience/supervision.py) notes its pid here: that death was the run's own doing
         self._killed = multiprocessing.get_context("spawn").Value("i", 0)
         if threading.current_thread() is not threading.main_thread():
             return self._launch(function, *args, trainer=trainer, **kwargs)
@@ -418,8 +434,7 @@ class HydraSpawnLauncher(_MultiProcessingLauncher):
             raise ProcessExitedException(str(err), err.error_index, err.error_pid, EXIT_FAILED) from None
 
     def _wrapping_function(self, process_idx: int, *args: Any, **kwargs: Any) -> Any:
-        from src.callbacks.graceful_stop import Terminated
-        from src.console import spawned_rank_console
+        from src.core.console import spawned_rank_console
 
         spawned_rank_console()
         set_backend_flags(self._backend_flags)
@@ -433,13 +448,8 @@ class HydraSpawnLauncher(_MultiProcessingLauncher):
         heartbeat.register_stack_dump(f"rank {rank}", getattr(trainer, "default_root_dir", None))
         try:
             result = super()._wrapping_function(process_idx, *args, **kwargs)
-        except Terminated as stop:
-            supervision.stop_watching_failures()
-            if self._strategy.global_rank == 0:
-                print(stop.line, file=sys.stderr, flush=True)
-            sys.exit(stop.exit_code)
-        except Exception as err:  # noqa: BLE001 - any failure of a rank ends the run, told once
-            supervision.end_run(*describe(err, log_dir=getattr(trainer, "default_root_dir", None)))
+        except Exception as err:  # noqa: BLE001 - any failure of a rank ends the run, told once; a stop on request too
+            failure.fail(err, getattr(trainer, "default_root_dir", None), rank_zero=self._strategy.global_rank == 0)
         supervision.stop_watching_failures()
         return result
 

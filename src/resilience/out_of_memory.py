@@ -12,9 +12,9 @@ import lightning as L
 import torch
 from lightning.pytorch.trainer.states import RunningStage
 
-from src.errors import out_of_memory_in
+from src.core.errors import out_of_memory_in
 
-LINE = "out_of_memory_line"  # the attribute of the error that carries the line to src/entry.py
+LINE = "out_of_memory_line"  # the attribute of the error that carries the line to src/resilience/failure.py
 
 
 class OutOfMemoryReport(L.Callback):
@@ -23,7 +23,7 @@ class OutOfMemoryReport(L.Callback):
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         error = out_of_memory_in(exception)
         if error is not None and not hasattr(error, LINE):
-            setattr(error, LINE, describe(trainer.strategy.root_device, getattr(trainer.datamodule, "batch_size", None),
+            setattr(error, LINE, describe(trainer.strategy.root_device, getattr(getattr(trainer, "datamodule", None), "batch_size", None),
                                           _where(trainer), str(trainer.precision)))
 
 

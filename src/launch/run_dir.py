@@ -27,9 +27,9 @@ from typing import Any, Iterator
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
-from src import torchrun
-from src.errors import report, unwritable_run_dir
-from src.launch import is_launch_rank_zero
+from src.core.errors import report, unwritable_run_dir
+from src.launch import torchrun
+from src.launch.ranks import is_launch_rank_zero
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +72,8 @@ def hold(config: DictConfig, kind: str) -> Path:
 
 def _timestamped(node: DictConfig) -> bool:
     """Whether ``hydra.run`` / ``hydra.sweep`` still has the default, timestamped dir."""
-    return "${now:" in str(OmegaConf.to_container(node, resolve=False)["dir"])
+    written = OmegaConf.to_container(node, resolve=False)
+    return isinstance(written, dict) and "${now:" in str(written["dir"])
 
 
 def _claim_fresh(path: Path) -> Path:
@@ -108,7 +109,7 @@ def lock_run_dir(path: Path, kind: str = "run") -> None:
             return
         holder = _holder(fd)
         os.close(fd)
-        if _earlier_run_of_this_slurm_job(holder):
+        if holder is not None and _earlier_run_of_this_slurm_job(holder):
             _warn(f"{lock_path} is still locked by an earlier run of Slurm job {holder['slurm_job']} "
                   f"(pid {holder['pid']} on {holder['host']}), which Slurm has ended: continuing in its run dir")
             return

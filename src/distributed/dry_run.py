@@ -16,7 +16,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from src.errors import UserError
+from src.core.errors import UserError
 
 STEPS_ON_A_GPU = 3  # real steps whose peak memory a dry run on a GPU gives
 
@@ -43,9 +43,9 @@ def shard(count: int, rank: int, world: int) -> int:
 
 def plan(cfg: DictConfig, rank: int, datamodule: Any, model: Any, world: int) -> dict[str, Any]:
     """What rank ``rank`` of ``world`` would do; ``problems``: what will not work, as a real run would say it."""
-    from src.batch_size import CPU_DEFAULT
     from src.data.in_memory import shard_problems
-    from src.distributed import open_files_needed
+    from src.distributed.strategy import open_files_needed
+    from src.models.batch_size import CPU_DEFAULT
     from src.models.classifier import extreme_lr_warning, scaled_lr
 
     n_train, n_val, n_test = len(datamodule.train_set), len(datamodule.val_set), len(datamodule.test_set)

@@ -21,9 +21,18 @@ dies of a signal has not, and its watcher says it for it.
 
 A rank can also hang without dying (a deadlock, a stuck read on a network filesystem, a stopped process): the
 others then wait for it in the next collective until ``strategy.timeout_s``. ``HangWatch`` finds it sooner:
-every rank publishes where it is (src/heartbeat.py) and a pulse from a thread of its own; when no rank has
+every rank publishes where it is (src/resilience/heartbeat.py) and a pulse from a thread of its own; when no rank has
 moved for ``strategy.hang_timeout_s`` while one of them is behind the others (or its pulse stopped), that rank
-writes its stack to its log and the run ends with one line naming it.
+writes its stack to its log and the run ends with one line naming it. Which rank that is, of those that hold the
+others back, is ``culprits``'s rule.
+
+The threads of a rank, all daemons, each with one job: ``rank-watch`` (in a process that started local ranks: their
+exits), ``launcher-watch`` (in a started rank: its launcher's), ``failure-watch`` (once the group exists: the
+failure record, read from the node's board), ``failure-wait`` (the node's reporter only: the store's blocking wait
+for that record), ``hang-watch`` (this rank's record and pulse, and the judge's rounds) and ``hang-watch-store``
+(the store calls of a round, which a stopped store host can hold forever, apart from the loop that counts the
+time). The invariant: whichever thread first calls ``end_run`` ends the process, and the others wait for it; the
+failure path from an exception to the exit status is src/resilience/failure.py.
 """
 
 from __future__ import annotations
@@ -31,7 +40,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -40,14 +48,14 @@ import threading
 import time
 import uuid
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Callable, NoReturn, Sequence
 
-from src import torchrun
-from src.node_board import NodeBoard
-from src.errors import EXIT_FAILED, EXIT_USER_ERROR, UserError
+from src.core.errors import EXIT_FAILED, EXIT_USER_ERROR
+from src.launch import torchrun
+from src.launch.ranks import in_sweep, launcher_rank
+from src.resilience.node_board import NodeBoard
 
-# the global rank each launcher gives its processes: mpirun (Open MPI; MPICH and Intel MPI's PMI), LSF's jsrun
-LAUNCHER_RANKS = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "JSM_NAMESPACE_RANK")
 POLL_S = 0.25
 SEEN_WAIT_S = 5.0  # how long a failing store host waits for the others to read the record before it goes
 DONE_WAIT_S = 10.0  # ... and, at a good end, for the others to stop watching
@@ -113,8 +121,11 @@ def failed_child(procs: Sequence[subprocess.Popen], ranks: Sequence[int]) -> tup
     return min(ended, key=lambda failure: said_why(failure[1]), default=None)
 
 
-def track(procs: Sequence[subprocess.Popen], ranks: Sequence[int], exit_process: bool = True) -> None:
-    """Remember local ranks this process started, and watch them (see ``watch_children``)."""
+def track(procs: Sequence[subprocess.Popen], ranks: Sequence[int], exit_process: bool | None = None) -> None:
+    """Remember local ranks this process started, and watch them (see ``watch_children``). A death ends this
+    process too (``exit_process``), but in a sweep, whose process runs the next jobs: there it fails its job."""
+    if exit_process is None:
+        exit_process = not in_sweep()
     STARTED.extend(procs)
     STARTED_RANKS.extend(ranks)
     watch_children(procs, ranks, exit_process)
@@ -189,6 +200,11 @@ def watch_launcher(rank: int, launcher_pid: int, what: str = "the process that l
     return thread
 
 
+def watches_a_launcher() -> bool:
+    """Whether this rank watches the process that started it (``watch_launcher``): that watch tells which rank died."""
+    return _launcher is not None
+
+
 def launcher_gone() -> str | None:
     """'rank 1: its launching process (pid 123) died; ...' once the process that started this rank is gone."""
     if _launcher is None or os.getppid() == _launcher[1]:
@@ -200,8 +216,8 @@ def launcher_gone() -> str | None:
 class FailureRecord:
     """The run's first failure, in its rendezvous store; each node reads it there for all of its ranks.
 
-    Keys are prefixed per torchrun attempt (src/torchrun.py): its agent keeps one store across restarts. The node's
-    reporter (src/node_board.py) waits for the record with the store's blocking ``wait``, on a connection of its
+    Keys are prefixed per torchrun attempt (src/launch/torchrun.py): its agent keeps one store across restarts. The node's
+    reporter (src/resilience/node_board.py) waits for the record with the store's blocking ``wait``, on a connection of its
     own, and leaves it on the node's board, which every local rank reads every POLL_S: one request per node every
     WAIT_S, where each rank polling the store would make 4 per rank per second. A rank writes to the store only
     when it has something to say (a failure, its end), on a connection it opens then.
@@ -384,7 +400,7 @@ class HangWatch:
     """Publishes where this rank is; one judge reads every node's and ends a run that has stopped moving while one
     rank holds the others back (module docstring).
 
-    Each rank leaves its record on its node's board (src/node_board.py); the node's reporter carries the node's
+    Each rank leaves its record on its node's board (src/resilience/node_board.py); the node's reporter carries the node's
     records to the store in one ``set`` a round, compact while they move (place, activity, waiting, age), with where
     a rank is only once it has not moved for ``detail_after_s``. The judge is node 0's reporter: one ``multi_get``
     of the nodes' records a round; node 1's reporter stands by and judges in its place when node 0's record stops
@@ -412,8 +428,8 @@ class HangWatch:
         self._told: dict[str, Any] | None = None  # reporter: who its node's ranks are, as last written
         self._host = host  # rank 0's host and pid
         self._last_ok = 0.0  # when the store last answered this node's reporter
-        self.log = None
-        # where this rank is (src/heartbeat.py's PROGRESS), the store, and the way out: the control-plane
+        self.log: Path | None = None
+        # where this rank is (src/resilience/heartbeat.py's PROGRESS), the store, and the way out: the control-plane
         # simulator (benchmarks/control_plane.py) gives each of its ranks its own
         self.progress = progress
         self._new_store = connect or store_client
@@ -425,7 +441,7 @@ class HangWatch:
         return self._store
 
     def record(self) -> dict[str, Any]:
-        from src import heartbeat
+        from src.resilience import heartbeat
 
         progress = self.progress or heartbeat.PROGRESS
         return {"rank": self.rank, "position": progress.position, "activity": progress.activity(),
@@ -433,7 +449,7 @@ class HangWatch:
                 "pid": os.getpid(), "host": socket.gethostname(), "log": str(self.log) if self.log else None}
 
     def start(self) -> threading.Thread:
-        from src import heartbeat
+        from src.resilience import heartbeat
 
         self.log = heartbeat.stack_file(self.run_dir, f"rank {self.rank}")
         thread = threading.Thread(target=self._loop, name="hang-watch", daemon=True)
@@ -555,16 +571,12 @@ class HangWatch:
             seen["record"] = record
         if now - max(s["moved"] for s in self._seen.values()) < self.timeout_s:
             return
-        silent = [r for r, s in self._seen.items() if s["record"]["silent_s"] >= self.silent_s]
-        # where each rank is among the marks every rank makes alike: the lowest is the one the others wait for
-        places = {r: s["record"]["position"] for r, s in self._seen.items()}
-        behind = [r for r, p in places.items() if p == min(places.values())] if len(set(places.values())) > 1 else []
-        # at the same mark, the ranks waiting in a collective wait for the one that is not
-        idle = [r for r, s in self._seen.items() if not s["record"]["waiting"]]
-        culprits = sorted(silent) or sorted(behind) or (sorted(idle) if len(idle) < self.world_size else [])
-        if not culprits:  # every rank busy alike (a first compile) or waiting alike (a deadlock): timeout_s's to end
+        records = {r: s["record"] for r, s in self._seen.items()}
+        held_back_by = culprits(records, self.silent_s)
+        if not held_back_by:  # every rank busy alike (a first compile) or waiting alike (a deadlock): timeout_s's to end
             return
-        rank = culprits[0]
+        rank = held_back_by[0]
+        silent = [r for r, record in records.items() if record["silent_s"] >= self.silent_s]
         record = self._seen[rank]["record"]
         raw = store.get(f"{self._prefix}who{record['node']}") if store.check([f"{self._prefix}who{record['node']}"]) \
             else b"{}"
@@ -600,7 +612,7 @@ class HangWatch:
 
     def _answer(self, verdict: dict[str, Any]) -> None:
         """The judge found this rank stuck: its stack goes to its log, then the run ends with the verdict's line."""
-        from src import heartbeat
+        from src.resilience import heartbeat
 
         if verdict["rank"] != self.rank or not verdict["can_run"]:
             return
@@ -629,6 +641,27 @@ class HangWatch:
                  publish=False, stuck=stuck)
 
 
+def culprits(records: dict[int, dict[str, Any]], silent_s: float) -> list[int]:
+    """The ranks that hold the others back, once no rank has moved for the hang timeout, by the first rule that names
+    any (``records``: each rank's ``silent_s``, ``position`` and ``waiting``, as the judge last read them):
+
+    1. the ranks that cannot run: their pulse has been silent for ``silent_s`` (stopped, stuck in C code);
+    2. else the ranks behind the others: at the lowest of the progress marks every rank makes alike;
+    3. else, all at one mark, the ranks not waiting in a collective while the others wait there for them.
+
+    None: every rank busy alike (a first compile) or waiting alike (a deadlock), which no rank's record can tell apart
+    from work; the backend's timeout (``strategy.timeout_s``) ends that run.
+    """
+    silent = sorted(r for r, record in records.items() if record["silent_s"] >= silent_s)
+    if silent:
+        return silent
+    places = {r: record["position"] for r, record in records.items()}
+    if len(set(places.values())) > 1:
+        return sorted(r for r, place in places.items() if place == min(places.values()))
+    idle = sorted(r for r, record in records.items() if not record["waiting"])
+    return idle if len(idle) < len(records) else []
+
+
 def store_client(timeout_s: float) -> Any:
     """A client of the run's store (``MASTER_ADDR:MASTER_PORT``), for the failure record and the hang watch."""
     import torch.distributed as dist
@@ -653,7 +686,8 @@ _COLLECTIVES = (os.path.join("torch", "distributed", ""), os.path.join("torch", 
 def _in_collective() -> bool:
     """Whether the main thread is inside torch.distributed (or DDP's own collectives) now: a look at its stack,
     nothing more."""
-    frame = sys._current_frames().get(threading.main_thread().ident)
+    ident = threading.main_thread().ident
+    frame = sys._current_frames().get(ident) if ident is not None else None
     while frame is not None:
         if any(part in frame.f_code.co_filename for part in _COLLECTIVES):
             return True
@@ -734,16 +768,6 @@ def in_distributed_run() -> bool:
     return FAILURES is not None or int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
-def launcher_rank() -> str | None:
-    """The global rank a launcher gave this process (torchrun's RANK, srun's SLURM_PROCID, mpirun's, jsrun's), if
-    any: known before any process group exists."""
-    if "RANK" in os.environ:
-        return os.environ["RANK"]
-    if "SLURM_STEP_ID" in os.environ and "SLURM_PROCID" in os.environ:  # inside srun, not the batch script
-        return os.environ["SLURM_PROCID"]
-    return next((os.environ[key] for key in LAUNCHER_RANKS if key in os.environ), None)
-
-
 def rank_label() -> str:
     """'rank 3' for this process, or 'node 1 local rank 0' before a process group has told the global rank."""
     if FAILURES is not None:
@@ -770,14 +794,14 @@ def end_run(line: str | None, code: int, publish: bool = True, dead: int = 0,
     publish = publish and FAILURES is not None and not FAILURES.echoing
     if HANGS is not None:
         HANGS.close()
-    first = FAILURES.publish(line, code, dead + bool(stuck), stuck) if publish else True
+    first = FAILURES.publish(line, code, dead + bool(stuck), stuck) if publish and FAILURES is not None else True
     if line and first:
         if any(open_line() for open_line in OPEN_LINES):  # a progress bar's line, still being drawn
             print(file=sys.stderr, flush=True)
         print(f"error: {line}", file=sys.stderr, flush=True)
     kill_stuck(stuck)
     if FAILURES is not None:  # on CUDA, NCCL's flight recorder: this rank's last collectives, into the run dir
-        from src import heartbeat
+        from src.resilience import heartbeat
 
         heartbeat.write_nccl_trace(FAILURES.rank)
     if FAILURES is not None and FAILURES.rank == 0 and not torchrun.active():
@@ -792,53 +816,3 @@ def end_run(line: str | None, code: int, publish: bool = True, dead: int = 0,
     os._exit(code)  # not sys.exit: the main thread may be stuck in a collective, a process group may hang teardown
 
 
-def explain(err: BaseException) -> tuple[str | None, int] | None:
-    """One line (None: told elsewhere) and an exit code for a distributed failure behind ``err``."""
-    from torch.multiprocessing import ProcessExitedException
-
-    seen = set()
-    while err is not None and id(err) not in seen:
-        seen.add(id(err))
-        if isinstance(err, UserError):  # its own line says what to change (a rendezvous that timed out, and where)
-            return None
-        if isinstance(err, ProcessExitedException):  # ddp_spawn: the parent learns that a rank ended
-            code = err.exit_code if err.exit_code is not None else -signal.Signals[err.signal_name].value
-            if said_why(code):  # the rank said why (or, after SIGTERM, where it stopped and how to resume)
-                return None, code
-            return (f"rank {err.error_index} (pid {err.error_pid}) died: {how_it_ended(code)}; "
-                    "stopped the other ranks"), EXIT_FAILED
-        if _is_broken_connection(err):
-            reported = reported_failure()
-            if reported is not None:  # a rank failed, and this one lost its connection to it
-                return reported
-            failure = failed_child(STARTED, STARTED_RANKS)
-            if failure is not None:
-                message, code = failure
-                return (None, code) if said_why(code) else (f"{message}; stopped the other ranks", EXIT_FAILED)
-            gone = launcher_gone()
-            if gone is not None:
-                return gone, EXIT_FAILED
-            if _launcher is not None and not torchrun.active():  # it watches this node's ranks and tells which died
-                return None, EXIT_FAILED
-            then = ("torchrun restarts the group from last.ckpt while --max-restarts allows" if torchrun.active()
-                    else "see its log, then resume with ckpt_path=last")
-            return (f"the process group broke ({_first_sentence(err)}): another rank has probably died or lost "
-                    f"the network; {then}"), EXIT_FAILED
-        err = err.__cause__ or err.__context__
-    return None
-
-
-def _first_sentence(err: BaseException) -> str:
-    """gloo's '[.../pair.cc:545] Read error [10.0.0.2]:3225: Connection reset by peer. This is ...' -> 'Read error ...'"""
-    text = re.sub(r"^\[[^\]]*\]\s*", "", str(err).strip()) or type(err).__name__
-    return text.split(". ")[0].splitlines()[0][:200]
-
-
-def _is_broken_connection(err: BaseException) -> bool:
-    import torch
-
-    if isinstance(err, (torch.distributed.DistBackendError, torch.distributed.DistNetworkError)):
-        return True
-    text = str(err)
-    return isinstance(err, RuntimeError) and ("gloo/transport" in text or "Connection reset by peer" in text
-                                              or "Connection closed by peer" in text)

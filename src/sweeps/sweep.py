@@ -9,7 +9,7 @@ Hydra cannot resume a sweep: the same command runs every job again (the Lightnin
 reason not to use it). ``ResumingSweeper`` is Hydra's basic sweeper (grids, ranges, batches) that, run again with
 the same ``hydra.sweep.dir``, skips the jobs that finished (their ``result.json``), runs the others, and a job
 that was cut short resumes from its own ``last.ckpt`` (a sweep's job defaults to ``ckpt_path=auto``,
-src/run_dir.py).
+src/launch/run_dir.py).
 """
 
 from __future__ import annotations
@@ -28,10 +28,10 @@ from hydra.experimental.callback import Callback
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from src import supervision
-from src.errors import FAILURE_FILE, UserError
-from src.launch import in_sweep
-from src.run_dir import RESULT_FILE, read_result
+from src.core.errors import FAILURE_FILE, UserError
+from src.launch.ranks import in_sweep
+from src.launch.run_dir import RESULT_FILE, read_result
+from src.resilience import supervision
 
 log = logging.getLogger(__name__)
 
@@ -81,10 +81,10 @@ class JobIsolation(Callback):
 
 class ScalingReport(Callback):
     """When a sweep ends, write scaling.csv/.md/.png into its dir; exit non-zero if any job failed. (A search,
-    hparams_search=..., writes its own report: src/hparams_search.py.)"""
+    hparams_search=..., writes its own report: src/sweeps/hparams_search.py.)"""
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        from src.report import write_report
+        from src.sweeps.report import write_report
 
         if config.hydra.runtime.choices.get("hparams_search"):
             return
@@ -145,20 +145,6 @@ class _SkipFinished:
                                      _return_value=result.get("score")))
         run_pending()
         return returns
-
-
-def stopped_line() -> str:
-    """What a sweep (or a search) stopped on request (Ctrl-C, SIGTERM) says: the same command resumes it."""
-    from hydra.core.hydra_config import HydraConfig
-
-    hydra_cfg = HydraConfig.get()
-    sweep_dir = Path(hydra_cfg.sweep.dir).resolve()
-    job = hydra_cfg.job.num
-    kept = ("the study keeps its trials and this one goes on from its last.ckpt"
-            if hydra_cfg.runtime.choices.get("hparams_search") else
-            f"finished jobs are skipped and job {job} goes on from its last.ckpt")
-    return (f"the sweep stopped at job {job}: run the same command again (with hydra.sweep.dir={sweep_dir}) to "
-            f"resume it: {kept}")
 
 
 def job_dir(hydra_context: HydraContext, config: DictConfig, num: int, overrides: list[str]) -> Path:

@@ -31,8 +31,8 @@ from pathlib import Path
 
 import torch
 
-from src.errors import UserError
-from src.run_dir import locked, read_json, write_json
+from src.core.errors import UserError
+from src.launch.run_dir import locked, read_json, write_json
 
 log = logging.getLogger(__name__)
 
@@ -145,7 +145,7 @@ def bf16_speedup(arch: str) -> float:
             return measure_bf16_speedup(arch)["speedup"]
         known = read_json(cache) or {}  # none yet, or cut off: measure again
         if key not in known:
-            from src.launch import is_launch_rank_zero
+            from src.launch.ranks import is_launch_rank_zero
 
             if is_launch_rank_zero():
                 log.info("auto: timing a %s train step in bf16 and in fp32 on this CPU (once; the result is kept in "

@@ -1,6 +1,6 @@
 """What the ranks of one node share without the network: a folder in shared memory, one per node of a run.
 
-The control plane (src/supervision.py) talks to the run's store once per node, not once per rank: each rank
+The control plane (src/resilience/supervision.py) talks to the run's store once per node, not once per rank: each rank
 leaves its record here, and the node's *reporter*, the lowest local rank still alive, carries them all to the
 store in one request and brings back what the store says (a failure, a hang verdict) as a file every local rank
 reads. A file's age is its rank's pulse: a rank that cannot run Python (stopped, or stuck in C code) stops

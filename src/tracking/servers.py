@@ -6,7 +6,7 @@ its server, gave up after 2 min with ``CommError: Failed to get resume status ..
 Here it is one ``error:`` line within seconds. Any HTTP answer will do (even 401 or 404): what a server says of
 the run's requests is its client's to report.
 
-Light on purpose (no Lightning, no torch): src/entry.py runs these checks before the local ranks start.
+Light on purpose (no Lightning, no torch): src/cli/entry.py runs these checks before the local ranks start.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import urllib.error
 import urllib.request
 from typing import Any
 
-from src.errors import UserError
+from src.core.errors import UserError
 
 WANDB_DEFAULT_URL = "https://api.wandb.ai"
 

@@ -30,8 +30,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from src.devices import gpu_ids
-from src.errors import UserError
+from src.core.errors import UserError
+from src.launch.devices import gpu_ids
 
 log = logging.getLogger(__name__)
 
@@ -150,7 +150,7 @@ _PREFIX: str | None = None  # the store prefix this attempt's ranks agreed on
 
 def attempt_prefix() -> str:
     """This attempt's key prefix in the rendezvous store (the run's failure record lives under it too,
-    src/supervision.py). Without the agent's store, each attempt's store is new: the restart count will do."""
+    src/resilience/supervision.py). Without the agent's store, each attempt's store is new: the restart count will do."""
     return _PREFIX or f"cifar10_ddp/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
 
 

@@ -16,22 +16,16 @@ import os
 import socket
 import subprocess
 import sys
+from collections.abc import Sequence
 from typing import Any
 
-from src import supervision
-from src.devices import gpu_ids
-from src.errors import EXIT_USER_ERROR, UserError
+from src.core.errors import EXIT_USER_ERROR, UserError
+from src.launch.devices import local_device_count, srun_task, torch_cuda_available, uses_cuda
 
 BACKENDS = ("auto", "nccl", "gloo")
 STRATEGIES = ("auto", "ddp", "ddp_spawn")
 # Environments whose launcher (srun, torchrun, mpirun, jsrun, a Kubeflow job) starts every rank itself.
 _EXTERNAL_LAUNCHERS = ("SLURM_NTASKS", "TORCHELASTIC_RUN_ID", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "LSB_JOBID")
-
-
-def _torch():  # noqa: ANN202 - the module
-    import torch
-
-    return torch
 
 
 def check_strategy(name: str, backend: str, timeout_s: Any, accelerator: str, devices: Any, num_nodes: Any
@@ -47,7 +41,7 @@ def check_strategy(name: str, backend: str, timeout_s: Any, accelerator: str, de
     if backend == "nccl" and not uses_cuda(accelerator):
         raise UserError(
             "backend=nccl needs CUDA GPUs, but this run is on the CPU "
-            f"(trainer.accelerator={accelerator}, CUDA available: {_torch().cuda.is_available()}); "
+            f"(trainer.accelerator={accelerator}, CUDA available: {torch_cuda_available()}); "
             "use backend=gloo (or backend=auto) on CPUs"
         )
     local = world_size(accelerator, devices, num_nodes) // num_nodes
@@ -85,30 +79,29 @@ def check_mpi() -> None:
     try:
         from mpi4py import MPI  # noqa: F401 - what Lightning's MPIEnvironment imports; under mpirun: MPI_Init
     except ImportError as err:
-        if (supervision.launcher_rank() or "0") != "0":
+        if (launcher_rank() or "0") != "0":
             raise SystemExit(EXIT_USER_ERROR) from None  # mpirun gathers every process's output: rank 0 says it, once
         raise UserError(f"mpirun started {size} processes, but Lightning reads their ranks through mpi4py, which "
                         f"this Python cannot import ({err}): pip install mpi4py (built against your MPI, or "
                         "cifar10-ddp[mpi]), or start the ranks with srun or torchrun") from None
 
 
-def start_local_ranks(strategy: Any, ckpt_path: str | None = None) -> None:
+def start_local_ranks(strategy: Any, ckpt_path: str | None = None) -> tuple[list[subprocess.Popen], list[int]]:
     """In the process the user started, start this node's other ranks now, if this run has any (ddp, >1 device).
 
     ``strategy`` is the composed ``cfg.strategy``; ``ckpt_path`` the run's, which the ranks of a sweep's job take
-    from this process (a job run again resumes: src/run_dir.py). LOCAL_RANK=0 in this process then tells
+    from this process (a job run again resumes: src/launch/run_dir.py). LOCAL_RANK=0 in this process then tells
     Lightning the ranks exist already (its launcher starts none). Under srun, torchrun and the like, their
-    launcher starts them.
+    launcher starts them. Returns the processes started and their global ranks, for src/resilience/supervision.py's
+    ``track`` to watch.
     """
     check_mpi()
-    if "LOCAL_RANK" in os.environ:
-        return
-    if ranks_placed_by_launcher():
-        return
+    if "LOCAL_RANK" in os.environ or ranks_placed_by_launcher():
+        return [], []
     name, local = check_strategy(strategy.name, strategy.backend, strategy.timeout_s, strategy.accelerator,
                                  strategy.devices, strategy.num_nodes)
     if name != "ddp" or local == 1:
-        return
+        return [], []
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     if "MASTER_PORT" not in os.environ:  # one node (more need it set): a port held here until rank 0's store listens
         os.environ["MASTER_PORT"] = str(_hold_free_port())
@@ -116,22 +109,21 @@ def start_local_ranks(strategy: Any, ckpt_path: str | None = None) -> None:
     os.environ["LOCAL_RANK"] = "0"
     os.environ["WORLD_SIZE"] = str(local * strategy.num_nodes)
     extra = [f'ckpt_path="{ckpt_path}"'] if ckpt_path is not None and in_sweep() else []
-    spawn_local_ranks(local, int(os.environ["NODE_RANK"]), extra)
+    return spawn_local_ranks(local, int(os.environ["NODE_RANK"]), extra)
 
 
-def spawn_local_ranks(local_processes: int, node_rank: int, extra: list[str] = ()) -> list[subprocess.Popen]:
+def spawn_local_ranks(local_processes: int, node_rank: int, extra: Sequence[str] = ()
+                      ) -> tuple[list[subprocess.Popen], list[int]]:
     """Start local ranks 1..N-1 of this node with this job's command line (and ``extra`` overrides) and
-    environment; watch them."""
+    environment; return them and their global ranks."""
     command, cwd = child_command()
-    command += extra
+    command += list(extra)
     procs, ranks = [], []
     for local_rank in range(1, local_processes):
         env = {**os.environ, "LOCAL_RANK": str(local_rank), _LAUNCHER_PID: str(os.getpid())}
         procs.append(subprocess.Popen(command, env=env, cwd=cwd))
         ranks.append(node_rank * local_processes + local_rank)
-    # in a sweep this process runs the next jobs too: a dead rank fails its job, not the sweep
-    supervision.track(procs, ranks, exit_process=not in_sweep())
-    return procs
+    return procs, ranks
 
 
 def in_sweep() -> bool:
@@ -182,92 +174,11 @@ def rank_cores(local_processes: int) -> int:
     return max(1, cores // max(1, local_processes))
 
 
-def uses_cuda(accelerator: str) -> bool:
-    """Whether ``trainer.accelerator`` resolves to CUDA GPUs on this machine."""
-    if accelerator in ("gpu", "cuda"):
-        return True
-    return accelerator == "auto" and _torch().cuda.is_available()
-
-
 def world_size(accelerator: str, devices: Any, num_nodes: Any) -> int:
     """Number of processes a run asks for, from the same keys Lightning's Trainer reads."""
     if isinstance(num_nodes, bool) or not isinstance(num_nodes, int) or num_nodes < 1:
         raise UserError(f"trainer.num_nodes={num_nodes} must be a whole number >= 1")
     return num_nodes * local_device_count(accelerator, devices)
-
-
-def local_device_count(accelerator: str, devices: Any) -> int:
-    """Devices per node as Lightning will resolve them; impossible values are a UserError naming the key."""
-    torch = _torch()
-    if accelerator in ("gpu", "cuda") and not torch.cuda.is_available():
-        raise UserError(f"trainer.accelerator={accelerator} but no CUDA GPU is visible here: "
-                        "use trainer.accelerator=cpu (or auto)")
-    ids = gpu_ids(devices)
-    if ids is not None:
-        check_gpu_ids(accelerator, devices, ids)
-        return len(ids)
-    if devices in ("auto", -1, "-1"):
-        return torch.cuda.device_count() if uses_cuda(accelerator) else 1
-    try:
-        count = int(devices)
-    except (TypeError, ValueError):
-        raise UserError(f"trainer.devices={devices} is not a number: give a count >= 1, "
-                        "-1 or auto for all devices, or a list of GPU ids") from None
-    if count < 1 or isinstance(devices, bool):
-        raise UserError(f"trainer.devices={devices} must be >= 1 (or -1/auto for all devices)")
-    if uses_cuda(accelerator) and count > torch.cuda.device_count() and not one_gpu_per_task(accelerator, devices):
-        raise UserError(f"trainer.devices={devices} asks for {count} GPUs but this node has "
-                        f"{torch.cuda.device_count()}{_narrowed()}: lower trainer.devices, or use trainer.devices=auto")
-    return count
-
-
-def check_gpu_ids(accelerator: str, devices: Any, ids: list[int]) -> None:
-    """GPU ids count from 0 within the GPUs this process sees (CUDA_VISIBLE_DEVICES narrows them), once each."""
-    if not uses_cuda(accelerator):
-        raise UserError(f"trainer.devices={devices} lists GPU ids, but this run is on the CPU "
-                        f"(trainer.accelerator={accelerator}, CUDA available: {_torch().cuda.is_available()}): "
-                        f"give a number of processes instead, e.g. trainer.devices={len(ids)}")
-    twice = sorted({i for i in ids if ids.count(i) > 1})
-    if twice:
-        raise UserError(f"trainer.devices={devices} names GPU {twice[0]} more than once: every process needs a GPU "
-                        "of its own")
-    visible = _torch().cuda.device_count()
-    beyond = [i for i in ids if i >= visible]
-    if beyond:
-        raise UserError(f"trainer.devices={devices} names GPU {beyond[0]}, but this node has {visible} GPU(s)"
-                        f"{_narrowed()}: ids count from 0 within the visible GPUs, so use ids 0..{visible - 1}")
-
-
-def _narrowed() -> str:
-    """' visible (CUDA_VISIBLE_DEVICES=1,3)' where that variable narrows the GPUs this process sees, else ''."""
-    narrowed = os.environ.get("CUDA_VISIBLE_DEVICES")
-    return "" if narrowed is None else f" visible (CUDA_VISIBLE_DEVICES={narrowed})"
-
-
-def srun_task() -> bool:
-    """Whether srun started this process as one task of a Slurm job step, with its rank in the Slurm variables
-    (Lightning's SLURMEnvironment then holds: not an interactive allocation, not torchrun's workers)."""
-    return ("SLURM_NTASKS" in os.environ and os.environ.get("SLURM_JOB_NAME") not in ("bash", "interactive")
-            and "TORCHELASTIC_RUN_ID" not in os.environ
-            and os.environ.get("SLURM_STEP_ID") not in (None, "batch", "4294967294"))
-
-
-def one_gpu_per_task(accelerator: str, devices: Any) -> bool:
-    """Whether srun gave this task one GPU of its own (``--gpus-per-task=1``) while ``trainer.devices`` counts the
-    node's tasks: each task then sees one GPU, its cuda:0, and trains there (src/distributed.py's TaskGPU)."""
-    if not srun_task() or not uses_cuda(accelerator) or _torch().cuda.device_count() != 1:
-        return False
-    if isinstance(devices, bool) or not isinstance(devices, (int, str)) or not str(devices).strip().isdigit():
-        return False
-    return int(devices) > 1
-
-
-def node_gpus(accelerator: str, devices: Any) -> list[int]:
-    """The indices of the visible GPUs this node's ranks train on, read before any of them selects its own."""
-    if one_gpu_per_task(accelerator, devices):
-        return [0]
-    ids = gpu_ids(devices)
-    return ids if ids is not None else list(range(local_device_count(accelerator, devices)))
 
 
 def check_launch(accelerator: str, local_processes: int, timeout_s: Any, num_nodes: int = 1) -> None:
@@ -309,12 +220,26 @@ def check_launch(accelerator: str, local_processes: int, timeout_s: Any, num_nod
                             "unset MASTER_PORT and Lightning picks a free one") from err
 
 
+# The ranks mpirun (Open MPI, MPICH, Intel MPI) and jsrun give each process they start.
+LAUNCHER_RANKS = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "JSM_NAMESPACE_RANK")
+
+
+def launcher_rank() -> str | None:
+    """The global rank a launcher gave this process (torchrun's RANK, srun's SLURM_PROCID, mpirun's, jsrun's), if
+    any: known before any process group exists."""
+    if "RANK" in os.environ:
+        return os.environ["RANK"]
+    if "SLURM_STEP_ID" in os.environ and "SLURM_PROCID" in os.environ:  # inside srun, not the batch script
+        return os.environ["SLURM_PROCID"]
+    return next((os.environ[key] for key in LAUNCHER_RANKS if key in os.environ), None)
+
+
 _LAUNCHER_PID = "CIFAR10_DDP_LAUNCHER_PID"  # set for the local ranks start_local_ranks starts
 
 
 def launcher_pid() -> int | None:
     """The pid of the process that started this rank with start_local_ranks, if one did (ddp_spawn's ranks
-    are watched from src/distributed.py's HydraSpawnLauncher)."""
+    are watched from src/distributed/strategy.py's HydraSpawnLauncher)."""
     pid = os.environ.get(_LAUNCHER_PID)
     return int(pid) if pid is not None and int(pid) == os.getppid() else None
 
@@ -363,7 +288,7 @@ def child_command() -> tuple[list[str], str]:
 
 def is_launch_rank_zero() -> bool:
     """True in the process that owns the run dir, judged before any process group exists."""
-    rank = supervision.launcher_rank()
+    rank = launcher_rank()
     if rank is not None:
         return rank == "0"
     return os.environ.get("NODE_RANK", "0") == "0" and os.environ.get("LOCAL_RANK", "0") == "0"
@@ -378,7 +303,7 @@ def rank_log_suffix() -> str:
     """'' on rank zero, else a suffix that keeps each process's log file its own."""
     if is_launch_rank_zero():
         return ""
-    rank = supervision.launcher_rank()
+    rank = launcher_rank()
     if rank is not None:
         return f"_rank{rank}"
     return f"_node{os.environ.get('NODE_RANK', 0)}_local{os.environ.get('LOCAL_RANK', 0)}"

@@ -14,7 +14,7 @@ Lightning's loggers already log from rank zero only and create their run lazily 
 - W&B needs an account: the run is offline unless an API key is configured.
 
 Their packages are optional extras: choosing a logger whose package is missing is one ``error:`` line
-(src/entry.py, before any other process starts).
+(src/cli/entry.py, before any other process starts).
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ from lightning.pytorch.loggers.logger import rank_zero_experiment
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from omegaconf import DictConfig, open_dict
 
-from src.run_dir import locked, read_json, write_json
-from src.tracking import wandb_offline
+from src.launch.run_dir import locked, read_json, write_json
+from src.tracking.servers import wandb_offline
 
 log = logging.getLogger(__name__)
 

@@ -10,19 +10,24 @@ from typing import Any
 import lightning as L
 import torch
 from hydra.utils import instantiate
-from lightning.fabric.plugins.environments import (ClusterEnvironment, LightningEnvironment, LSFEnvironment,
-                                                   SLURMEnvironment, TorchElasticEnvironment)
+from lightning.fabric.plugins.environments import (
+    ClusterEnvironment,
+    LightningEnvironment,
+    LSFEnvironment,
+    SLURMEnvironment,
+    TorchElasticEnvironment,
+)
 from omegaconf import DictConfig, OmegaConf
 
-from src import torchrun
-from src.checkpoints import AtomicCheckpointIO, read_checkpoint
-from src.console import quiet_console, quiet_dependencies
-from src.distributed import TaskGPU
-from src.fast_path import fast_path
-from src.launch import (is_launch_rank_zero, mpi_launched, node_gpus, one_gpu_per_task, ranks_started_here_under_slurm,
-                        uses_cuda)
-from src.loggers import remember_runs
-from src.errors import UserError
+from src.checkpoints.files import AtomicCheckpointIO, read_checkpoint
+from src.core.console import quiet_console, quiet_dependencies
+from src.core.errors import UserError
+from src.distributed.strategy import TaskGPU
+from src.launch import torchrun
+from src.launch.devices import node_gpus, one_gpu_per_task, uses_cuda
+from src.launch.ranks import is_launch_rank_zero, mpi_launched, ranks_started_here_under_slurm
+from src.models.fast_path import fast_path
+from src.tracking.loggers import remember_runs
 
 ACCELERATORS = ("auto", "cpu", "gpu", "cuda", "mps")
 
@@ -30,7 +35,7 @@ ACCELERATORS = ("auto", "cpu", "gpu", "cuda", "mps")
 quiet_dependencies()
 
 
-log = logging.getLogger("src.trainer")
+log = logging.getLogger("src.training.trainer")
 
 
 def route_lightning_logs() -> None:
@@ -38,7 +43,7 @@ def route_lightning_logs() -> None:
 
     Lightning gives its logger a console handler of its own when it is imported, before Hydra has
     configured logging, and stops it propagating; the run's log files then miss every Lightning line.
-    The console keeps only what asks something of the user (src/console.py).
+    The console keeps only what asks something of the user (src/core/console.py).
     """
     if logging.getLogger().handlers:  # Hydra's logging; a spawned child without it keeps Lightning's own
         for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
@@ -49,7 +54,7 @@ def route_lightning_logs() -> None:
 
 def hardware_defaults(trainer_cfg: DictConfig, arch: str = "resnet50") -> dict:
     """``precision`` and ``benchmark`` left at ``auto``, resolved for the hardware found and the network
-    ``arch`` trains (src/fast_path.py), and the accelerator of an srun task that has one GPU of its own.
+    ``arch`` trains (src/models/fast_path.py), and the accelerator of an srun task that has one GPU of its own.
 
     On CUDA also cuDNN autotuning (CIFAR's shapes never change) and TF32 matmuls.
     """
@@ -134,7 +139,7 @@ def keep_users_cublas_config(before: str | None, deterministic: Any) -> None:
 
 def record_config(cfg: DictConfig, trainer: L.Trainer) -> None:
     """Rank zero saves the resolved config beside the outputs, logs it as hyperparameters, and records which
-    MLflow / W&B runs that opened (src/loggers.py)."""
+    MLflow / W&B runs that opened (src/tracking/loggers.py)."""
     if not is_launch_rank_zero():
         return
     resolved = OmegaConf.to_container(cfg, resolve=True)

@@ -1,0 +1,200 @@
+"""How a checkpoint is written and read: a write a kill cannot leave half done, the generation before it, one line
+for a write the filesystem refuses, and one UserError for a file that cannot be read.
+
+Lightning writes checkpoints and restores the loops, optimizer, scheduler and callbacks from them. The invariant
+this module keeps: a checkpoint's final name (``last.ckpt``, ``best-*.ckpt``) holds a whole file or none, and
+``last.prev.ckpt`` is the ``last.ckpt`` before the current one, kept until the next one is whole.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import pickle
+import shutil
+import time
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.fabric.plugins import TorchCheckpointIO
+
+from src.core.errors import StorageError, UserError, storage_error_in
+
+LAST = "last.ckpt"
+
+
+PREVIOUS = "last.prev.ckpt"  # the last.ckpt before the current one
+
+
+_TMP_MARK = ".tmp-"
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """Writes ``name.ckpt`` as a hidden temp file beside it, fsyncs, then renames it over the final name.
+
+    Lightning's own save goes through a temp file in the system temp dir, then a move: across filesystems
+    (node-local /tmp, tmpfs) that move is a copy into the final name, which a kill leaves half written.
+    A rename within one directory is atomic: the final name holds the old file or the new, never a part.
+    ``last.ckpt``'s previous generation becomes ``last.prev.ckpt``, deleted just before the next ``last.ckpt``
+    is written: between writes it takes one checkpoint's worth of disk more. A write the filesystem refuses (full, read-only, a
+    folder removed under the run) leaves no temp file and raises one StorageError saying what is intact.
+    ``saved`` and ``save_s`` count this process's writes (rank zero's: only it writes) and the seconds they took.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._made: set[Path] = set()
+        self.saved, self.save_s = 0, 0.0
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
+        started = time.perf_counter()
+        self._write(checkpoint, path, storage_options)
+        self.save_s += time.perf_counter() - started
+        self.saved += 1
+
+    def _write(self, checkpoint: dict[str, Any], path: Any, storage_options: Any) -> None:
+        if "://" in str(path):  # remote storage: fsspec's transaction is the best there is
+            return super().save_checkpoint(checkpoint, path, storage_options)
+        final = Path(path)
+        tmp = final.with_name(f".{final.name}{_TMP_MARK}{os.getpid()}")
+        previous = final.with_name(PREVIOUS) if final.name == LAST else None
+        try:
+            self._make_dir(final.parent)
+            if previous is not None:
+                previous.unlink(missing_ok=True)
+            with open(tmp, "wb") as f:
+                torch.save(checkpoint, f)
+                f.flush()
+                os.fsync(f.fileno())
+            if previous is not None and final.exists():
+                _keep_as(final, previous)
+            os.replace(tmp, final)
+            _fsync_dir(final.parent)  # the rename itself survives a power cut only once the directory is synced
+        except Exception as err:
+            tmp.unlink(missing_ok=True)
+            refused = storage_error_in(err)
+            if refused is None:
+                raise
+            raise StorageError(refused_write(refused, final, final.parent, _tensor_bytes(checkpoint))) from err
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def _make_dir(self, directory: Path) -> None:
+        """Create the checkpoint folder once; if it is gone later, something removed it under the run."""
+        if directory not in self._made:
+            directory.mkdir(parents=True, exist_ok=True)
+            self._made.add(directory)
+        elif not directory.is_dir():
+            raise FileNotFoundError(errno.ENOENT, "vanished during the run", str(directory))
+
+
+def _keep_as(current: Path, previous: Path) -> None:
+    """Make ``previous`` a second name of ``current`` (a hard link, staged and renamed: never half there)."""
+    staged = previous.with_name(f".{previous.name}{_TMP_MARK}{os.getpid()}")
+    try:
+        os.link(current, staged)
+        os.replace(staged, previous)
+    except OSError as err:
+        staged.unlink(missing_ok=True)
+        if storage_error_in(err) is not None and err.errno != errno.EPERM:
+            raise
+        os.replace(current, previous)  # no hard links here: moved instead (resume falls back to it meanwhile)
+
+
+def refused_write(err: OSError, target: Path | None, checkpoints: Path | None, needed: int | None = None) -> str:
+    """One line for a write the filesystem refused (full, read-only, removed under the run): what happened, which
+    ``last.ckpt`` in ``checkpoints`` is intact, and what to do."""
+    target = target or Path(os.fsdecode(err.filename or "the run dir"))
+    folder = target.parent
+    if err.errno == errno.ENOENT and not folder.is_dir():
+        gone = folder
+        while not gone.parent.is_dir() and gone.parent != gone:
+            gone = gone.parent
+        return (f"{gone} vanished during the run (it was removed while the run was writing {target.name}): "
+                "its checkpoints and logs went with it; restore it and resume with ckpt_path=last, or start again")
+    step = _step_of(checkpoints / LAST) if checkpoints is not None else None
+    previous = "the previous " if target.name == LAST else ""
+    intact = f"{previous}{LAST} (step {step}) is intact" if step is not None else f"there is no intact {LAST} yet"
+    if err.errno in (errno.ENOSPC, errno.EDQUOT):
+        free = _megabytes(shutil.disk_usage(folder).free) if folder.is_dir() else "?"
+        sizes = f"{_megabytes(needed)} MB needed, {free} MB free" if needed else f"{free} MB free"
+        return (f"no space left on device writing {target} ({sizes}): {intact}; free space and resume with "
+                "ckpt_path=last")
+    return f"cannot write {target} ({err.strerror}): {intact}; make {folder} writable and resume with ckpt_path=last"
+
+
+def _step_of(path: Path) -> int | None:
+    """The global step of an intact checkpoint at ``path``, else None."""
+    try:
+        return int(read_checkpoint(path)["global_step"])
+    except (UserError, KeyError, TypeError, ValueError):
+        return None
+
+
+def _tensor_bytes(value: Any) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, dict):
+        return sum(_tensor_bytes(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in value)
+    return 0
+
+
+def _megabytes(size: int) -> str:
+    return f"{size / 2**20:.0f}" if size >= 2**20 else f"{size / 2**20:.1f}"
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def remove_stale_temp_files(directory: Path) -> list[Path]:
+    """Temp files of writes that were killed half way (their final names were never touched)."""
+    stale = sorted(directory.glob(f".*.ckpt{_TMP_MARK}*")) if directory.is_dir() else []
+    for path in stale:
+        path.unlink(missing_ok=True)
+    return stale
+
+
+class UnreadableCheckpoint(UserError):
+    """A checkpoint file that is missing, cut off, corrupt or unreadable (not one that is merely untrusted)."""
+
+
+def read_checkpoint(path: str | Path, key: str = "ckpt_path", trusted: bool = False) -> dict[str, Any]:
+    """Load a checkpoint on the CPU, weights-only unless ``trusted``; any failure is a UserError naming ``key``.
+
+    ``weights_only`` unpickles tensors, numbers and strings only; a file that needs more can run code
+    when loaded, so it loads only when the user says they trust it.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise UnreadableCheckpoint(f"{key}={path} does not exist: pass the path of a .ckpt file written by src.train")
+    try:
+        with open(path, "rb") as f:
+            intact = zipfile.is_zipfile(f)  # torch.save writes a zip archive: a cut-off one lacks its directory
+    except OSError as err:
+        raise UnreadableCheckpoint(f"{key}={path} cannot be read ({err.strerror}): fix its permissions, or pass "
+                                   "another checkpoint") from err
+    if not intact:
+        raise UnreadableCheckpoint(f"{key}={path} is not a checkpoint: truncated, corrupt or in another format (not "
+                                   "the zip archive torch.save writes); pass an intact .ckpt written by src.train")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=not trusted, mmap=True)  # mmap: no tensor is read yet
+    except pickle.UnpicklingError as err:
+        if not trusted and "weights_only" in str(err):
+            raise UserError(
+                f"{key}={path} holds Python objects beyond tensors and numbers, and unpickling them can run code: "
+                "if you trust the file, pass ckpt_trusted=true to load it in full"
+            ) from err
+        raise UnreadableCheckpoint(f"{key}={path} is not a readable checkpoint (corrupt or truncated: {err})") from err
+    except (RuntimeError, EOFError, OSError, zipfile.BadZipFile, ValueError) as err:
+        raise UnreadableCheckpoint(f"{key}={path} is not a readable checkpoint (corrupt or truncated: "
+                                   f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})") from err
+

@@ -1,0 +1,160 @@
+"""Which checkpoint a run resumes from, and what a checkpoint may hold to be loaded.
+
+``ckpt_path=last``/``auto`` take the newest intact checkpoint of the run dir; a checkpoint is weights-only unless
+``ckpt_trusted=true``, its hyperparameters are plain values of this project's model (never code to call), and it is
+checked against the model before the ranks meet. The invariant: a run never starts from a file it has not read
+whole, and never from one that names code.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+from src.checkpoints.files import LAST, PREVIOUS, UnreadableCheckpoint, read_checkpoint
+from src.core.errors import UserError
+
+log = logging.getLogger(__name__)
+
+
+def resume_from(ckpt_path: str | None, run_dir: str, trusted: bool = False) -> tuple[str | None, dict | None]:
+    """The checkpoint a run starts from, loaded: a path, ``last`` (this run dir's, required), ``auto`` (this run
+    dir's, if any), or none.
+
+    ``auto`` is what a requeued Slurm job (same run dir) passes: resume when there is something to resume.
+    With ``last`` or ``auto``, an unreadable ``last.ckpt`` (a node lost while the filesystem held it half
+    written) is passed over for the newest intact checkpoint of the run dir, with one warning naming both;
+    an explicit path is taken as it is, or refused.
+    """
+    if ckpt_path in (None, ""):
+        return None, None
+    if ckpt_path not in ("last", "auto"):
+        return str(ckpt_path), read_checkpoint(ckpt_path, trusted=trusted)
+    folder = Path(run_dir) / "checkpoints"
+    last = folder / LAST
+    others = [folder / PREVIOUS, *sorted(folder.glob("best-*.ckpt"))] if folder.is_dir() else []
+    try:
+        return str(last), read_checkpoint(last, trusted=trusted)
+    except UnreadableCheckpoint as err:
+        unreadable = err
+    intact = []
+    for path in others:
+        try:
+            intact.append((path, read_checkpoint(path, trusted=trusted)))
+        except UnreadableCheckpoint:
+            continue
+    if intact:
+        path, checkpoint = max(intact, key=lambda found: found[1].get("global_step", -1))
+        if last.exists():
+            _warn(f"{last} cannot be read ({_reason(unreadable)}): resuming from {path} (step "
+                  f"{checkpoint.get('global_step')}), the newest intact checkpoint of the run dir")
+        return str(path), checkpoint
+    if ckpt_path == "auto" and not last.exists():
+        return None, None
+    if not last.exists():
+        raise UserError(f"ckpt_path=last but {last} does not exist: pass the run dir that holds it "
+                        "(hydra.run.dir=DIR) or the checkpoint's path (ckpt_path=PATH)")
+    raise unreadable
+
+
+def _reason(err: UserError) -> str:
+    text = str(err)
+    return text[text.find("(") + 1:text.find(")")] if "(" in text and ")" in text else "corrupt"
+
+
+def _warn(message: str) -> None:
+    """One ``warning:`` line from the process that owns the run dir (every rank makes the same choice)."""
+    from src.launch.ranks import is_launch_rank_zero
+
+    log.warning(message)
+    if is_launch_rank_zero():
+        print(f"warning: {message}", file=sys.stderr, flush=True)
+
+
+def check_compatible(checkpoint: dict[str, Any], path: str | Path, model_hparams: dict[str, Any],
+                     key: str = "ckpt_path") -> None:
+    """A checkpoint of another network (arch, stem, classes) cannot be resumed: say which key differs."""
+    if "state_dict" not in checkpoint or "pytorch-lightning_version" not in checkpoint:
+        raise UserError(f"{key}={path} is not a checkpoint of this project's model (no hyper_parameters, state_dict "
+                        "or pytorch-lightning_version): pass a .ckpt written by src.train")
+    saved = model_hparams_of(checkpoint, path, key)
+    for name in ("arch", "stem", "num_classes"):
+        if name in saved and saved[name] != model_hparams.get(name):
+            raise UserError(
+                f"{key}={path} holds a {saved.get('arch')} (model.{name}={saved[name]}) but this run builds "
+                f"model.{name}={model_hparams.get(name)}: pass model.{name}={saved[name]}, or another checkpoint"
+            )
+
+
+# What ImageClassifier saves as hyperparameters, and what each may hold. A checkpoint's values are data from
+# whoever wrote the file: none may name code to import or call (Lightning's ``_instantiator``, a ``_target_``),
+# an architecture beyond torchvision's ResNets, or a path.
+_SCALARS = (bool, int, float, str)
+
+
+_NESTED = {
+    "optimizer": {"lr", "momentum", "nesterov", "weight_decay", "decay_norm_and_bias", "lr_scaling",
+                  "reference_batch_size", "fused"},
+    "scheduler": {"warmup_epochs", "warmup_start_factor", "decay", "min_lr_factor"},
+}
+
+
+def model_from(checkpoint: dict[str, Any], path: str | Path):  # noqa: ANN201 - an ImageClassifier
+    """The project's model with a read checkpoint's weights, built from its checked hyperparameters only; a file that
+    holds another model is one UserError."""
+    from src.models.classifier import ImageClassifier
+
+    try:
+        # values checked: data, never code; not compiled: one pass over a test set costs less than compiling for it
+        model = ImageClassifier(**{**model_hparams_of(checkpoint, path), "compile": False})
+        model.load_state_dict(checkpoint["state_dict"])
+    except (KeyError, TypeError, RuntimeError) as err:
+        raise UserError(f"ckpt_path={path} is not a checkpoint of this project's model "
+                        f"({type(err).__name__}: {str(err).splitlines()[0]})") from err
+    return model
+
+
+def model_hparams_of(checkpoint: dict[str, Any], path: str | Path, key: str = "ckpt_path") -> dict[str, Any]:
+    """The checkpoint's model hyperparameters, checked to be the plain values ImageClassifier saves; anything else
+    (an unknown key, ``_instantiator``, an unknown arch, a value that is no number or string) is one UserError."""
+    import inspect
+
+    from src.models.classifier import ImageClassifier
+    from src.models.resnet import STEMS, resnet_names
+
+    saved = checkpoint.get("hyper_parameters")
+    if not isinstance(saved, dict):
+        raise UserError(f"{key}={path} is not a checkpoint of this project's model (no hyper_parameters, state_dict "
+                        "or pytorch-lightning_version): pass a .ckpt written by src.train")
+    known = set(inspect.signature(ImageClassifier.__init__).parameters) - {"self"}
+
+    def refuse(name: str, why: str) -> UserError:
+        return UserError(f"{key}={path} holds hyperparameter {name} {why}: it is not a checkpoint src.train wrote, "
+                         "or was altered; pass another checkpoint")
+
+    for name, value in saved.items():
+        if name not in known:
+            raise refuse(repr(name)[:80], f"which this project's model does not have (it has "
+                                          f"{', '.join(sorted(known))})")
+        if name in _NESTED:
+            if not isinstance(value, dict):
+                raise refuse(name, f"= {type(value).__name__}, not a mapping")
+            for inner, item in value.items():
+                if inner not in _NESTED[name]:
+                    raise refuse(f"{name}.{repr(inner)[:80]}", f"which model.{name} does not have")
+                if not isinstance(item, _SCALARS):
+                    raise refuse(f"{name}.{inner}", f"= {type(item).__name__}, not a number, string or boolean")
+        elif not isinstance(value, _SCALARS):
+            raise refuse(name, f"= {type(value).__name__}, not a number, string or boolean")
+    arch, stem = saved.get("arch", "resnet50"), saved.get("stem", "cifar")
+    if arch not in resnet_names():
+        raise refuse(f"arch={str(arch)[:80]!r}", "that is no torchvision ResNet this project builds")
+    if stem not in STEMS:
+        raise refuse(f"stem={str(stem)[:80]!r}", f"that is not one of {', '.join(STEMS)}")
+    num_classes = saved.get("num_classes", 10)
+    if isinstance(num_classes, bool) or not isinstance(num_classes, int) or not 1 <= num_classes <= 1_000_000:
+        raise refuse(f"num_classes={str(num_classes)[:80]!r}", "that is not a class count")
+    return saved
+

@@ -1,0 +1,162 @@
+"""How an entry point (src.train, src.eval) runs its task and ends.
+
+A good end waits for the local ranks this process started. A failure ends as one line: ``error: ...`` on
+stderr, every process of the run stopped (src/resilience/supervision.py), and an exit status that says which kind —
+2 for a mistake found before training (docs/troubleshooting.md), 1 for a run that failed under way (a rank that
+died or raised, a run dir that stopped taking writes, a rank that hung), ``128 + signal`` for a run stopped on
+request (130 for Ctrl-C, 143 for SIGTERM). A job of a sweep records ``failure.json`` instead and the sweep goes
+on; a sweep stopped on request stops, saying how to resume it. HYDRA_FULL_ERROR=1 keeps tracebacks.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import threading
+from typing import Any, Callable
+
+from src.core.errors import (
+    EXIT_FAILED,
+    USER_FULL_ERROR,
+    UserError,
+    hydra_error_message,
+    report,
+    require,
+    storage_error_in,
+    wants_traceback,
+)
+from src.launch import ranks, torchrun
+from src.launch.run_dir import resume_own_run_dir
+from src.resilience import failure, heartbeat, supervision
+from src.tracking import servers
+
+log = logging.getLogger(__name__)
+_task_started = False  # an OSError before any task ran is Hydra's: the run dir or its log file
+
+
+def run(main: Callable[[], Any]) -> Any:
+    """Call a ``@hydra.main`` entry point so that what Hydra rejects before the task runs is one line too.
+
+    Hydra prints its own errors (an unknown group option, a misspelled key, an override it cannot
+    parse, a run dir it cannot create) in several lines, and offers ``+key=value`` for any key it does
+    not know, typos included. With HYDRA_FULL_ERROR=1 it raises them instead, and they are reported here.
+    """
+    os.environ.setdefault(USER_FULL_ERROR, os.environ.get("HYDRA_FULL_ERROR", ""))  # a local rank keeps its parent's
+    if wants_traceback():
+        return main()
+    os.environ["HYDRA_FULL_ERROR"] = "1"
+    try:
+        return main()
+    except KeyboardInterrupt:  # Ctrl-C outside training (GracefulStop's) and outside the task (Hydra's own start)
+        failure.interrupted()
+    except Exception as err:  # noqa: BLE001 - what is not a user's mistake is raised again below
+        message = hydra_error_message(err, _task_started)
+        if message is None:
+            raise  # a bug outside the task: its whole traceback
+        report(message)
+
+
+def handle_errors(task: Callable[..., Any]) -> Callable[..., Any]:
+    """Run the task; end a failure of it as described in this module's docstring."""
+
+    @functools.wraps(task)
+    def wrapper(cfg: Any) -> Any:
+        global _task_started
+        _task_started = True
+        # a log file on a full or read-only disk would print a traceback per record, TensorBoard's writer thread
+        # one when its write fails (it raises the error again in the training loop, where it becomes one line)
+        logging.raiseExceptions = False
+        threading.excepthook = _quiet_storage_errors
+        heartbeat.register_stack_dump(supervision.rank_label())  # kill -USR2 PID: this process's stacks to its log
+        try:
+            check_group_choices()
+            if torchrun.active():  # its process counts; a worker never outlives its agent
+                supervision.watch_launcher(int(os.environ["RANK"]), os.getppid(), what="its torchrun agent")
+                torchrun.adopt(cfg, overridden_keys())
+            # every torchrun attempt resumes (torchrun does not count the restart it makes when a node joins: a worker
+            # cannot tell that attempt from a first start), and so does a sweep's job run again
+            if torchrun.active() or ranks.in_sweep():
+                resume_own_run_dir(cfg)
+            check_extras(cfg)
+            _resolve_all(cfg)
+            result = task(cfg)
+        except KeyboardInterrupt:
+            failure.interrupted()
+        except SystemExit as stop:
+            if isinstance(stop.__context__, KeyboardInterrupt):  # Lightning's own handling (Ctrl-C before training)
+                failure.interrupted()
+            raise
+        except Exception as err:  # noqa: BLE001 - every failure ends the run the same way
+            return failure.fail(err)
+        supervision.stop_watching_failures()
+        if not ranks.in_sweep():  # a sweep's JobIsolation waits for each job's ranks itself
+            ended = supervision.reap_started(grace_s=120)
+            if ended is not None:
+                message, code = ended
+                supervision.end_run(None if supervision.said_why(code) else message, EXIT_FAILED)
+        return result
+
+    return wrapper
+
+
+def _quiet_storage_errors(args: threading.ExceptHookArgs) -> None:
+    if args.exc_value is not None and storage_error_in(args.exc_value) is not None:
+        log.debug("thread %s: %s", args.thread.name if args.thread else "?", args.exc_value)
+        return
+    threading.__excepthook__(args)
+
+
+def check_group_choices() -> None:
+    """Refuse an option of an ``optional`` group that does not exist: Hydra skips it and runs the defaults."""
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.hydra_config import HydraConfig
+
+    if not (HydraConfig.initialized() and GlobalHydra.instance().is_initialized()):
+        return
+    loader = GlobalHydra.instance().config_loader()
+    for group, option in HydraConfig.get().runtime.choices.items():
+        if not isinstance(option, str) or group.startswith("hydra/"):  # unset, or several options at once
+            continue
+        options = loader.get_group_options(group)
+        if option not in options:
+            raise UserError(f"{group}={option} is not an option of config group {group}: "
+                            f"choose one of {', '.join(options)}")
+
+
+def check_extras(cfg: Any) -> None:
+    """A choice whose optional package is missing (``logger=mlflow`` without mlflow): one line naming the extra
+    (pyproject.toml), before any other process starts."""
+    loggers = cfg.get("logger") or {}
+    needs = [(f"logger={name}", name) for name in ("mlflow", "wandb") if name in loggers]
+    if cfg.get("search") is not None:  # conf/hparams_search/optuna.yaml
+        needs.append(("hparams_search=optuna", "optuna"))
+        if cfg.search.get("trial") is None:  # not a trial the sweeper started: the -m is missing
+            raise UserError("hparams_search=optuna searches as a multirun: add -m "
+                            "(python -m src.train -m hparams_search=optuna ...)")
+    for what, package in needs:
+        require(package, package, what)
+    if ranks.is_launch_rank_zero():  # only rank zero logs: only its way to the servers matters
+        servers.check_servers(loggers)
+
+
+def overridden_keys() -> set[str]:
+    """The config keys set on the command line (``trainer.devices=2``, ``+x=1``, ``~y``)."""
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf
+
+    if not HydraConfig.initialized():
+        return set()
+    overrides = OmegaConf.to_container(HydraConfig.get().overrides.task, resolve=False)  # as typed: ${...} unresolved
+    return {o.split("=", 1)[0].lstrip("+~") for o in overrides}
+
+
+def _resolve_all(cfg: Any) -> None:
+    """Resolve every interpolation once, up front, so a broken one is reported with its key (instantiate
+    resolves a detached copy, and its error no longer knows where the value came from)."""
+    from omegaconf import DictConfig, OmegaConf
+
+    if isinstance(cfg, DictConfig):
+        OmegaConf.to_container(cfg, resolve=True)
+
+

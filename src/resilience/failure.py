@@ -1,0 +1,255 @@
+"""How a run ends when it does not end well: every failure's one line, its exit status, and who says it.
+
+The invariant: a run that fails prints one ``error:`` line, from one process, and every process of the run stops,
+with an exit status that says which kind: 2 for a mistake found before training (``UserError``), 1 for a run that
+failed under way, ``128 + signal`` for a run stopped on request (130 Ctrl-C, 143 SIGTERM). Who does what:
+
+1. **Meets it.** An exception ends an entry point's task (``src/cli/entry.py``) or a ``ddp_spawn`` rank
+   (``src/distributed/strategy.py``): both call ``fail(err)``. A watch thread of ``supervision`` meets a rank that
+   died, a launcher that went, or a rank that hangs (``HangWatch``), and has its line already.
+2. **Decides the line and the status.** ``describe(err)``: a UserError's own line; a broken process group told as
+   the rank that broke it; a full or read-only disk as what is intact; a device out of memory as the batch to try;
+   anything else as its first line, its traceback in this process's log file. ``None``: another process tells it.
+3. **Ends the process.** ``supervision.end_run(line, code)``: records the failure in the rendezvous store (the other
+   ranks' watches read it, print nothing, and exit with its status), prints ``error: LINE`` if it is the run's
+   first failure, stops the local ranks this process started, and exits: ``sys.exit`` in a lone process's main
+   thread, ``os._exit`` everywhere else, since the main thread may be stuck in a collective that never returns.
+4. **A sweep's job** (``-m``) records its line in the job's ``failure.json`` instead (``record_job_failure``), and
+   the sweep goes on; its report names the failed job.
+5. **A stop on request** is no failure: ``Terminated`` is raised on every rank after the same step
+   (``src/callbacks/graceful_stop.py``), rank zero prints where it stopped and how to resume, and every process exits
+   with ``128 + signal``. Ctrl-C where no step can stop (while starting, between a sweep's jobs): ``interrupted()``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import signal
+import sys
+import traceback
+from pathlib import Path
+from typing import NoReturn
+
+from src.core.errors import (
+    EXIT_FAILED,
+    EXIT_USER_ERROR,
+    FAILURE_FILE,
+    ToldElsewhere,
+    UserError,
+    one_line,
+    out_of_memory_in,
+    storage_error_in,
+    user_error_in,
+    wants_traceback,
+)
+from src.launch import ranks, torchrun
+from src.resilience import supervision
+
+log = logging.getLogger(__name__)
+
+
+class Terminated(Exception):
+    """Raised on every rank at the agreed batch; the entry point reports it and exits with ``exit_code``."""
+
+    def __init__(self, signum: int, message: str) -> None:
+        super().__init__(message)
+        self.signum, self.exit_code = signum, 128 + signum
+
+    @property
+    def line(self) -> str:
+        """What rank zero prints: ``interrupted (Ctrl-C) ...`` already says it; ``stopped: SIGTERM ...``."""
+        return str(self) if self.signum == signal.SIGINT else f"stopped: {self}"
+
+
+def fail(err: BaseException, log_dir: str | None = None, rank_zero: bool | None = None) -> None:
+    """End this process for ``err``, which ended its task: an entry point's, or a ``ddp_spawn`` rank's. Returns only
+    in a sweep's job (the sweep goes on). ``log_dir``: where a traceback goes when logging has no file;
+    ``rank_zero``: whether this process speaks for the run (a spawned rank knows; others ask their launcher)."""
+    rank_zero = ranks.is_launch_rank_zero() if rank_zero is None else rank_zero
+    if isinstance(err, Terminated):
+        supervision.stop_watching_failures()  # every rank stops at this very step: a good end of sorts
+        if rank_zero:
+            print(err.line, file=sys.stderr, flush=True)
+        supervision.reap_started(grace_s=60)  # they stop at the same batch; let them finish writing
+        if rank_zero and ranks.in_sweep():
+            print(stopped_line(), file=sys.stderr, flush=True)
+        sys.exit(err.exit_code)
+    line, code = describe(err, log_dir)
+    if ranks.in_sweep():
+        record_job_failure(line, code)
+        return None
+    if wants_traceback():
+        traceback.print_exception(err)
+    supervision.end_run(line, code)
+
+
+def interrupted() -> NoReturn:
+    """Ctrl-C where no training step can stop cleanly (starting, between a sweep's jobs): exit 130, one line."""
+    supervision.stop_watching_failures(wait=False)
+    supervision.stop_processes(supervision.STARTED, grace_s=5.0)
+    if ranks.is_launch_rank_zero():
+        print("interrupted (Ctrl-C) outside a training step: nothing more was saved", file=sys.stderr, flush=True)
+        if ranks.in_sweep():
+            print(stopped_line(), file=sys.stderr, flush=True)
+    sys.exit(128 + signal.SIGINT)
+
+
+def describe(err: BaseException, log_dir: str | None = None) -> tuple[str | None, int]:
+    """The run's one error line for ``err`` (None when another process tells it) and the exit status.
+
+    An unexpected exception keeps its traceback in this process's log file (``log_dir``: where to write one
+    when logging has no file), and the line says where.
+    """
+    distributed = _distributed(err)
+    if distributed is not None:
+        return distributed
+    cause = user_error_in(err)
+    if isinstance(cause, ToldElsewhere) and not ranks.in_sweep():  # a sweep's process records each job's line
+        return None, cause.exit_code
+    if cause is not None:
+        code = getattr(cause, "exit_code", EXIT_USER_ERROR)  # Lightning's MisconfigurationException: the user's
+        mid_run = supervision.FAILURES is not None or code != EXIT_USER_ERROR
+        return _named(one_line(str(cause)), mid_run), code
+    reported = supervision.reported_failure()
+    if reported is not None:  # another rank failed first; this one's error is most likely its echo
+        return reported
+    storage = storage_error_in(err)
+    if storage is not None:
+        return _named(_storage_line(storage), True), EXIT_FAILED
+    memory = out_of_memory_in(err)
+    if memory is not None:  # the line says all there is to do; torch's paragraph goes to the log file only
+        from src.resilience.out_of_memory import line_for  # loads torch and Lightning
+
+        _log_traceback(err, log_dir, console=False)
+        return _named(line_for(memory), True), EXIT_FAILED
+    logged = _log_traceback(err, log_dir)
+    where = f" (traceback in {logged})" if logged else ""
+    first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    return _named(f"{type(err).__name__}: {first}{where}", True), EXIT_FAILED
+
+
+def _distributed(err: BaseException | None) -> tuple[str | None, int] | None:
+    """One line (None: told elsewhere) and an exit code for a distributed failure behind ``err``."""
+    from torch.multiprocessing import ProcessExitedException
+
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, UserError):  # its own line says what to change (a rendezvous that timed out, and where)
+            return None
+        if isinstance(err, ProcessExitedException):  # ddp_spawn: the parent learns that a rank ended
+            code = err.exit_code if err.exit_code is not None else -signal.Signals[err.signal_name].value
+            if supervision.said_why(code):  # the rank said why (or, after SIGTERM, where it stopped and how to resume)
+                return None, code
+            return (f"rank {err.error_index} (pid {err.error_pid}) died: {supervision.how_it_ended(code)}; "
+                    "stopped the other ranks"), EXIT_FAILED
+        if _is_broken_connection(err):
+            reported = supervision.reported_failure()
+            if reported is not None:  # a rank failed, and this one lost its connection to it
+                return reported
+            failure = supervision.failed_child(supervision.STARTED, supervision.STARTED_RANKS)
+            if failure is not None:
+                message, code = failure
+                return (None, code) if supervision.said_why(code) else (f"{message}; stopped the other ranks", EXIT_FAILED)
+            gone = supervision.launcher_gone()
+            if gone is not None:
+                return gone, EXIT_FAILED
+            if supervision.watches_a_launcher() and not torchrun.active():  # it watches this node's ranks and tells which died
+                return None, EXIT_FAILED
+            then = ("torchrun restarts the group from last.ckpt while --max-restarts allows" if torchrun.active()
+                    else "see its log, then resume with ckpt_path=last")
+            return (f"the process group broke ({_first_sentence(err)}): another rank has probably died or lost "
+                    f"the network; {then}"), EXIT_FAILED
+        err = err.__cause__ or err.__context__
+    return None
+
+
+def _named(line: str, mid_run: bool) -> str:
+    """Prefix the rank in a run of several processes, for a failure under way."""
+    return f"{supervision.rank_label()}: {line}" if mid_run and supervision.in_distributed_run() else line
+
+
+def _storage_line(err: OSError) -> str:
+    """A write outside the checkpoints (TensorBoard's events, a log) refused: the same line a checkpoint's gets."""
+    from hydra.core.hydra_config import HydraConfig
+
+    from src.checkpoints.files import refused_write  # loads torch: only once a run is under way
+
+    run_dir = HydraConfig.get().runtime.output_dir if HydraConfig.initialized() else None
+    return refused_write(err, None, Path(run_dir, "checkpoints") if run_dir else None)
+
+
+def _log_traceback(err: BaseException, log_dir: str | None, console: bool = True) -> str | None:
+    """Write ``err``'s traceback to this process's log file only; return the file. Without one, print it
+    (``console``)."""
+    root = logging.getLogger()
+    files = [h for h in root.handlers if isinstance(h, logging.FileHandler)]
+    if not files and log_dir is not None:
+        try:
+            files = [logging.FileHandler(Path(log_dir) / f"traceback_{supervision.rank_label().replace(' ', '')}.log")]
+        except OSError:
+            files = []
+    if not files:
+        if console:
+            traceback.print_exception(err)  # nowhere else to keep it
+        return None
+    record = logging.LogRecord(log.name, logging.ERROR, __file__, 0, "the run failed:", None,
+                               (type(err), err, err.__traceback__))
+    for handler in files:
+        handler.handle(record)
+        handler.flush()
+    path = files[0].baseFilename
+    relative = os.path.relpath(path)
+    return relative if not relative.startswith("..") else path
+
+
+def _first_sentence(err: BaseException) -> str:
+    """gloo's '[.../pair.cc:545] Read error [10.0.0.2]:3225: Connection reset by peer. This is ...' -> 'Read error ...'"""
+    text = re.sub(r"^\[[^\]]*\]\s*", "", str(err).strip()) or type(err).__name__
+    return text.split(". ")[0].splitlines()[0][:200]
+
+
+def _is_broken_connection(err: BaseException) -> bool:
+    import torch
+
+    if isinstance(err, (torch.distributed.DistBackendError, torch.distributed.DistNetworkError)):
+        return True
+    text = str(err)
+    return isinstance(err, RuntimeError) and ("gloo/transport" in text or "Connection reset by peer" in text
+                                              or "Connection closed by peer" in text)
+
+
+def record_job_failure(line: str | None, code: int) -> None:
+    """A sweep's job failed: stop its other ranks, print and record its line; the sweep goes on."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if supervision.FAILURES is not None:
+        record = supervision.FAILURES.read(from_store=True)
+        if line is None and record is not None:
+            line = record["line"]  # a rank of this job said it, on its own stderr
+        supervision.FAILURES.publish(line, code)  # the job's ranks on other nodes stop too
+    supervision.stop_processes(supervision.STARTED, grace_s=2.0)
+    message = line or "a rank of this job failed: see its log"
+    job = HydraConfig.get().job
+    print(f"error: job {job.num} ({' '.join(HydraConfig.get().overrides.task)}): {message}", file=sys.stderr,
+          flush=True)
+    out = Path(HydraConfig.get().runtime.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / FAILURE_FILE).write_text(json.dumps({"job": job.num, "error": message, "exit_code": code}, indent=2) + "\n")
+
+
+def stopped_line() -> str:
+    """What a sweep (or a search) stopped on request (Ctrl-C, SIGTERM) says: the same command resumes it."""
+    from hydra.core.hydra_config import HydraConfig
+
+    hydra_cfg = HydraConfig.get()
+    sweep_dir = Path(hydra_cfg.sweep.dir).resolve()
+    job = hydra_cfg.job.num
+    kept = ("the study keeps its trials and this one goes on from its last.ckpt"
+            if hydra_cfg.runtime.choices.get("hparams_search") else
+            f"finished jobs are skipped and job {job} goes on from its last.ckpt")
+    return (f"the sweep stopped at job {job}: run the same command again (with hydra.sweep.dir={sweep_dir}) to "
+            f"resume it: {kept}")

@@ -1,0 +1,1 @@
+"""What Trainer a run gets: its strategy, callbacks, loggers, plugins and precision for the hardware found."""
