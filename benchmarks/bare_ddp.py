@@ -44,16 +44,25 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20, help="measured steps, after the warm-up")
     parser.add_argument("--warmup", type=int, default=3, help="steps run before the clock starts")
     parser.add_argument("--images", type=int, default=2560, help="synthetic training images")
-    parser.add_argument("--pipeline", choices=("dataloader", "device"), default="dataloader",
-                        help="device: the project's device-resident batches (src/data/device_batches.py)")
+    parser.add_argument(
+        "--pipeline",
+        choices=("dataloader", "device"),
+        default="dataloader",
+        help="device: the project's device-resident batches (src/data/device_batches.py)",
+    )
     parser.add_argument("--workers", type=int, default=0, help="DataLoader worker processes")
     parser.add_argument("--no-ddp", action="store_true", help="one process, the model not wrapped in DDP")
     parser.add_argument("--gradient-as-bucket-view", action="store_true", help="DDP's option of that name")
     parser.add_argument("--channels-last", action="store_true")
     parser.add_argument("--bf16", action="store_true", help="bf16 autocast (GPU, or CPU)")
-    parser.add_argument("--compile", nargs="?", const="default", default=None, metavar="MODE",
-                        help="torch.compile the network, in torch.compile's MODE "
-                             "(default; reduce-overhead: CUDA graphs)")
+    parser.add_argument(
+        "--compile",
+        nargs="?",
+        const="default",
+        default=None,
+        metavar="MODE",
+        help="torch.compile the network, in torch.compile's MODE (default; reduce-overhead: CUDA graphs)",
+    )
     parser.add_argument("--fused", action="store_true", help="SGD's fused update (one kernel launch)")
     parser.add_argument("--profile-steps", type=int, default=0, help="profile this many steps instead of timing")
     parser.add_argument("--out", required=True)
@@ -79,24 +88,45 @@ def main() -> None:
     images, labels = make_images(args.images, 10, 32, seed=0, split_seed=1, noise=0.4)
     sampler = None
     if args.pipeline == "device":
-        batches = DeviceBatches(images, labels, args.batch_size, device=device, rank=rank, world_size=world, seed=42,
-                                shuffle=True, drop_last=True, augment=True, mean=CIFAR10_MEAN, std=CIFAR10_STD,
-                                epoch_of=lambda: epoch)
+        batches = DeviceBatches(
+            images,
+            labels,
+            args.batch_size,
+            device=device,
+            rank=rank,
+            world_size=world,
+            seed=42,
+            shuffle=True,
+            drop_last=True,
+            augment=True,
+            mean=CIFAR10_MEAN,
+            std=CIFAR10_STD,
+            epoch_of=lambda: epoch,
+        )
     else:
         dataset = ImageTensors(images, labels, train_transform(32, augment=True))
         sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=42)
-        batches = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler, drop_last=True,
-                             num_workers=args.workers, persistent_workers=args.workers > 0, pin_memory=cuda)
+        batches = DataLoader(
+            dataset,
+            batch_size=args.batch_size,
+            sampler=sampler,
+            drop_last=True,
+            num_workers=args.workers,
+            persistent_workers=args.workers > 0,
+            pin_memory=cuda,
+        )
     memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
     model = build_resnet(args.arch).to(device, memory_format=memory_format)
     if args.compile:
         model.compile(mode=args.compile)  # in place, as the project's model.compile does, then wrapped in DDP
     cuda_graphs = cuda and args.compile in ("reduce-overhead", "max-autotune")
     if not args.no_ddp:
-        model = DistributedDataParallel(model, device_ids=[local_rank] if cuda else None,
-                                        gradient_as_bucket_view=args.gradient_as_bucket_view)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, nesterov=True, weight_decay=5e-4,
-                                fused=args.fused or None)
+        model = DistributedDataParallel(
+            model, device_ids=[local_rank] if cuda else None, gradient_as_bucket_view=args.gradient_as_bucket_view
+        )
+    optimizer = torch.optim.SGD(
+        model.parameters(), lr=0.1, momentum=0.9, nesterov=True, weight_decay=5e-4, fused=args.fused or None
+    )
     criterion = torch.nn.CrossEntropyLoss(label_smoothing=0.1)
 
     profile = None
@@ -141,9 +171,16 @@ def main() -> None:
     seconds = time.perf_counter() - clock
     summary = profile.finish() if profile is not None else None
     if rank == 0:
-        record = {"images_per_second": measured * args.batch_size * world / seconds, "seconds": seconds,
-                  "steps": measured, "warmup": args.warmup, "world_size": world, "batch_size": args.batch_size,
-                  "start_at": START, "first_step_at": first_step_at}
+        record = {
+            "images_per_second": measured * args.batch_size * world / seconds,
+            "seconds": seconds,
+            "steps": measured,
+            "warmup": args.warmup,
+            "world_size": world,
+            "batch_size": args.batch_size,
+            "start_at": START,
+            "first_step_at": first_step_at,
+        }
         if summary is not None:
             record["profile"] = summary
         with open(args.out, "w") as f:

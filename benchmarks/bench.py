@@ -55,8 +55,14 @@ def run(command: list[str], log: Path, timeout: float) -> float:
     started = time.time()
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)  # bare_ddp.py imports src/
     with open(log, "w") as out:
-        done = subprocess.run(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, timeout=timeout,
-                              env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": path})
+        done = subprocess.run(
+            command,
+            cwd=ROOT,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            timeout=timeout,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": path},
+        )
     if done.returncode != 0:
         sys.exit(f"error: {' '.join(command[:6])} ... failed ({done.returncode}); see {log}")
     return started
@@ -67,8 +73,8 @@ class Setting:
     """What both sides of a comparison share besides model, batch, images and steps."""
 
     processes: int
-    pipeline: str      # device | dataloader
-    workers: int       # DataLoader worker processes (dataloader)
+    pipeline: str  # device | dataloader
+    workers: int  # DataLoader worker processes (dataloader)
     ddp: bool
     compile: str | None  # a torch.compile mode, or None: eager
 
@@ -100,24 +106,49 @@ def images_needed(args: argparse.Namespace, processes: int) -> int:
 
 def project_command(args: argparse.Namespace, s: Setting, cuda: bool, run_dir: Path) -> list[str]:
     """``python -m src.train`` on synthetic images at setting ``s``; precision and memory format left to ``auto``."""
-    command = [sys.executable, "-m", "src.train", "data=synthetic",
-               f"data.num_train={images_needed(args, s.processes)}", "data.val_size=64",
-               f"data.batch_size={args.batch_size}", f"model.arch={args.arch}", f"trainer.devices={s.processes}",
-               "strategy=ddp" if s.ddp else "strategy=auto", f"backend={'nccl' if cuda else 'gloo'}",
-               "trainer.max_epochs=1", f"trainer.limit_train_batches={args.warmup + args.steps}",
-               "trainer.limit_val_batches=1", "trainer.num_sanity_val_steps=0", "test=false",
-               f"callbacks.throughput_record.warmup_steps={args.warmup}", f"data.pipeline={s.pipeline}",
-               f"data.num_workers={s.workers}", f"model.compile={s.compile or 'false'}", f"hydra.run.dir={run_dir}"]
+    command = [
+        sys.executable,
+        "-m",
+        "src.train",
+        "data=synthetic",
+        f"data.num_train={images_needed(args, s.processes)}",
+        "data.val_size=64",
+        f"data.batch_size={args.batch_size}",
+        f"model.arch={args.arch}",
+        f"trainer.devices={s.processes}",
+        "strategy=ddp" if s.ddp else "strategy=auto",
+        f"backend={'nccl' if cuda else 'gloo'}",
+        "trainer.max_epochs=1",
+        f"trainer.limit_train_batches={args.warmup + args.steps}",
+        "trainer.limit_val_batches=1",
+        "trainer.num_sanity_val_steps=0",
+        "test=false",
+        f"callbacks.throughput_record.warmup_steps={args.warmup}",
+        f"data.pipeline={s.pipeline}",
+        f"data.num_workers={s.workers}",
+        f"model.compile={s.compile or 'false'}",
+        f"hydra.run.dir={run_dir}",
+    ]
     return command + ([] if cuda else ["trainer.accelerator=cpu"])
 
 
 def bare_command(args: argparse.Namespace, s: Setting, cuda: bool, result: Path, defaults: bool = False) -> list[str]:
     """``torchrun benchmarks/bare_ddp.py`` at setting ``s`` with the project's number format, or (``defaults``) as the
     script comes: DataLoader without workers, DDP, fp32, contiguous, eager."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={s.processes}",
-               str(ROOT / "benchmarks" / "bare_ddp.py"), f"--arch={args.arch}", f"--batch-size={args.batch_size}",
-               f"--steps={args.steps}", f"--warmup={args.warmup}", f"--images={images_needed(args, s.processes)}",
-               f"--out={result}"]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={s.processes}",
+        str(ROOT / "benchmarks" / "bare_ddp.py"),
+        f"--arch={args.arch}",
+        f"--batch-size={args.batch_size}",
+        f"--steps={args.steps}",
+        f"--warmup={args.warmup}",
+        f"--images={images_needed(args, s.processes)}",
+        f"--out={result}",
+    ]
     if defaults:
         return command
     chosen = auto_choice(cuda, args.arch)
@@ -160,13 +191,26 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=30 if cuda else 3, help="steps before the clock starts")
     parser.add_argument("--repeats", type=int, default=3, help="runs of each, interleaved; the best counts")
     parser.add_argument("--processes", default="1" if cuda else "1,2", help="world sizes to compare, e.g. 1,2")
-    parser.add_argument("--pipelines", default="device,dataloader" if cuda else "device",
-                        help="data paths, each run on both sides; the first is the one in the ratio line")
-    parser.add_argument("--ddp", choices=("auto", "always"), default="auto",
-                        help="auto: DDP from 2 processes on (the project's strategy=auto); always: one process too")
-    parser.add_argument("--compile", nargs="?", const="default", default=None, metavar="MODE",
-                        help="torch.compile the network on both sides, in torch.compile's MODE (default; "
-                             "reduce-overhead: with CUDA graphs)")
+    parser.add_argument(
+        "--pipelines",
+        default="device,dataloader" if cuda else "device",
+        help="data paths, each run on both sides; the first is the one in the ratio line",
+    )
+    parser.add_argument(
+        "--ddp",
+        choices=("auto", "always"),
+        default="auto",
+        help="auto: DDP from 2 processes on (the project's strategy=auto); always: one process too",
+    )
+    parser.add_argument(
+        "--compile",
+        nargs="?",
+        const="default",
+        default=None,
+        metavar="MODE",
+        help="torch.compile the network on both sides, in torch.compile's MODE (default; "
+        "reduce-overhead: with CUDA graphs)",
+    )
     parser.add_argument("--equal-only", action="store_true", help="leave out the bare loop's own defaults")
     parser.add_argument("--timeout", type=float, default=600, help="seconds allowed for each run")
     parser.add_argument("--out", type=Path, default=ROOT / "outputs" / "bench")
@@ -176,9 +220,17 @@ def main() -> int:
     world_sizes = [int(p) for p in args.processes.split(",")]
     chosen = auto_choice(cuda, args.arch)
     first = world_sizes[0]
-    settings = {(p, pipeline): Setting(p, pipeline, loader_workers(cuda, p) if pipeline == "dataloader" else 0,
-                                       p > 1 or args.ddp == "always", args.compile)
-                for p in world_sizes for pipeline in pipelines}
+    settings = {
+        (p, pipeline): Setting(
+            p,
+            pipeline,
+            loader_workers(cuda, p) if pipeline == "dataloader" else 0,
+            p > 1 or args.ddp == "always",
+            args.compile,
+        )
+        for p in world_sizes
+        for pipeline in pipelines
+    }
     results: dict[tuple[int, str, str], list[dict[str, float]]] = {}
     for repeat in range(args.repeats):  # interleaved, so a slow minute of the machine hits both sides alike
         out = args.out / f"run{repeat}"
@@ -186,21 +238,31 @@ def main() -> int:
             runs = []
             for pipeline in pipelines:
                 s = settings[processes, pipeline]
-                runs += [(("bare", pipeline), lambda s=s, out=out: bare(args, s, cuda, out)),
-                         (("project", pipeline), lambda s=s, out=out: project(args, s, cuda, out))]
+                runs += [
+                    (("bare", pipeline), lambda s=s, out=out: bare(args, s, cuda, out)),
+                    (("project", pipeline), lambda s=s, out=out: project(args, s, cuda, out)),
+                ]
             if processes == first and not args.equal_only:
-                runs.append((("bare-defaults", ""), lambda s=settings[first, pipelines[0]], out=out: bare(args, s, cuda, out,
-                                                                                                  defaults=True)))
+                runs.append(
+                    (
+                        ("bare-defaults", ""),
+                        lambda s=settings[first, pipelines[0]], out=out: bare(args, s, cuda, out, defaults=True),
+                    )
+                )
             for (side, pipeline), measure in runs if (i + repeat) % 2 == 0 else runs[::-1]:
                 results.setdefault((processes, side, pipeline), []).append(measure())
     best = {key: max(r["images_per_second"] for r in runs) for key, runs in results.items()}
 
     fmt = chosen.label
-    print(f"\n{args.arch} (CIFAR stem), batch {args.batch_size} per process, {args.steps} steps timed after "
-          f"{args.warmup} warm-up steps, best of {args.repeats} interleaved runs, {backend}, {device}; "
-          f"number format: {fmt} ({chosen.why})\n")
-    print("| processes | run | data | DDP | compiled | number format | img/s (best) | img/s (all runs) | vs bare "
-          "| launch s (best) |")
+    print(
+        f"\n{args.arch} (CIFAR stem), batch {args.batch_size} per process, {args.steps} steps timed after "
+        f"{args.warmup} warm-up steps, best of {args.repeats} interleaved runs, {backend}, {device}; "
+        f"number format: {fmt} ({chosen.why})\n"
+    )
+    print(
+        "| processes | run | data | DDP | compiled | number format | img/s (best) | img/s (all runs) | vs bare "
+        "| launch s (best) |"
+    )
     print("|---:|---|---|---|---|---|---:|---|---:|---:|")
     rows = []
     for (processes, side, pipeline), runs in results.items():
@@ -214,32 +276,59 @@ def main() -> int:
         every = ", ".join(f"{r['images_per_second']:.1f}" for r in runs)
         launch = min(r["launch_s"] for r in runs)
         ratio = "—" if vs_bare is None else f"{vs_bare:.3f}"
-        print(f"| {processes} | {label} | {' | '.join(columns)} | {number_format} | "
-              f"{best[processes, side, pipeline]:.1f} | {every} | {ratio} | {launch:.1f} |")
-        rows.append({"processes": processes, "run": label, "data": columns[0], "ddp": columns[1] == "DDP",
-                     "compiled": columns[2].startswith("compiled"), "number_format": number_format,
-                     "images_per_second": best[processes, side, pipeline],
-                     "all_runs": [r["images_per_second"] for r in runs], "vs_bare": vs_bare, "launch_s": launch})
+        print(
+            f"| {processes} | {label} | {' | '.join(columns)} | {number_format} | "
+            f"{best[processes, side, pipeline]:.1f} | {every} | {ratio} | {launch:.1f} |"
+        )
+        rows.append(
+            {
+                "processes": processes,
+                "run": label,
+                "data": columns[0],
+                "ddp": columns[1] == "DDP",
+                "compiled": columns[2].startswith("compiled"),
+                "number_format": number_format,
+                "images_per_second": best[processes, side, pipeline],
+                "all_runs": [r["images_per_second"] for r in runs],
+                "vs_bare": vs_bare,
+                "launch_s": launch,
+            }
+        )
     ratios = {p: best[p, "project", pipelines[0]] / best[p, "bare", pipelines[0]] for p in world_sizes}
     processes = min(ratios, key=ratios.get)
     s = settings[processes, pipelines[0]]
     mine, theirs = best[processes, "project", pipelines[0]], best[processes, "bare", pipelines[0]]
     equal = f"data.pipeline={s.pipeline}, {', '.join(s.columns()[1:])}, {fmt}"
-    print(f"\nproject/bare throughput ratio at equal settings: {ratios[processes]:.3f} (project {mine:.1f} img/s, "
-          f"bare {theirs:.1f} img/s, both {equal}, {device}, {processes} process{'es' if processes > 1 else ''}, "
-          f"{backend})")
-    summary = {"device": device, "arch": args.arch, "batch_size": args.batch_size, "steps": args.steps,
-               "warmup": args.warmup, "repeats": args.repeats, "backend": backend, "number_format": fmt,
-               "rows": rows, "ratio": ratios[processes], "ratio_processes": processes, "ratio_settings": equal,
-               "ratios": {str(p): r for p, r in ratios.items()}}
+    print(
+        f"\nproject/bare throughput ratio at equal settings: {ratios[processes]:.3f} (project {mine:.1f} img/s, "
+        f"bare {theirs:.1f} img/s, both {equal}, {device}, {processes} process{'es' if processes > 1 else ''}, "
+        f"{backend})"
+    )
+    summary = {
+        "device": device,
+        "arch": args.arch,
+        "batch_size": args.batch_size,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "repeats": args.repeats,
+        "backend": backend,
+        "number_format": fmt,
+        "rows": rows,
+        "ratio": ratios[processes],
+        "ratio_processes": processes,
+        "ratio_settings": equal,
+        "ratios": {str(p): r for p, r in ratios.items()},
+    }
     if not args.equal_only:
         mine = best[first, "project", pipelines[0]]
         theirs_own = best[first, "bare-defaults", ""]
         s = settings[first, pipelines[0]]
-        print(f"what a user gets: project defaults / bare loop defaults: {mine / theirs_own:.3f} (project "
-              f"{mine:.1f} img/s with data.pipeline={s.pipeline}, {', '.join(s.columns()[1:])}, {fmt}; bare "
-              f"{theirs_own:.1f} img/s with a {', '.join(BARE_DEFAULTS)}, 32-true, contiguous; {device}, "
-              f"{first} process{'es' if first > 1 else ''}, {backend})")
+        print(
+            f"what a user gets: project defaults / bare loop defaults: {mine / theirs_own:.3f} (project "
+            f"{mine:.1f} img/s with data.pipeline={s.pipeline}, {', '.join(s.columns()[1:])}, {fmt}; bare "
+            f"{theirs_own:.1f} img/s with a {', '.join(BARE_DEFAULTS)}, 32-true, contiguous; {device}, "
+            f"{first} process{'es' if first > 1 else ''}, {backend})"
+        )
         summary["user_ratio"] = mine / theirs_own
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "bench.json").write_text(json.dumps(summary, indent=2) + "\n")

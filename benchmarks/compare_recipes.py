@@ -33,17 +33,24 @@ ROOT = Path(__file__).resolve().parents[1]
 SAMPLE = ROOT.parent / "shared" / "data" / "cifar10-sample"
 
 COMPARISONS = {
-  "recipes": {
-    "default": [],
-    "seed004": ["model.optimizer.lr=1e-4", "model.optimizer.lr_scaling=none", "model.optimizer.momentum=0",
-                "model.optimizer.nesterov=false", "model.optimizer.weight_decay=0",
-                "model.optimizer.decay_norm_and_bias=true", "model.label_smoothing=0",
-                "model.scheduler.warmup_epochs=0", "model.scheduler.decay=none"],
-  },
-  "precision": {
-    "fp32": ["trainer.precision=32-true", "model.channels_last=true"],
-    "bf16": ["trainer.precision=bf16-mixed", "model.channels_last=true"],
-  },
+    "recipes": {
+        "default": [],
+        "seed004": [
+            "model.optimizer.lr=1e-4",
+            "model.optimizer.lr_scaling=none",
+            "model.optimizer.momentum=0",
+            "model.optimizer.nesterov=false",
+            "model.optimizer.weight_decay=0",
+            "model.optimizer.decay_norm_and_bias=true",
+            "model.label_smoothing=0",
+            "model.scheduler.warmup_epochs=0",
+            "model.scheduler.decay=none",
+        ],
+    },
+    "precision": {
+        "fp32": ["trainer.precision=32-true", "model.channels_last=true"],
+        "bf16": ["trainer.precision=bf16-mixed", "model.channels_last=true"],
+    },
 }
 
 
@@ -78,10 +85,21 @@ def main() -> int:
     for seed in seeds:  # variants alternate within a seed, so a slow hour of the machine hits both alike
         for name, recipe in COMPARISONS[args.compare].items():
             run_dir = args.out / args.compare / f"{name}-seed{seed}"
-            command = [sys.executable, "-m", "src.train", f"data.root={args.root}", "data.download=false",
-                       "data.batch_size=128", f"model.arch={args.arch}", f"trainer.max_epochs={args.epochs}",
-                       f"seed={seed}", "callbacks.progress_bar=null", f"hydra.run.dir={run_dir}", *recipe,
-                       *args.overrides]
+            command = [
+                sys.executable,
+                "-m",
+                "src.train",
+                f"data.root={args.root}",
+                "data.download=false",
+                "data.batch_size=128",
+                f"model.arch={args.arch}",
+                f"trainer.max_epochs={args.epochs}",
+                f"seed={seed}",
+                "callbacks.progress_bar=null",
+                f"hydra.run.dir={run_dir}",
+                *recipe,
+                *args.overrides,
+            ]
             print(f"[{name}, seed {seed}] {' '.join(command[1:])}", flush=True)
             start = time.monotonic()
             done = subprocess.run(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -94,10 +112,14 @@ def main() -> int:
     print("|---|---|---|---|")
     for name, runs in results.items():
         accs = [acc for acc, _ in runs]
-        print(f"| {name} | {', '.join(f'{acc:.4f}' for acc in accs)} | {sum(accs) / len(accs):.4f} "
-              f"| {sum(s for _, s in runs) / len(runs) / 60:.1f} min |")
-    print(f"\n{args.arch}, {args.epochs} epochs, batch 128, seeds {args.seeds}, {what}: "
-          + ", ".join(f"{name} {sum(a for a, _ in runs) / len(runs):.1%}" for name, runs in results.items()))
+        print(
+            f"| {name} | {', '.join(f'{acc:.4f}' for acc in accs)} | {sum(accs) / len(accs):.4f} "
+            f"| {sum(s for _, s in runs) / len(runs) / 60:.1f} min |"
+        )
+    print(
+        f"\n{args.arch}, {args.epochs} epochs, batch 128, seeds {args.seeds}, {what}: "
+        + ", ".join(f"{name} {sum(a for a, _ in runs) / len(runs):.1%}" for name, runs in results.items())
+    )
     return 0
 
 

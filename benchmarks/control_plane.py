@@ -1,12 +1,11 @@
 """The control plane at 16 to 2,048 ranks on one machine: what the failure record and the hang watch cost the
 store's host, and whether they still name a stuck rank and stop every rank when one dies.
 
-The project's own classes run here, not copies: ``src.resilience.supervision.FailureRecord`` and ``HangWatch``, one of each
-per simulated rank (nodes of ``--per-node`` ranks), each with its own connection to one real ``TCPStore`` in a
-process of its own, as rank 0's store is in a run. Each rank's work is what its threads do in a run: a hang-watch
-round (``HangWatch._round``) every ``poll_s`` and a look at the failure record (``FailureRecord.follow``) every
-``POLL_S``. Training is replaced by a clock that moves every healthy rank's ``src.resilience.heartbeat.Progress`` a step at a
-time.
+The project's own classes run here, not copies: ``src.resilience.supervision.FailureRecord`` and ``HangWatch``, one of
+each per simulated rank (nodes of ``--per-node`` ranks), each with its own connection to one real ``TCPStore`` in a
+process of its own, as rank 0's store is in a run. Each rank's work is what its threads do in a run: a hang-watch round
+(``HangWatch._round``) every ``poll_s`` and a look at the failure record (``FailureRecord.follow``) every ``POLL_S``.
+Training is replaced by a clock that moves every healthy rank's ``src.resilience.heartbeat.Progress`` a step at a time.
 
 Measured on the store's host, over ``--seconds`` of a healthy run at each size:
 - requests/s (counted by the clients: a ``multi_get`` of 2,048 keys is one), and bytes/s in and out of the host
@@ -62,12 +61,12 @@ def free_port() -> int:
 
 # ------------------------------------------------------------------------------------------- the store's host
 
+
 def host_main(port: int) -> None:
     """The store's host: a TCPStore server and nothing else, until its stdin closes."""
     import torch.distributed as dist
 
-    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=60))
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
     store.set("probe", "x" * 64)
     print("ready", flush=True)
     sys.stdin.read()
@@ -97,8 +96,14 @@ class Host:
         # and then (as it does on some sandboxes) every client waits the resolver's timeout (5 s by default): at
         # most 1 s here, so that setting up thousands of connections ends
         env = {**os.environ, "RES_OPTIONS": os.environ.get("RES_OPTIONS", "timeout:1 attempts:1")}
-        self.proc = subprocess.Popen([sys.executable, __file__, "--host", str(self.port)], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, "--host", str(self.port)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd=ROOT,
+            env=env,
+        )
         if self.proc.stdout.readline().strip() != "ready":
             raise SystemExit(f"error: the store's host did not start (exit {self.proc.wait()})")
         self.own_sockets = 0
@@ -107,8 +112,12 @@ class Host:
     def reading(self) -> dict[str, float]:
         stat = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
         io = dict(line.split(": ") for line in Path(f"/proc/{self.proc.pid}/io").read_text().splitlines())
-        return {"t": time.monotonic(), "cpu_s": (int(stat[11]) + int(stat[12])) / TICK_S,
-                "in": int(io["rchar"]), "out": int(io["wchar"])}
+        return {
+            "t": time.monotonic(),
+            "cpu_s": (int(stat[11]) + int(stat[12])) / TICK_S,
+            "in": int(io["rchar"]),
+            "out": int(io["wchar"]),
+        }
 
     def sockets(self) -> int:
         count = 0
@@ -120,8 +129,12 @@ class Host:
         return count - self.own_sockets
 
     def probe(self, seconds: float) -> subprocess.Popen:
-        return subprocess.Popen([sys.executable, __file__, "--probe", str(self.port), str(seconds)],
-                                stdout=subprocess.PIPE, text=True, cwd=ROOT)
+        return subprocess.Popen(
+            [sys.executable, __file__, "--probe", str(self.port), str(seconds)],
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd=ROOT,
+        )
 
     def stop(self) -> None:
         self.proc.stdin.close()
@@ -130,6 +143,7 @@ class Host:
 
 
 # ------------------------------------------------------------------------------------------------ the clients
+
 
 class Counted:
     """A store client that counts its requests."""
@@ -156,8 +170,17 @@ class Simulation:
     """``world`` ranks of the control plane against the host's store; a scheduler runs each rank's periodic work
     on a pool of threads, as late as the machine makes it."""
 
-    def __init__(self, port: int, world: int, per_node: int, timeout_s: float, step_s: float, threads: int,
-                 nodes_here: set[int] | None = None, t0: float | None = None) -> None:
+    def __init__(
+        self,
+        port: int,
+        world: int,
+        per_node: int,
+        timeout_s: float,
+        step_s: float,
+        threads: int,
+        nodes_here: set[int] | None = None,
+        t0: float | None = None,
+    ) -> None:
         import torch.distributed as dist
 
         from src.resilience import heartbeat, supervision
@@ -178,8 +201,17 @@ class Simulation:
             self.connects += 1
             for attempt in range(5):
                 try:
-                    return Counted(dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False,
-                                                 timeout=timedelta(seconds=timeout_s)), self.counts, self._lock)
+                    return Counted(
+                        dist.TCPStore(
+                            "127.0.0.1",
+                            port,
+                            is_master=False,
+                            wait_for_workers=False,
+                            timeout=timedelta(seconds=timeout_s),
+                        ),
+                        self.counts,
+                        self._lock,
+                    )
                 except dist.DistNetworkError:
                     if attempt == 4:
                         raise
@@ -187,16 +219,39 @@ class Simulation:
         self._boards = tempfile.mkdtemp(prefix="control-plane-")
         nodes = -(-world // per_node)
         self.ranks = [r for r in range(world) if nodes_here is None or r // per_node in nodes_here]
-        boards = {r: NodeBoard("sim", r // per_node, r % per_node, min(per_node, world - r // per_node * per_node),
-                               supervision.BOARD_STALE_S, folder=Path(self._boards) / f"node{r // per_node}")
-                  for r in self.ranks}
+        boards = {
+            r: NodeBoard(
+                "sim",
+                r // per_node,
+                r % per_node,
+                min(per_node, world - r // per_node * per_node),
+                supervision.BOARD_STALE_S,
+                folder=Path(self._boards) / f"node{r // per_node}",
+            )
+            for r in self.ranks
+        }
         self.progress = {r: heartbeat.Progress() for r in self.ranks}
-        self.failures = {r: supervision.FailureRecord(r, r // per_node, r % per_node, world, False, boards[r],
-                                                      connect=connect) for r in self.ranks}
+        self.failures = {
+            r: supervision.FailureRecord(r, r // per_node, r % per_node, world, False, boards[r], connect=connect)
+            for r in self.ranks
+        }
         host_record = {"id": "sim", "host": socket.gethostname(), "pid": os.getpid()}
-        self.hangs = {r: supervision.HangWatch(r, r // per_node, r % per_node, world, timeout_s, None, boards[r],
-                                               num_nodes=nodes, host=host_record, progress=self.progress[r],
-                                               connect=connect) for r in self.ranks}
+        self.hangs = {
+            r: supervision.HangWatch(
+                r,
+                r // per_node,
+                r % per_node,
+                world,
+                timeout_s,
+                None,
+                boards[r],
+                num_nodes=nodes,
+                host=host_record,
+                progress=self.progress[r],
+                connect=connect,
+            )
+            for r in self.ranks
+        }
         self.poll_s = next(iter(self.hangs.values())).poll_s
         for r, watch in self.hangs.items():
             watch.end = self._ender(r)
@@ -213,8 +268,7 @@ class Simulation:
         # a rank's periodic work: (period, what); the queue holds (due, rank, index)
         self.work = [(self.poll_s, self._round), (supervision.POLL_S, self._follow)]
         now = time.monotonic()
-        self._queue = [(now + period * r / world, r, i) for r in self.ranks for i, (period, _) in
-                       enumerate(self.work)]
+        self._queue = [(now + period * r / world, r, i) for r in self.ranks for i, (period, _) in enumerate(self.work)]
         heapq.heapify(self._queue)
         self._cv = threading.Condition()
         self._threads = [threading.Thread(target=self._worker, daemon=True) for _ in range(threads)]
@@ -268,7 +322,7 @@ class Simulation:
         return int((time.monotonic() - self.t0) / self.step_s)
 
     def _train(self) -> None:
-        """Every healthy rank takes a step each ``step_s``: the marks of a training step, as src.resilience.heartbeat makes."""
+        """Every healthy rank takes a step each ``step_s``: a training step's marks, as src.resilience.heartbeat's."""
         while self.running:
             time.sleep(self.step_s)
             with self._stepping:
@@ -325,6 +379,7 @@ class Simulation:
 
 # ---------------------------------------------------------------------------------------------------- a size
 
+
 def percentile(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
@@ -332,8 +387,9 @@ def percentile(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
-def worker(port: int, world: int, args: argparse.Namespace, timeout_s: float, nodes_here: set[int], t0: float,
-           conn: Any) -> None:
+def worker(
+    port: int, world: int, args: argparse.Namespace, timeout_s: float, nodes_here: set[int], t0: float, conn: Any
+) -> None:
     """One process of the simulation: the ranks of ``nodes_here``, run until the parent says stop."""
     sim = Simulation(port, world, args.per_node, timeout_s, args.step_s, args.threads, nodes_here, t0)
     sim.start()
@@ -371,8 +427,10 @@ class Fleet:
         self.t0, self.step_s = time.monotonic(), args.step_s
         for k in range(procs):
             ours, theirs = context.Pipe()
-            proc = context.Process(target=worker, args=(host.port, world, args, timeout_s,
-                                                        {n for n in range(nodes) if n % procs == k}, self.t0, theirs))
+            proc = context.Process(
+                target=worker,
+                args=(host.port, world, args, timeout_s, {n for n in range(nodes) if n % procs == k}, self.t0, theirs),
+            )
             proc.start()
             self.conns.append(ours)
             self.procs.append(proc)
@@ -389,9 +447,11 @@ class Fleet:
 
     def report(self) -> dict[str, Any]:
         answers = self.ask("report")
-        return {"ended": sorted((e for a in answers for e in a["ended"]), key=lambda e: e["t"]),
-                "followed": {r: t for a in answers for r, t in a["followed"].items()},
-                "connects": sum(a["connects"] for a in answers)}
+        return {
+            "ended": sorted((e for a in answers for e in a["ended"]), key=lambda e: e["t"]),
+            "followed": {r: t for a in answers for r, t in a["followed"].items()},
+            "connects": sum(a["connects"] for a in answers),
+        }
 
     def stop(self) -> None:
         self.ask("stop")
@@ -419,13 +479,22 @@ def measure(world: int, args: argparse.Namespace) -> dict[str, Any]:
     finally:
         host.stop()
     span = after["t"] - before["t"]
-    return {"ranks": world, "nodes": -(-world // args.per_node), "processes": len(fleet.procs),
-            "requests_per_s": (requests_after - requests_before) / span,
-            "bytes_in_per_s": (after["in"] - before["in"]) / span, "bytes_out_per_s": (after["out"] - before["out"]) / span,
-            "host_cpu_share": (after["cpu_s"] - before["cpu_s"]) / span, "sockets": sockets,
-            "get_p50_ms": percentile(latencies, 0.5), "get_p99_ms": percentile(latencies, 0.99),
-            "late_p99_s": percentile(late, 0.99), "kept_up": percentile(late, 0.99) < fleet.poll_s,
-            "verdicts": len(report["ended"]), "connections_made": report["connects"]}
+    return {
+        "ranks": world,
+        "nodes": -(-world // args.per_node),
+        "processes": len(fleet.procs),
+        "requests_per_s": (requests_after - requests_before) / span,
+        "bytes_in_per_s": (after["in"] - before["in"]) / span,
+        "bytes_out_per_s": (after["out"] - before["out"]) / span,
+        "host_cpu_share": (after["cpu_s"] - before["cpu_s"]) / span,
+        "sockets": sockets,
+        "get_p50_ms": percentile(latencies, 0.5),
+        "get_p99_ms": percentile(latencies, 0.99),
+        "late_p99_s": percentile(late, 0.99),
+        "kept_up": percentile(late, 0.99) < fleet.poll_s,
+        "verdicts": len(report["ended"]),
+        "connections_made": report["connects"],
+    }
 
 
 def stuck(world: int, args: argparse.Namespace, rank: int) -> dict[str, Any]:
@@ -443,9 +512,13 @@ def stuck(world: int, args: argparse.Namespace, rank: int) -> dict[str, Any]:
     finally:
         host.stop()
     first = report["ended"][0] if report["ended"] else None
-    return {"ranks": world, "stuck": rank, "named": first["rank"] if first else None,
-            "line": first["line"] if first else None,
-            "seconds": round(first["t"] - began, 2) if first else None}
+    return {
+        "ranks": world,
+        "stuck": rank,
+        "named": first["rank"] if first else None,
+        "line": first["line"] if first else None,
+        "seconds": round(first["t"] - began, 2) if first else None,
+    }
 
 
 def dies(world: int, args: argparse.Namespace, rank: int) -> dict[str, Any]:
@@ -463,11 +536,18 @@ def dies(world: int, args: argparse.Namespace, rank: int) -> dict[str, Any]:
     finally:
         host.stop()
     seconds = [t - began for t in report["followed"].values()]
-    return {"ranks": world, "dead": rank, "stopped": len(report["followed"]), "of": world - 1,
-            "p50_s": round(percentile(seconds, 0.5), 3), "max_s": round(max(seconds), 3) if seconds else None}
+    return {
+        "ranks": world,
+        "dead": rank,
+        "stopped": len(report["followed"]),
+        "of": world - 1,
+        "p50_s": round(percentile(seconds, 0.5), 3),
+        "max_s": round(max(seconds), 3) if seconds else None,
+    }
 
 
 # ------------------------------------------------------------------------------------------------ the report
+
 
 def projection(rows: list[dict[str, Any]], ranks: int) -> dict[str, Any]:
     """``ranks`` from the largest three rows the simulator kept up with: each figure as a power of the world size
@@ -482,12 +562,15 @@ def projection(rows: list[dict[str, Any]], ranks: int) -> dict[str, Any]:
     out = {}
     for key in ("requests_per_s", "bytes_out_per_s", "bytes_in_per_s", "sockets"):
         slope, intercept = np.polyfit(w, np.log([max(r[key], 1e-9) for r in kept]), 1)
-        out[key] = float(np.exp(intercept) * ranks ** slope)
+        out[key] = float(np.exp(intercept) * ranks**slope)
         out[f"{key}_exponent"] = round(float(slope), 2)
-    cpu_per_request = statistics.median(r["host_cpu_share"] / r["requests_per_s"] for r in kept
-                                        if r["requests_per_s"])
-    return {"ranks": ranks, **out, "host_cpu_share": out["requests_per_s"] * cpu_per_request,
-            "from_rows": [r["ranks"] for r in kept]}
+    cpu_per_request = statistics.median(r["host_cpu_share"] / r["requests_per_s"] for r in kept if r["requests_per_s"])
+    return {
+        "ranks": ranks,
+        **out,
+        "host_cpu_share": out["requests_per_s"] * cpu_per_request,
+        "from_rows": [r["ranks"] for r in kept],
+    }
 
 
 def human(n: float) -> str:
@@ -499,28 +582,38 @@ def human(n: float) -> str:
 
 
 def table(rows: list[dict[str, Any]], projected: dict[str, Any], faults: list[dict[str, Any]]) -> str:
-    lines = ["| ranks | nodes | requests/s | bytes/s out | bytes/s in | host CPU | sockets | get p50 / p99 ms | "
-             "simulator kept up (late p99 s) |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| ranks | nodes | requests/s | bytes/s out | bytes/s in | host CPU | sockets | get p50 / p99 ms | "
+        "simulator kept up (late p99 s) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        lines.append(f"| {r['ranks']:,} | {r['nodes']} | {human(r['requests_per_s'])} | {human(r['bytes_out_per_s'])}B"
-                     f" | {human(r['bytes_in_per_s'])}B | {r['host_cpu_share']:.0%} | {r['sockets']:,} | "
-                     f"{r['get_p50_ms']:.2f} / {r['get_p99_ms']:.2f} | {'yes' if r['kept_up'] else 'no'} "
-                     f"({r['late_p99_s']:.2f}) |")
+        lines.append(
+            f"| {r['ranks']:,} | {r['nodes']} | {human(r['requests_per_s'])} | {human(r['bytes_out_per_s'])}B"
+            f" | {human(r['bytes_in_per_s'])}B | {r['host_cpu_share']:.0%} | {r['sockets']:,} | "
+            f"{r['get_p50_ms']:.2f} / {r['get_p99_ms']:.2f} | {'yes' if r['kept_up'] else 'no'} "
+            f"({r['late_p99_s']:.2f}) |"
+        )
     if projected:
-        lines.append(f"| {projected['ranks']:,} (projected) | {projected['ranks'] // 8:,} | "
-                     f"{human(projected['requests_per_s'])} | {human(projected['bytes_out_per_s'])}B | "
-                     f"{human(projected['bytes_in_per_s'])}B | {projected['host_cpu_share']:.0%} | "
-                     f"{projected['sockets']:,.0f} | | |")
+        lines.append(
+            f"| {projected['ranks']:,} (projected) | {projected['ranks'] // 8:,} | "
+            f"{human(projected['requests_per_s'])} | {human(projected['bytes_out_per_s'])}B | "
+            f"{human(projected['bytes_in_per_s'])}B | {projected['host_cpu_share']:.0%} | "
+            f"{projected['sockets']:,.0f} | | |"
+        )
     if faults:
         lines += ["", "| fault | ranks | result |", "|---|---|---|"]
         for f in faults:
             if "stuck" in f:
                 ok = "right rank" if f["named"] == f["stuck"] else f"WRONG: named {f['named']}"
-                lines.append(f"| rank {f['stuck']} stuck in Python | {f['ranks']:,} | {ok}, "
-                             f"{f['seconds']} s after it stopped |")
+                lines.append(
+                    f"| rank {f['stuck']} stuck in Python | {f['ranks']:,} | {ok}, {f['seconds']} s after it stopped |"
+                )
             elif "dead" in f:
-                lines.append(f"| rank {f['dead']} dies | {f['ranks']:,} | {f['stopped']:,} of {f['of']:,} ranks read "
-                             f"it: p50 {f['p50_s']} s, last {f['max_s']} s |")
+                lines.append(
+                    f"| rank {f['dead']} dies | {f['ranks']:,} | {f['stopped']:,} of {f['of']:,} ranks read "
+                    f"it: p50 {f['p50_s']} s, last {f['max_s']} s |"
+                )
             else:
                 lines.append(f"| none, {f['seconds']:.0f} s healthy | {f['ranks']:,} | {f['verdicts']} verdicts |")
     return "\n".join(lines)
@@ -537,12 +630,17 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     x0, x1, y0, y1 = min(xs), max(xs) or 1, math.floor(min(ys)), math.ceil(max(ys))
 
     def px(x: float, y: float) -> str:
-        return (f"{pad + (x - x0) / max(x1 - x0, 1e-9) * (width - 2 * pad):.1f},"
-                f"{height - pad - (y - y0) / max(y1 - y0, 1e-9) * (height - 2 * pad):.1f}")
+        return (
+            f"{pad + (x - x0) / max(x1 - x0, 1e-9) * (width - 2 * pad):.1f},"
+            f"{height - pad - (y - y0) / max(y1 - y0, 1e-9) * (height - 2 * pad):.1f}"
+        )
 
-    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" '
-             'font-size="12">', f'<rect width="{width}" height="{height}" fill="white"/>',
-             f'<text x="{pad}" y="20">load on the store\'s host against ranks (log-log)</text>']
+    parts = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" '
+        'font-size="12">',
+        f'<rect width="{width}" height="{height}" fill="white"/>',
+        f'<text x="{pad}" y="20">load on the store\'s host against ranks (log-log)</text>',
+    ]
     for y in range(int(y0), int(y1) + 1):
         parts.append(f'<text x="5" y="{px(x0, y).split(",")[1]}">1e{y}</text>')
     for r, x in zip(rows, xs):
@@ -561,20 +659,34 @@ def main() -> None:
     parser.add_argument("--per-node", type=int, default=8, help="ranks per node")
     parser.add_argument("--seconds", type=float, default=20.0, help="measured seconds of a healthy run per size")
     parser.add_argument("--warmup", type=float, default=3.0, help="seconds before measuring")
-    parser.add_argument("--hang-timeout", type=float, default=120.0,
-                        help="strategy.hang_timeout_s of the ranks while the load is measured (its default: 120)")
-    parser.add_argument("--fault-hang-timeout", type=float, default=10.0,
-                        help="strategy.hang_timeout_s of the ranks in the fault runs")
+    parser.add_argument(
+        "--hang-timeout",
+        type=float,
+        default=120.0,
+        help="strategy.hang_timeout_s of the ranks while the load is measured (its default: 120)",
+    )
+    parser.add_argument(
+        "--fault-hang-timeout", type=float, default=10.0, help="strategy.hang_timeout_s of the ranks in the fault runs"
+    )
     parser.add_argument("--step-s", type=float, default=0.05, help="seconds of a simulated training step")
     parser.add_argument("--threads", type=int, default=4, help="threads running the ranks' work, in each process")
-    parser.add_argument("--procs", type=int, default=os.cpu_count() or 1,
-                        help="processes the simulated nodes are spread over (default: one a core)")
+    parser.add_argument(
+        "--procs",
+        type=int,
+        default=os.cpu_count() or 1,
+        help="processes the simulated nodes are spread over (default: one a core)",
+    )
     parser.add_argument("--faults", default="stuck,dead", help="faults to inject at each size: stuck,dead or none")
-    parser.add_argument("--healthy-s", type=float, default=0.0,
-                        help="also run this long healthy at the largest size and count verdicts (600: ten minutes)")
+    parser.add_argument(
+        "--healthy-s",
+        type=float,
+        default=0.0,
+        help="also run this long healthy at the largest size and count verdicts (600: ten minutes)",
+    )
     parser.add_argument("--project", type=int, default=16384, help="world size the line projects to")
-    parser.add_argument("--out", default="outputs/bench/control-plane", help="folder for table.md, results.json "
-                        "and load.svg")
+    parser.add_argument(
+        "--out", default="outputs/bench/control-plane", help="folder for table.md, results.json and load.svg"
+    )
     parser.add_argument("--host", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--probe", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -587,46 +699,74 @@ def main() -> None:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     needed = 4 * max(sizes) + 256  # two connections a rank, and the host's ends of them
     if hard != resource.RLIM_INFINITY and hard < needed:
-        raise SystemExit(f"error: {max(sizes)} simulated ranks need {needed} open files and the hard limit is {hard}: "
-                         "raise it (ulimit -Hn) or simulate fewer ranks")
+        raise SystemExit(
+            f"error: {max(sizes)} simulated ranks need {needed} open files and the hard limit is {hard}: "
+            "raise it (ulimit -Hn) or simulate fewer ranks"
+        )
     resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(needed, hard)), hard))
 
     rows, faults = [], []
     for world in sizes:
         row = measure(world, args)
         rows.append(row)
-        print(f"{world:>6} ranks: {human(row['requests_per_s'])} requests/s, {human(row['bytes_out_per_s'])}B/s out, "
-              f"host CPU {row['host_cpu_share']:.0%}, {row['sockets']} sockets, get p99 {row['get_p99_ms']:.2f} ms"
-              f"{'' if row['kept_up'] else ' (the simulator fell behind)'}", flush=True)
+        print(
+            f"{world:>6} ranks: {human(row['requests_per_s'])} requests/s, {human(row['bytes_out_per_s'])}B/s out, "
+            f"host CPU {row['host_cpu_share']:.0%}, {row['sockets']} sockets, get p99 {row['get_p99_ms']:.2f} ms"
+            f"{'' if row['kept_up'] else ' (the simulator fell behind)'}",
+            flush=True,
+        )
         kinds = [k for k in args.faults.split(",") if k != "none"]
         if "stuck" in kinds:
             faults.append(stuck(world, args, rank=world // 2 + 1))
-            print(f"{'':>13}stuck rank {faults[-1]['stuck']}: named {faults[-1]['named']} after "
-                  f"{faults[-1]['seconds']} s", flush=True)
+            print(
+                f"{'':>13}stuck rank {faults[-1]['stuck']}: named {faults[-1]['named']} after "
+                f"{faults[-1]['seconds']} s",
+                flush=True,
+            )
         if "dead" in kinds:
             faults.append(dies(world, args, rank=world - 1))
-            print(f"{'':>13}dead rank {faults[-1]['dead']}: {faults[-1]['stopped']} of {faults[-1]['of']} stopped, "
-                  f"last after {faults[-1]['max_s']} s", flush=True)
+            print(
+                f"{'':>13}dead rank {faults[-1]['dead']}: {faults[-1]['stopped']} of {faults[-1]['of']} stopped, "
+                f"last after {faults[-1]['max_s']} s",
+                flush=True,
+            )
     if args.healthy_s:
         long = measure(max(sizes), argparse.Namespace(**{**vars(args), "seconds": args.healthy_s}))
         faults.append({"ranks": long["ranks"], "seconds": args.healthy_s, "verdicts": long["verdicts"]})
     projected = projection(rows, args.project)
     import torch
 
-    machine = {"cpu": cpu_name(), "cores": os.cpu_count(), "python": platform.python_version(),
-               "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv)}
+    machine = {
+        "cpu": cpu_name(),
+        "cores": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d"),
+        "command": " ".join(sys.argv),
+    }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     text = table(rows, projected, faults)
     (out / "table.md").write_text(text + "\n")
-    (out / "results.json").write_text(json.dumps({"machine": machine, "args": {k: v for k, v in vars(args).items()
-                                                                               if k not in ("host", "probe")},
-                                                  "rows": rows, "projected": projected, "faults": faults}, indent=1))
+    (out / "results.json").write_text(
+        json.dumps(
+            {
+                "machine": machine,
+                "args": {k: v for k, v in vars(args).items() if k not in ("host", "probe")},
+                "rows": rows,
+                "projected": projected,
+                "faults": faults,
+            },
+            indent=1,
+        )
+    )
     plot(rows, out / "load.svg")
     print()
     print(text)
-    print(f"\n{machine['cpu']}, {machine['cores']} cores, Python {machine['python']}, torch {machine['torch']}, "
-          f"{machine['date']}; written to {out}/table.md, results.json and load.svg")
+    print(
+        f"\n{machine['cpu']}, {machine['cores']} cores, Python {machine['python']}, torch {machine['torch']}, "
+        f"{machine['date']}; written to {out}/table.md, results.json and load.svg"
+    )
 
 
 def cpu_name() -> str:

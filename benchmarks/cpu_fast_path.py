@@ -36,12 +36,27 @@ VARIANTS = {
 def measure(args: argparse.Namespace, variant: str, out: Path) -> dict:
     run_dir = out / variant
     steps = args.warmup + args.steps + 1  # the epoch's first step is never timed
-    command = [sys.executable, "-m", "src.train", "data=synthetic", f"data.num_train={steps * args.batch_size + 64}",
-               "data.val_size=64", f"data.batch_size={args.batch_size}", f"model.arch={args.arch}",
-               "trainer.accelerator=cpu", "trainer.devices=1", "trainer.max_epochs=1",
-               f"trainer.limit_train_batches={steps}", "trainer.limit_val_batches=1", "trainer.num_sanity_val_steps=0",
-               "test=false", f"callbacks.throughput_record.warmup_steps={args.warmup}", "callbacks.progress_bar=null",
-               f"hydra.run.dir={run_dir}", *VARIANTS[variant]]
+    command = [
+        sys.executable,
+        "-m",
+        "src.train",
+        "data=synthetic",
+        f"data.num_train={steps * args.batch_size + 64}",
+        "data.val_size=64",
+        f"data.batch_size={args.batch_size}",
+        f"model.arch={args.arch}",
+        "trainer.accelerator=cpu",
+        "trainer.devices=1",
+        "trainer.max_epochs=1",
+        f"trainer.limit_train_batches={steps}",
+        "trainer.limit_val_batches=1",
+        "trainer.num_sanity_val_steps=0",
+        "test=false",
+        f"callbacks.throughput_record.warmup_steps={args.warmup}",
+        "callbacks.progress_bar=null",
+        f"hydra.run.dir={run_dir}",
+        *VARIANTS[variant],
+    ]
     run(command, out / f"{variant}.log", args.timeout)
     return json.loads((run_dir / "throughput.json").read_text())
 
@@ -78,22 +93,28 @@ def main() -> int:
 
     isa = cpu_bf16_isa()
     auto = fast_path("cpu", args.arch)
-    print(f"\n{args.arch} (CIFAR stem), batch {args.batch_size}, one process, {torch.get_num_threads()} threads, "
-          f"{args.steps} steps timed after {args.warmup} warm-up steps, best of {args.repeats} interleaved runs, "
-          f"{device_name(torch.device('cpu'))}, torch {torch.__version__}, vector ISA {cpu_capability()}, "
-          f"native bf16: {isa or 'no'}\n")
+    print(
+        f"\n{args.arch} (CIFAR stem), batch {args.batch_size}, one process, {torch.get_num_threads()} threads, "
+        f"{args.steps} steps timed after {args.warmup} warm-up steps, best of {args.repeats} interleaved runs, "
+        f"{device_name(torch.device('cpu'))}, torch {torch.__version__}, vector ISA {cpu_capability()}, "
+        f"native bf16: {isa or 'no'}\n"
+    )
     print("| variant | precision | memory format | img/s (best) | img/s (all runs) | vs fp32 |")
     print("|---|---|---|---:|---|---:|")
     for variant, runs in records.items():
         record = runs[0]
         layout = "channels-last" if record.get("channels_last") else "contiguous"
         every = ", ".join(f"{r['samples_per_second']:.1f}" for r in runs)
-        print(f"| {variant} | {record['precision']} | {layout} | {best[variant]:.1f} | {every} "
-              f"| {best[variant] / best['fp32']:.2f} |")
+        print(
+            f"| {variant} | {record['precision']} | {layout} | {best[variant]:.1f} | {every} "
+            f"| {best[variant] / best['fp32']:.2f} |"
+        )
     if "defaults" in best:
-        print(f"\ndefaults ({auto.label}: {auto.why}) "
-              f"/ fp32 contiguous: {best['defaults'] / best['fp32']:.2f}x "
-              f"({best['defaults']:.1f} vs {best['fp32']:.1f} img/s, {device_name(torch.device('cpu'))})")
+        print(
+            f"\ndefaults ({auto.label}: {auto.why}) "
+            f"/ fp32 contiguous: {best['defaults'] / best['fp32']:.2f}x "
+            f"({best['defaults']:.1f} vs {best['fp32']:.1f} img/s, {device_name(torch.device('cpu'))})"
+        )
     return 0
 
 

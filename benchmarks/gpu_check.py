@@ -32,14 +32,31 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 # what the runs import (module: the package that provides it), checked before anything starts
-NEEDED = {"hydra": "hydra-core", "omegaconf": "omegaconf", "torch": "torch", "torchvision": "torchvision",
-          "lightning": "lightning", "torchmetrics": "torchmetrics", "tensorboard": "tensorboard", "rich": "rich"}
+NEEDED = {
+    "hydra": "hydra-core",
+    "omegaconf": "omegaconf",
+    "torch": "torch",
+    "torchvision": "torchvision",
+    "lightning": "lightning",
+    "torchmetrics": "torchmetrics",
+    "tensorboard": "tensorboard",
+    "rich": "rich",
+}
 STEPS = ("env", "nccl", "deterministic", "resume", "eval", "two-rank", "tests", "throughput", "compile", "bench")
 # seconds on one H100 with 16 cores (as measured there, 2026-11-25) and on 2 CPU cores: a step is started only if
 # this much of the budget is left
-ESTIMATE_S = {"env": (25, 0), "nccl": (40, 15), "deterministic": (55, 25), "resume": (50, 25), "eval": (20, 10),
-              "two-rank": (45, 20), "tests": (130, 20), "throughput": (155, 40), "compile": (100, 120),
-              "bench": (60, 25)}
+ESTIMATE_S = {
+    "env": (25, 0),
+    "nccl": (40, 15),
+    "deterministic": (55, 25),
+    "resume": (50, 25),
+    "eval": (20, 10),
+    "two-rank": (45, 20),
+    "tests": (130, 20),
+    "throughput": (155, 40),
+    "compile": (100, 120),
+    "bench": (60, 25),
+}
 RUN_ESTIMATE_S = (25, 10)  # one src.train run of the throughput table
 COMPILE_RUN_ESTIMATE_S = (110, 120)  # one compiled run, its compilation cold (inductor's cache empty)
 COMPILE_MODE = "reduce-overhead"  # what model.compile=auto compiles a long GPU fit with (src/models/fast_path.py)
@@ -124,9 +141,9 @@ class Sizes:
     cuda: bool
     arch: str
     batches: tuple[int, ...]
-    steps: int           # timed steps of a throughput run
+    steps: int  # timed steps of a throughput run
     warmup: int
-    check_batch: int     # the batch and steps of the nccl, determinism, resume and two-rank runs
+    check_batch: int  # the batch and steps of the nccl, determinism, resume and two-rank runs
     check_steps: int
     precision: str
     command_timeout_s: float
@@ -144,8 +161,9 @@ class Sizes:
 def sizes_for(cuda: bool, gpus: list[dict[str, Any]], batches: tuple[int, ...] | None) -> Sizes:
     if cuda:  # 60 timed steps: over a second of steady state at every batch on an H100
         bf16 = all(int(g["capability"].split(".")[0]) >= 8 for g in gpus)  # Ampere on; below, fp16 and a scaler
-        return Sizes(True, "resnet50", batches or (128, 256, 512), 60, 20, 128, 8,
-                     "bf16-mixed" if bf16 else "16-mixed", 240, 420)
+        return Sizes(
+            True, "resnet50", batches or (128, 256, 512), 60, 20, 128, 8, "bf16-mixed" if bf16 else "16-mixed", 240, 420
+        )
     return Sizes(False, "resnet18", batches or (4, 8), 3, 2, 4, 3, "32-true", 300, 600)
 
 
@@ -203,8 +221,9 @@ class GpuCheck:
         limit = min(timeout, self.left())
         with open(log, "w") as output:
             # its own session, so a timeout stops every process it started (local ranks, pytest's runs)
-            self.current = subprocess.Popen(command, cwd=ROOT, env=self.env, stdout=output, stderr=subprocess.STDOUT,
-                                            start_new_session=True)
+            self.current = subprocess.Popen(
+                command, cwd=ROOT, env=self.env, stdout=output, stderr=subprocess.STDOUT, start_new_session=True
+            )
             pid = self.current.pid
             try:
                 code = self.current.wait(timeout=limit)
@@ -235,28 +254,53 @@ class GpuCheck:
                 continue
         self.current = None
 
-    def train(self, step: dict[str, Any], name: str, overrides: list[str], timeout: float | None = None,
-              module: str = "src.train", log: str | None = None) -> Path:
+    def train(
+        self,
+        step: dict[str, Any],
+        name: str,
+        overrides: list[str],
+        timeout: float | None = None,
+        module: str = "src.train",
+        log: str | None = None,
+    ) -> Path:
         """``python -m src.train`` (or src.eval) with ``overrides`` in runs/NAME, its output in logs/LOG (NAME);
         returns the run dir."""
         run_dir = self.out / "runs" / name
-        self.execute(step, log or name, [sys.executable, "-m", module, *overrides, f"hydra.run.dir={run_dir}"],
-                     timeout or self.sizes.command_timeout_s)
+        self.execute(
+            step,
+            log or name,
+            [sys.executable, "-m", module, *overrides, f"hydra.run.dir={run_dir}"],
+            timeout or self.sizes.command_timeout_s,
+        )
         return run_dir
 
-    def base(self, batch: int, steps: int, warmup: int | None = None, processes: int = 1, compile: str = "false"
-             ) -> list[str]:
+    def base(
+        self, batch: int, steps: int, warmup: int | None = None, processes: int = 1, compile: str = "false"
+    ) -> list[str]:
         """One epoch of ``steps`` steps of ``batch`` synthetic images per process, no test, one validation batch;
         eager unless ``compile`` names a torch.compile mode (model.compile=auto would stay eager this short anyway)."""
         s = self.sizes
         images = (steps + 1) * batch * processes + batch
-        overrides = ["data=synthetic", f"data.num_train={images}", f"data.val_size={batch}",
-                     f"data.num_test={batch}", f"data.batch_size={batch}", f"model.arch={s.arch}",
-                     f"trainer.accelerator={s.accelerator}", "trainer.devices=1", f"backend={s.backend}",
-                     f"trainer.precision={s.precision}", "model.channels_last=true", "trainer.max_epochs=1",
-                     f"trainer.limit_train_batches={steps}", "trainer.limit_val_batches=1",
-                     "trainer.num_sanity_val_steps=0", "test=false", "trainer.enable_model_summary=false",
-                     f"model.compile={compile}"]
+        overrides = [
+            "data=synthetic",
+            f"data.num_train={images}",
+            f"data.val_size={batch}",
+            f"data.num_test={batch}",
+            f"data.batch_size={batch}",
+            f"model.arch={s.arch}",
+            f"trainer.accelerator={s.accelerator}",
+            "trainer.devices=1",
+            f"backend={s.backend}",
+            f"trainer.precision={s.precision}",
+            "model.channels_last=true",
+            "trainer.max_epochs=1",
+            f"trainer.limit_train_batches={steps}",
+            "trainer.limit_val_batches=1",
+            "trainer.num_sanity_val_steps=0",
+            "test=false",
+            "trainer.enable_model_summary=false",
+            f"model.compile={compile}",
+        ]
         if warmup is not None:
             overrides.append(f"callbacks.throughput_record.warmup_steps={warmup}")
         return overrides
@@ -275,24 +319,32 @@ class GpuCheck:
         step["commands"].append(f"{shlex.quote(sys.executable)} -c <the version and GPU probe of gpu_check.py>")
         step["figures"] = dict(i)
         if self.cuda:
-            gpus = ", ".join(f"{g['index']}: {g['name']} (capability {g['capability']}, {g['memory_gib']} GiB)"
-                             for g in i["gpus"])
-            step["summary"] = (f"torch {i['torch']} (CUDA {i['cuda_build']}, cuDNN {i.get('cudnn')}, NCCL "
-                               f"{i.get('nccl')}), driver {i.get('driver')}, Lightning {i['lightning']}, torchmetrics "
-                               f"{i['torchmetrics']}, hydra {i.get('hydra')}, Python {i['python']}; GPUs: {gpus}")
+            gpus = ", ".join(
+                f"{g['index']}: {g['name']} (capability {g['capability']}, {g['memory_gib']} GiB)" for g in i["gpus"]
+            )
+            step["summary"] = (
+                f"torch {i['torch']} (CUDA {i['cuda_build']}, cuDNN {i.get('cudnn')}, NCCL "
+                f"{i.get('nccl')}), driver {i.get('driver')}, Lightning {i['lightning']}, torchmetrics "
+                f"{i['torchmetrics']}, hydra {i.get('hydra')}, Python {i['python']}; GPUs: {gpus}"
+            )
         else:
-            step["summary"] = (f"CPU mode: {i.get('cpu')}, torch {i['torch']}, Lightning {i['lightning']}, "
-                               f"torchmetrics {i['torchmetrics']}, hydra {i.get('hydra')}, Python {i['python']}")
+            step["summary"] = (
+                f"CPU mode: {i.get('cpu')}, torch {i['torch']}, Lightning {i['lightning']}, "
+                f"torchmetrics {i['torchmetrics']}, hydra {i.get('hydra')}, Python {i['python']}"
+            )
 
     def step_nccl(self, step: dict[str, Any]) -> None:
         s = self.sizes
-        run_dir = self.train(step, "nccl", [*self.base(s.check_batch, s.check_steps), "strategy=ddp",
-                                            f"backend={s.backend}"])
+        run_dir = self.train(
+            step, "nccl", [*self.base(s.check_batch, s.check_steps), "strategy=ddp", f"backend={s.backend}"]
+        )
         r = self.record(run_dir)
         step["figures"] = {k: r.get(k) for k in ("strategy", "backend", "world_size", "samples_per_second")}
         if (r.get("backend"), r.get("world_size")) != (s.backend, 1):
-            raise StepFailed(f"throughput.json says backend {r.get('backend')}, world size {r.get('world_size')}: "
-                             f"expected {s.backend} at world size 1")
+            raise StepFailed(
+                f"throughput.json says backend {r.get('backend')}, world size {r.get('world_size')}: "
+                f"expected {s.backend} at world size 1"
+            )
         step["summary"] = f"strategy=ddp, backend {r['backend']}, world size 1: trained {s.check_steps} steps"
         if self.cuda:  # NCCL's flight recorder: no such thing on gloo, so the CPU mode leaves it out
             step["summary"] += "; " + self.check_nccl_trace(step, run_dir)
@@ -317,15 +369,19 @@ class GpuCheck:
         weights = []
         for name in ("deterministic-a", "deterministic-b"):
             run_dir = self.train(step, name, [*self.base(s.check_batch, s.check_steps), "trainer.deterministic=true"])
-            weights.append(torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu",
-                                      weights_only=True)["state_dict"])
+            weights.append(
+                torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)["state_dict"]
+            )
         differing = [k for k in weights[0] if not torch.equal(weights[0][k], weights[1].get(k, torch.empty(0)))]
         step["figures"] = {"tensors": len(weights[0]), "differing": len(differing), "identical": not differing}
         if differing or weights[0].keys() != weights[1].keys():
-            raise StepFailed(f"two runs with trainer.deterministic=true and the same seed ended with different weights "
-                             f"({len(differing)} of {len(weights[0])} tensors differ, e.g. {differing[:3]})")
-        step["summary"] = (f"trainer.deterministic=true, {s.check_steps} steps, twice: identical weights "
-                           f"({len(weights[0])} tensors)")
+            raise StepFailed(
+                f"two runs with trainer.deterministic=true and the same seed ended with different weights "
+                f"({len(differing)} of {len(weights[0])} tensors differ, e.g. {differing[:3]})"
+            )
+        step["summary"] = (
+            f"trainer.deterministic=true, {s.check_steps} steps, twice: identical weights ({len(weights[0])} tensors)"
+        )
 
     def step_resume(self, step: dict[str, Any]) -> None:
         import torch
@@ -335,40 +391,66 @@ class GpuCheck:
         run_dir = self.train(step, "resume", overrides, log="resume-first")
         self.train(step, "resume", [*overrides, "ckpt_path=last", "trainer.max_epochs=2"], log="resume-second")
         last = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
-        step["figures"] = {"first_run_steps": s.check_steps, "global_step_after_resume": last.get("global_step"),
-                           "epoch": last.get("epoch")}
+        step["figures"] = {
+            "first_run_steps": s.check_steps,
+            "global_step_after_resume": last.get("global_step"),
+            "epoch": last.get("epoch"),
+        }
         if last.get("global_step") != 2 * s.check_steps:
-            raise StepFailed(f"after ckpt_path=last and a second epoch last.ckpt is at step {last.get('global_step')}, "
-                             f"expected {2 * s.check_steps}")
-        step["summary"] = (f"ckpt_path=last in the same run dir: resumed at step {s.check_steps}, "
-                           f"last.ckpt at step {2 * s.check_steps} after the second epoch")
+            raise StepFailed(
+                f"after ckpt_path=last and a second epoch last.ckpt is at step {last.get('global_step')}, "
+                f"expected {2 * s.check_steps}"
+            )
+        step["summary"] = (
+            f"ckpt_path=last in the same run dir: resumed at step {s.check_steps}, "
+            f"last.ckpt at step {2 * s.check_steps} after the second epoch"
+        )
 
     def step_eval(self, step: dict[str, Any]) -> None:
         s = self.sizes
         ckpt = self.out / "runs" / "resume" / "checkpoints" / "last.ckpt"
         if not ckpt.is_file():
             raise StepSkipped("no checkpoint to evaluate: the resume step wrote none")
-        run_dir = self.train(step, "eval", [f"ckpt_path={ckpt}", "data=synthetic", f"data.num_test={s.check_batch * 2}",
-                                            f"data.batch_size={s.check_batch}", f"trainer.accelerator={s.accelerator}"],
-                             module="src.eval")
+        run_dir = self.train(
+            step,
+            "eval",
+            [
+                f"ckpt_path={ckpt}",
+                "data=synthetic",
+                f"data.num_test={s.check_batch * 2}",
+                f"data.batch_size={s.check_batch}",
+                f"trainer.accelerator={s.accelerator}",
+            ],
+            module="src.eval",
+        )
         metrics = json.loads((run_dir / "test_metrics.json").read_text())
         step["figures"] = metrics
-        step["summary"] = (f"src.eval on {'CUDA' if self.cuda else 'the CPU'} of the resume step's last.ckpt: "
-                           f"test accuracy {metrics.get('test/acc', float('nan')):.4f}")
+        step["summary"] = (
+            f"src.eval on {'CUDA' if self.cuda else 'the CPU'} of the resume step's last.ckpt: "
+            f"test accuracy {metrics.get('test/acc', float('nan')):.4f}"
+        )
 
     def step_two_rank(self, step: dict[str, Any]) -> None:
         s = self.sizes
         if self.cuda and len(self.info["gpus"]) < 2:
             raise StepSkipped(f"{len(self.info['gpus'])} GPU here: the 2-rank check needs two")
-        run_dir = self.train(step, "two-rank", [*self.base(s.check_batch, s.check_steps, processes=2), "strategy=ddp",
-                                                "trainer.devices=2"])
+        run_dir = self.train(
+            step,
+            "two-rank",
+            [*self.base(s.check_batch, s.check_steps, processes=2), "strategy=ddp", "trainer.devices=2"],
+        )
         r = self.record(run_dir)
         devices = rank_devices(r)
-        step["figures"] = {"world_size": r.get("world_size"), "backend": r.get("backend"), "pids": r.get("pids"),
-                           "rank_devices": devices if devices is not None else "n/a"}
+        step["figures"] = {
+            "world_size": r.get("world_size"),
+            "backend": r.get("backend"),
+            "pids": r.get("pids"),
+            "rank_devices": devices if devices is not None else "n/a",
+        }
         if r.get("world_size") != 2 or len(set(r.get("pids") or [])) != 2:
-            raise StepFailed(f"throughput.json says world size {r.get('world_size')}, pids {r.get('pids')}: "
-                             "expected 2 processes")
+            raise StepFailed(
+                f"throughput.json says world size {r.get('world_size')}, pids {r.get('pids')}: expected 2 processes"
+            )
         if not self.cuda:
             step["summary"] = f"2 processes over {s.backend} (pids {r['pids']}); per-rank GPUs: n/a on the CPU"
             return
@@ -392,33 +474,58 @@ class GpuCheck:
         try:
             # on a GPU its own cases: the CPU ones (test_host_syncs' cpu-*) are the CPU suite's
             select = ["-k", "not cpu"] if self.cuda else []
-            self.execute(step, "tests", [sys.executable, "-m", "pytest", *present, *select, "-q", "-p",
-                                         "no:cacheprovider", f"--junitxml={report}"], 600)
+            self.execute(
+                step,
+                "tests",
+                [
+                    sys.executable,
+                    "-m",
+                    "pytest",
+                    *present,
+                    *select,
+                    "-q",
+                    "-p",
+                    "no:cacheprovider",
+                    f"--junitxml={report}",
+                ],
+                600,
+            )
         finally:  # the counts of a failing run too
             step["figures"] = counts = junit_counts(report)
             step["summary"] = ", ".join(f"{n} {k}" for k, n in counts.items()) + f" ({', '.join(present)})"
         if self.cuda and counts.get("skipped"):
             step["note"] = (step.get("note", "") + f" {counts['skipped']} skipped on a GPU: the log says why").strip()
 
-    def throughput_run(self, step: dict[str, Any], pipeline: str, batch: int, compiled: str | None = None
-                       ) -> dict[str, Any]:
+    def throughput_run(
+        self, step: dict[str, Any], pipeline: str, batch: int, compiled: str | None = None
+    ) -> dict[str, Any]:
         """One row of the table: eager, or ``compiled`` in that torch.compile mode."""
         s = self.sizes
         name = f"throughput-{pipeline}-{batch}{'-compiled' if compiled else ''}"
         row: dict[str, Any] = {"pipeline": pipeline, "batch": batch, "compiled": compiled or False, "status": "passed"}
-        overrides = [*self.base(batch, s.warmup + s.steps, warmup=s.warmup, compile=compiled or "false"),
-                     f"data.pipeline={pipeline}"]
+        overrides = [
+            *self.base(batch, s.warmup + s.steps, warmup=s.warmup, compile=compiled or "false"),
+            f"data.pipeline={pipeline}",
+        ]
         timeout = s.compile_timeout_s if compiled else s.command_timeout_s
         try:
             r = self.record(self.train(step, name, overrides, timeout))
         except StepFailed as err:
             row.update(status="timeout" if err.timed_out else "failed", note=str(err), output_tail=tail(err.log))
             return row
-        row.update(images_per_second=r.get("samples_per_second"), peak_memory_mb=r.get("peak_memory_mb"),
-                   checkpoint_share=r.get("checkpoint_share"), checkpoint_save_s=r.get("checkpoint_save_s"),
-                   checkpoints_saved=r.get("checkpoints_saved"), fit_time_s=r.get("fit_time_s"),
-                   steps_measured=r.get("steps_measured"), precision=r.get("precision"),
-                   channels_last=r.get("channels_last"), device_name=r.get("device_name"), command=step["commands"][-1])
+        row.update(
+            images_per_second=r.get("samples_per_second"),
+            peak_memory_mb=r.get("peak_memory_mb"),
+            checkpoint_share=r.get("checkpoint_share"),
+            checkpoint_save_s=r.get("checkpoint_save_s"),
+            checkpoints_saved=r.get("checkpoints_saved"),
+            fit_time_s=r.get("fit_time_s"),
+            steps_measured=r.get("steps_measured"),
+            precision=r.get("precision"),
+            channels_last=r.get("channels_last"),
+            device_name=r.get("device_name"),
+            command=step["commands"][-1],
+        )
         return row
 
     def step_throughput(self, step: dict[str, Any]) -> None:
@@ -426,8 +533,15 @@ class GpuCheck:
         for pipeline in ("device", "dataloader"):
             for batch in self.sizes.batches:
                 if self.left() < RUN_ESTIMATE_S[not self.cuda]:
-                    rows.append({"pipeline": pipeline, "batch": batch, "compiled": False, "status": "skipped",
-                                 "note": "the time budget ran out"})
+                    rows.append(
+                        {
+                            "pipeline": pipeline,
+                            "batch": batch,
+                            "compiled": False,
+                            "status": "skipped",
+                            "note": "the time budget ran out",
+                        }
+                    )
                     continue
                 rows.append(self.throughput_run(step, pipeline, batch))
                 step["figures"] = {"rows": rows}
@@ -441,8 +555,15 @@ class GpuCheck:
         rows = []
         for batch in self.sizes.batches:
             if self.left() < COMPILE_RUN_ESTIMATE_S[not self.cuda]:
-                rows.append({"pipeline": "device", "batch": batch, "compiled": COMPILE_MODE, "status": "skipped",
-                             "note": "the time budget ran out"})
+                rows.append(
+                    {
+                        "pipeline": "device",
+                        "batch": batch,
+                        "compiled": COMPILE_MODE,
+                        "status": "skipped",
+                        "note": "the time budget ran out",
+                    }
+                )
                 continue
             row = self.throughput_run(step, "device", batch, compiled=COMPILE_MODE)
             if batch in eager and row.get("images_per_second"):
@@ -454,41 +575,73 @@ class GpuCheck:
 
     def finish_table(self, step: dict[str, Any], rows: list[dict[str, Any]]) -> None:
         done = [r for r in rows if r["status"] == "passed"]
-        step["summary"] = "; ".join(f"{r['pipeline']} {r['batch']}{' compiled' if r['compiled'] else ''}: "
-                                    f"{fmt(r.get('images_per_second'))} img/s"
-                                    + (f" ({r['vs_eager']:.2f}x eager)" if "vs_eager" in r else "") for r in done)
+        step["summary"] = "; ".join(
+            f"{r['pipeline']} {r['batch']}{' compiled' if r['compiled'] else ''}: "
+            f"{fmt(r.get('images_per_second'))} img/s" + (f" ({r['vs_eager']:.2f}x eager)" if "vs_eager" in r else "")
+            for r in done
+        )
         bad = [r for r in rows if r["status"] in ("failed", "timeout")]
         skipped = [r for r in rows if r["status"] == "skipped"]
         if skipped:
-            step["note"] = (step.get("note", "") + f" {len(skipped)} of {len(rows)} runs skipped: the time budget "
-                            "ran out").strip()
+            step["note"] = (
+                step.get("note", "") + f" {len(skipped)} of {len(rows)} runs skipped: the time budget ran out"
+            ).strip()
         if bad:
             step["output_tail"] = bad[0].get("output_tail", "")
             raise StepFailed("; ".join(r["note"] for r in bad), timed_out=all(r["status"] == "timeout" for r in bad))
 
     def table_rows(self) -> list[dict[str, Any]]:
-        return [row for st in self.steps if st["name"] in ("throughput", "compile")
-                for row in st.get("figures", {}).get("rows", [])]
+        return [
+            row
+            for st in self.steps
+            if st["name"] in ("throughput", "compile")
+            for row in st.get("figures", {}).get("rows", [])
+        ]
 
     def step_bench(self, step: dict[str, Any]) -> None:
         s = self.sizes
         out = self.out / "bench"
         batch = 256 if self.cuda else s.check_batch
-        self.execute(step, "bench", [sys.executable, str(ROOT / "benchmarks" / "bench.py"), f"--arch={s.arch}",
-                                     f"--batch-size={batch}", f"--steps={s.steps}", f"--warmup={s.warmup}",
-                                     "--repeats=1", "--processes=1", "--pipelines=device", "--equal-only",
-                                     f"--out={out}", f"--timeout={s.command_timeout_s}"], 2 * s.command_timeout_s + 60)
+        self.execute(
+            step,
+            "bench",
+            [
+                sys.executable,
+                str(ROOT / "benchmarks" / "bench.py"),
+                f"--arch={s.arch}",
+                f"--batch-size={batch}",
+                f"--steps={s.steps}",
+                f"--warmup={s.warmup}",
+                "--repeats=1",
+                "--processes=1",
+                "--pipelines=device",
+                "--equal-only",
+                f"--out={out}",
+                f"--timeout={s.command_timeout_s}",
+            ],
+            2 * s.command_timeout_s + 60,
+        )
         result = json.loads((out / "bench.json").read_text())
         step["figures"] = result
-        step["summary"] = (f"project/bare throughput ratio at equal settings: {result['ratio']:.3f} "
-                           f"({result['ratio_settings']}, batch {batch}, 1 run of {s.steps} steps each)")
+        step["summary"] = (
+            f"project/bare throughput ratio at equal settings: {result['ratio']:.3f} "
+            f"({result['ratio_settings']}, batch {batch}, 1 run of {s.steps} steps each)"
+        )
 
     # -- the report ------------------------------------------------------------------------------------------
 
     def run(self, chosen: list[str]) -> int:
         for name in STEPS:
-            step = {"name": name, "status": "passed", "seconds": 0.0, "commands": [], "figures": {}, "summary": "",
-                    "note": "", "output_tail": ""}
+            step = {
+                "name": name,
+                "status": "passed",
+                "seconds": 0.0,
+                "commands": [],
+                "figures": {},
+                "summary": "",
+                "note": "",
+                "output_tail": "",
+            }
             self.steps.append(step)
             self.under_way, began = step, time.time()
             estimate = ESTIMATE_S[name][not self.cuda]
@@ -496,27 +649,36 @@ class GpuCheck:
                 if name != "env" and name not in chosen:
                     raise StepSkipped("left out (--only, --skip)")
                 if self.left() < estimate:
-                    raise StepSkipped(f"would overrun the time budget: {max(0, self.left()):.0f} s left, about "
-                                      f"{estimate} s needed (--budget-s, or --only {name})")
+                    raise StepSkipped(
+                        f"would overrun the time budget: {max(0, self.left()):.0f} s left, about "
+                        f"{estimate} s needed (--budget-s, or --only {name})"
+                    )
                 getattr(self, "step_" + name.replace("-", "_"))(step)
             except StepSkipped as why:
                 step.update(status="skipped", note=str(why))
             except StepFailed as err:
-                step.update(status="timeout" if err.timed_out else "failed",
-                            note=(step["note"] + " " + str(err)).strip())
+                step.update(
+                    status="timeout" if err.timed_out else "failed", note=(step["note"] + " " + str(err)).strip()
+                )
                 step["output_tail"] = tail(err.log) or step["output_tail"]
             except Exception as err:  # noqa: BLE001 - a check's own bug, or a file a run did not write: that step fails, not all
-                step.update(status="failed", note=f"{type(err).__name__}: {err}",
-                            output_tail=traceback.format_exc()[-3000:])
+                step.update(
+                    status="failed", note=f"{type(err).__name__}: {err}", output_tail=traceback.format_exc()[-3000:]
+                )
             step["seconds"] = self.info.get("probe_s", 0.0) if name == "env" else round(time.time() - began, 1)
             self.under_way = None
-            print(f"[{time.time() - self.started:5.0f} s] {name:<13} {step['status']:<8} {step['seconds']:6.1f} s  "
-                  f"{step['summary'] or step['note']}", flush=True)
+            print(
+                f"[{time.time() - self.started:5.0f} s] {name:<13} {step['status']:<8} {step['seconds']:6.1f} s  "
+                f"{step['summary'] or step['note']}",
+                flush=True,
+            )
             self.write_report()
         self.write_report()
         bad = [st["name"] for st in self.steps if st["status"] in ("failed", "timeout")]
-        print(f"\n{self.headline()}\nreport: {self.out / 'report.md'} and report.json"
-              + (f"\nfailed: {', '.join(bad)}" if bad else ""))
+        print(
+            f"\n{self.headline()}\nreport: {self.out / 'report.md'} and report.json"
+            + (f"\nfailed: {', '.join(bad)}" if bad else "")
+        )
         return 1 if bad else 0
 
     def device_label(self) -> str:
@@ -532,40 +694,67 @@ class GpuCheck:
         return f"torch {i['torch']}{cuda}, Lightning {i['lightning']}, Python {i['python']}"
 
     def headline(self) -> str:
-        counts = {status: sum(st["status"] == status for st in self.steps)
-                  for status in ("passed", "failed", "timeout", "skipped")}
-        return (f"gpu-check on {self.device_label()}: " + ", ".join(f"{n} {k}" for k, n in counts.items() if n)
-                + f" in {time.time() - self.started:.0f} s (budget {self.args.budget_s:.0f} s)")
+        counts = {
+            status: sum(st["status"] == status for st in self.steps)
+            for status in ("passed", "failed", "timeout", "skipped")
+        }
+        return (
+            f"gpu-check on {self.device_label()}: "
+            + ", ".join(f"{n} {k}" for k, n in counts.items() if n)
+            + f" in {time.time() - self.started:.0f} s (budget {self.args.budget_s:.0f} s)"
+        )
 
     def write_report(self) -> None:
         date = time.strftime("%Y-%m-%d", time.localtime(self.started))
         command = shlex.join([Path(sys.executable).name, "benchmarks/gpu_check.py", *sys.argv[1:]])
         mode = "cuda" if self.cuda else "cpu"
         failed = any(st["status"] in ("failed", "timeout") for st in self.steps)
-        report = {"command": command, "mode": mode, "date": date, "device": self.device_label(), **self.info,
-                  "budget_s": self.args.budget_s, "elapsed_s": round(time.time() - self.started, 1),
-                  "status": "failed" if failed else "passed", "steps": self.steps}
+        report = {
+            "command": command,
+            "mode": mode,
+            "date": date,
+            "device": self.device_label(),
+            **self.info,
+            "budget_s": self.args.budget_s,
+            "elapsed_s": round(time.time() - self.started, 1),
+            "status": "failed" if failed else "passed",
+            "steps": self.steps,
+        }
         self.out.mkdir(parents=True, exist_ok=True)
         (self.out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
         s = self.sizes
-        lines = [f"# gpu-check: {self.device_label()}, {self.versions()}, {date}", "",
-                 f"`{'GPU_CHECK_DEVICE=cpu ' if not self.cuda else ''}{command}` — {self.headline()}", "",
-                 "| step | status | seconds | result | note |", "|---|---|---:|---|---|"]
+        lines = [
+            f"# gpu-check: {self.device_label()}, {self.versions()}, {date}",
+            "",
+            f"`{'GPU_CHECK_DEVICE=cpu ' if not self.cuda else ''}{command}` — {self.headline()}",
+            "",
+            "| step | status | seconds | result | note |",
+            "|---|---|---:|---|---|",
+        ]
         for st in self.steps:
-            lines.append(f"| {st['name']} | {st['status']} | {st['seconds']:.1f} | {st['summary'] or '—'} "
-                         f"| {st['note'] or '—'} |".replace("\n", " "))
+            lines.append(
+                f"| {st['name']} | {st['status']} | {st['seconds']:.1f} | {st['summary'] or '—'} "
+                f"| {st['note'] or '—'} |".replace("\n", " ")
+            )
         rows = self.table_rows()
         if rows:
             memory = "peak GPU memory, MiB (allocated)" if self.cuda else "peak memory, MiB (RSS)"
-            lines += ["", f"## Throughput: {s.arch} (CIFAR stem), {s.precision}, channels-last, one "
-                          f"{'GPU' if self.cuda else 'process'}, {s.steps} steps timed after {s.warmup}; "
-                          f"{self.device_label()}, {self.versions()}, {date}", "",
-                      f"| data.pipeline | batch per {'GPU' if self.cuda else 'process'} | compiled | img/s | {memory} "
-                      "| checkpoint share | status |", "|---|---:|---|---:|---:|---:|---|"]
+            lines += [
+                "",
+                f"## Throughput: {s.arch} (CIFAR stem), {s.precision}, channels-last, one "
+                f"{'GPU' if self.cuda else 'process'}, {s.steps} steps timed after {s.warmup}; "
+                f"{self.device_label()}, {self.versions()}, {date}",
+                "",
+                f"| data.pipeline | batch per {'GPU' if self.cuda else 'process'} | compiled | img/s | {memory} "
+                "| checkpoint share | status |",
+                "|---|---:|---|---:|---:|---:|---|",
+            ]
             for r in rows:
-                lines.append(f"| {r['pipeline']} | {r['batch']} | {r['compiled'] or 'no'} "
-                             f"| {fmt(r.get('images_per_second'))} | {fmt(r.get('peak_memory_mb'), 0)} "
-                             f"| {fmt(r.get('checkpoint_share'), 3)} | {r['status']} |")
+                lines.append(
+                    f"| {r['pipeline']} | {r['batch']} | {r['compiled'] or 'no'} "
+                    f"| {fmt(r.get('images_per_second'))} | {fmt(r.get('peak_memory_mb'), 0)} "
+                    f"| {fmt(r.get('checkpoint_share'), 3)} | {r['status']} |"
+                )
         for st in self.steps:
             if st["status"] in ("failed", "timeout") and st["output_tail"]:
                 lines += ["", f"## {st['name']}: {st['status']}", "", st["note"], "", "```", st["output_tail"], "```"]
@@ -579,8 +768,12 @@ def junit_counts(path: Path) -> dict[str, int]:
     root = ET.parse(path).getroot()
     suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
     total = {k: sum(int(s.get(k, 0)) for s in suites) for k in ("tests", "failures", "errors", "skipped")}
-    return {"passed": total["tests"] - total["failures"] - total["errors"] - total["skipped"],
-            "failed": total["failures"], "errors": total["errors"], "skipped": total["skipped"]}
+    return {
+        "passed": total["tests"] - total["failures"] - total["errors"] - total["skipped"],
+        "failed": total["failures"],
+        "errors": total["errors"],
+        "skipped": total["skipped"],
+    }
 
 
 def missing_packages() -> list[str]:
@@ -602,7 +795,7 @@ def probe(timeout: float = 180) -> dict[str, Any]:
     done = subprocess.run([sys.executable, "-c", PROBE], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     for line in done.stdout.splitlines():
         if line.startswith("PROBE "):
-            return {**json.loads(line[len("PROBE "):]), "probe_s": round(time.time() - began, 1)}
+            return {**json.loads(line[len("PROBE ") :]), "probe_s": round(time.time() - began, 1)}
     last = (done.stderr.strip().splitlines() or ["no output"])[-1]
     raise RuntimeError(f"asking torch for its versions and GPUs failed (exit {done.returncode}): {last}")
 
@@ -611,8 +804,7 @@ def step_list(text: str | None, option: str) -> list[str]:
     names = [n for n in (text or "").split(",") if n]
     unknown = [n for n in names if n not in STEPS]
     if unknown:
-        raise SetupError(f"{option} names unknown steps ({', '.join(unknown)}): the steps are "
-                         f"{', '.join(STEPS)}")
+        raise SetupError(f"{option} names unknown steps ({', '.join(unknown)}): the steps are {', '.join(STEPS)}")
     return names
 
 
@@ -646,24 +838,36 @@ def setup() -> tuple[argparse.Namespace, list[str], bool, dict[str, Any]]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--only", help=f"comma-separated steps to run (env always runs): {', '.join(STEPS)}")
     parser.add_argument("--skip", help="comma-separated steps to leave out")
-    parser.add_argument("--budget-s", type=float, default=None,
-                        help="seconds for the whole check (default 600 on a GPU, 900 in CPU mode)")
-    parser.add_argument("--batches", type=lambda t: tuple(int(b) for b in t.split(",")), default=None,
-                        help="per-GPU batches of the throughput table (default 128,256,512; CPU mode 4,8)")
-    parser.add_argument("--tests", default="tests/test_gpu.py,tests/test_host_syncs.py",
-                        help="the test files the tests step runs (those missing are left out)")
+    parser.add_argument(
+        "--budget-s",
+        type=float,
+        default=None,
+        help="seconds for the whole check (default 600 on a GPU, 900 in CPU mode)",
+    )
+    parser.add_argument(
+        "--batches",
+        type=lambda t: tuple(int(b) for b in t.split(",")),
+        default=None,
+        help="per-GPU batches of the throughput table (default 128,256,512; CPU mode 4,8)",
+    )
+    parser.add_argument(
+        "--tests",
+        default="tests/test_gpu.py,tests/test_host_syncs.py",
+        help="the test files the tests step runs (those missing are left out)",
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "outputs" / "gpu-check")
     args = parser.parse_args()
     chosen = step_list(args.only, "--only") or list(STEPS)
     chosen = [n for n in chosen if n not in step_list(args.skip, "--skip")]
     device = os.environ.get("GPU_CHECK_DEVICE", "cuda")
     if device not in ("cuda", "cpu"):
-        raise SetupError(f"GPU_CHECK_DEVICE={device} is not known: leave it unset for the GPU, or cpu for "
-                         "the CPU mode")
+        raise SetupError(f"GPU_CHECK_DEVICE={device} is not known: leave it unset for the GPU, or cpu for the CPU mode")
     missing = missing_packages()
     if missing:
-        raise SetupError(f"make gpu-check needs {', '.join(missing)}, which {sys.executable} cannot import: "
-                         f"pip install {' '.join(missing)} (or put them on PYTHONPATH); it installs nothing itself")
+        raise SetupError(
+            f"make gpu-check needs {', '.join(missing)}, which {sys.executable} cannot import: "
+            f"pip install {' '.join(missing)} (or put them on PYTHONPATH); it installs nothing itself"
+        )
     try:
         info = probe()
     except (RuntimeError, subprocess.TimeoutExpired) as err:
@@ -671,8 +875,10 @@ def setup() -> tuple[argparse.Namespace, list[str], bool, dict[str, Any]]:
     cuda = device == "cuda"
     if cuda and not info["cuda"]:
         build = f"a CUDA {info['cuda_build']} build" if info["cuda_build"] else "a CPU-only build"
-        raise SetupError(f"no CUDA GPU is visible here (torch {info['torch']}, {build}): run make gpu-check on "
-                         "a GPU node, or GPU_CHECK_DEVICE=cpu make gpu-check for its CPU mode")
+        raise SetupError(
+            f"no CUDA GPU is visible here (torch {info['torch']}, {build}): run make gpu-check on "
+            "a GPU node, or GPU_CHECK_DEVICE=cpu make gpu-check for its CPU mode"
+        )
     if args.budget_s is None:
         args.budget_s = 600.0 if cuda else 900.0
     return args, chosen, cuda, info

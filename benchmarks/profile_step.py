@@ -106,14 +106,15 @@ def summarise(events: list, cuda: bool) -> dict[str, Any]:
     cpu = torch.autograd.DeviceType.CPU
     spans: Counter[str] = Counter()
     calls: Counter[str] = Counter()
-    windows = sorted((e.time_range.start, e.time_range.end) for e in events
-                     if e.device_type == cpu and e.name == PREFIX + "step")
+    windows = sorted(
+        (e.time_range.start, e.time_range.end) for e in events if e.device_type == cpu and e.name == PREFIX + "step"
+    )
     starts = [w[0] for w in windows]
     kernel_us = nccl_us = 0.0
     for e in events:
         if e.device_type == cpu:
             if e.name.startswith(PREFIX):
-                spans[e.name[len(PREFIX):]] += e.time_range.elapsed_us()
+                spans[e.name[len(PREFIX) :]] += e.time_range.elapsed_us()
             elif e.name in SYNC_CALLS + SCALAR_READS:
                 i = bisect.bisect_right(starts, e.time_range.start) - 1
                 calls[e.name] += i >= 0 and e.time_range.start <= windows[i][1]  # only those inside a step
@@ -152,12 +153,15 @@ class StepProfiler(L.Callback):
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.profile = profile = StepProfile(self.steps, trainer.strategy.root_device.type == "cuda")
-        self._handles = [pl_module.register_forward_pre_hook(lambda *_: profile.begin("forward")),
-                         pl_module.register_forward_hook(lambda *_: profile.end("forward"))]
+        self._handles = [
+            pl_module.register_forward_pre_hook(lambda *_: profile.begin("forward")),
+            pl_module.register_forward_hook(lambda *_: profile.end("forward")),
+        ]
         self._handles += [o.register_step_post_hook(lambda *_: profile.end("optimizer")) for o in trainer.optimizers]
 
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
-                             batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         self.profile.next_step(start=self.seen == self.warmup)
         self.seen += 1
 
@@ -185,14 +189,18 @@ def cell(value: float | None, digits: int = 1) -> str:
 
 def table(results: dict[str, dict[str, Any]]) -> list[str]:
     """The markdown table: one row per side."""
-    lines = ["| run | steps | step ms | forward ms | backward ms | optimizer ms | outside ms | GPU kernels ms "
-             "| host syncs / step | scalar reads / step |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| run | steps | step ms | forward ms | backward ms | optimizer ms | outside ms | GPU kernels ms "
+        "| host syncs / step | scalar reads / step |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for side, p in results.items():
-        lines.append(f"| {side} | {p['steps']} | {cell(p.get('step_ms'))} | {cell(p.get('forward_ms'))} "
-                     f"| {cell(p.get('backward_ms'))} | {cell(p.get('optimizer_ms'))} | {cell(p.get('outside_ms'))} "
-                     f"| {cell(p.get('gpu_kernel_ms'))} | {cell(p.get('host_syncs_per_step'), 2)} "
-                     f"| {cell(p.get('scalar_reads_per_step'), 2)} |")
+        lines.append(
+            f"| {side} | {p['steps']} | {cell(p.get('step_ms'))} | {cell(p.get('forward_ms'))} "
+            f"| {cell(p.get('backward_ms'))} | {cell(p.get('optimizer_ms'))} | {cell(p.get('outside_ms'))} "
+            f"| {cell(p.get('gpu_kernel_ms'))} | {cell(p.get('host_syncs_per_step'), 2)} "
+            f"| {cell(p.get('scalar_reads_per_step'), 2)} |"
+        )
     return lines
 
 
@@ -205,11 +213,21 @@ def main() -> int:
     parser.add_argument("--arch", default="resnet50")
     parser.add_argument("--batch-size", type=int, default=256 if cuda else 32, help="per process")
     parser.add_argument("--pipeline", choices=("device", "dataloader"), default="device")
-    parser.add_argument("--compile", nargs="?", const="default", default=None, metavar="MODE",
-                        help="torch.compile the network on both sides, in torch.compile's MODE")
+    parser.add_argument(
+        "--compile",
+        nargs="?",
+        const="default",
+        default=None,
+        metavar="MODE",
+        help="torch.compile the network on both sides, in torch.compile's MODE",
+    )
     parser.add_argument("--processes", type=int, default=1)
-    parser.add_argument("--ddp", choices=("auto", "always"), default="auto",
-                        help="auto: DDP from 2 processes on; always: one process too")
+    parser.add_argument(
+        "--ddp",
+        choices=("auto", "always"),
+        default="auto",
+        help="auto: DDP from 2 processes on; always: one process too",
+    )
     parser.add_argument("--steps", type=int, default=20, help="profiled steps")
     parser.add_argument("--warmup", type=int, default=30 if cuda else 3, help="steps before profiling")
     parser.add_argument("--timeout", type=float, default=900, help="seconds allowed for each run")
@@ -223,25 +241,43 @@ def main() -> int:
     project_json, bare_json = out / "project.json", out / "bare.json"
     for stale in (project_json, bare_json):
         stale.unlink(missing_ok=True)
-    run(project_command(sized, s, cuda, out / "project") + [
-        "+callbacks.step_profile._target_=benchmarks.profile_step.StepProfiler",
-        f"+callbacks.step_profile.out={project_json}", f"+callbacks.step_profile.steps={args.steps}",
-        f"+callbacks.step_profile.warmup={args.warmup}"], out / "project.log", args.timeout)
+    run(
+        project_command(sized, s, cuda, out / "project")
+        + [
+            "+callbacks.step_profile._target_=benchmarks.profile_step.StepProfiler",
+            f"+callbacks.step_profile.out={project_json}",
+            f"+callbacks.step_profile.steps={args.steps}",
+            f"+callbacks.step_profile.warmup={args.warmup}",
+        ],
+        out / "project.log",
+        args.timeout,
+    )
     run(bare_command(sized, s, cuda, bare_json) + [f"--profile-steps={args.steps}"], out / "bare.log", args.timeout)
-    results = {"project (src.train)": json.loads(project_json.read_text())["profile"],
-               "bare loop": json.loads(bare_json.read_text())["profile"]}
+    results = {
+        "project (src.train)": json.loads(project_json.read_text())["profile"],
+        "bare loop": json.loads(bare_json.read_text())["profile"],
+    }
     chosen = auto_choice(cuda, args.arch)
-    heading = (f"{args.arch} (CIFAR stem), batch {args.batch_size} per process, {args.processes} "
-               f"process{'es' if args.processes > 1 else ''}, data.pipeline={s.pipeline}"
-               f"{f' ({workers} workers)' if workers else ''}, {', '.join(s.columns()[1:])}, {chosen.label}; "
-               f"{device}, torch {torch.__version__}, Lightning {L.__version__}, {time.strftime('%Y-%m-%d')}")
+    heading = (
+        f"{args.arch} (CIFAR stem), batch {args.batch_size} per process, {args.processes} "
+        f"process{'es' if args.processes > 1 else ''}, data.pipeline={s.pipeline}"
+        f"{f' ({workers} workers)' if workers else ''}, {', '.join(s.columns()[1:])}, {chosen.label}; "
+        f"{device}, torch {torch.__version__}, Lightning {L.__version__}, {time.strftime('%Y-%m-%d')}"
+    )
     command = "python benchmarks/profile_step.py " + " ".join(sys.argv[1:])
-    lines = [f"# Step profile: {heading}", "", f"`{command.strip()}`: {args.steps} steps after {args.warmup} "
-             "warm-up steps, per step; CPU ms of the whole step and of the ranges in it, 'outside' is the rest "
-             "(data, hooks, logging); GPU kernels: the sum of kernel times", "", *table(results)]
+    lines = [
+        f"# Step profile: {heading}",
+        "",
+        f"`{command.strip()}`: {args.steps} steps after {args.warmup} "
+        "warm-up steps, per step; CPU ms of the whole step and of the ranges in it, 'outside' is the rest "
+        "(data, hooks, logging); GPU kernels: the sum of kernel times",
+        "",
+        *table(results),
+    ]
     (out / "profile.md").write_text("\n".join(lines) + "\n")
-    (out / "profile.json").write_text(json.dumps({"setting": heading, "command": command.strip(), **results},
-                                                 indent=2) + "\n")
+    (out / "profile.json").write_text(
+        json.dumps({"setting": heading, "command": command.strip(), **results}, indent=2) + "\n"
+    )
     print("\n".join(lines[2:]))
     print(f"\n{heading}\nwritten: {out / 'profile.md'}, {out / 'profile.json'}")
     return 0

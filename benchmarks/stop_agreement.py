@@ -43,15 +43,24 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, fixed:
     torch.set_num_threads(1)
     if fixed:
         graceful_stop.MAX_PERIOD = 1  # an agreement at every batch end
-    store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0, timeout=__import__("datetime").timedelta(
-        seconds=120))
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
-                            timeout=__import__("datetime").timedelta(seconds=60))  # ranks that disagree: an error
+    store = dist.TCPStore(
+        "127.0.0.1", port, world, is_master=rank == 0, timeout=__import__("datetime").timedelta(seconds=120)
+    )
+    dist.init_process_group(
+        "gloo", store=store, rank=rank, world_size=world, timeout=__import__("datetime").timedelta(seconds=60)
+    )  # ranks that disagree: an error
     callback = graceful_stop.GracefulStop(period=1 if fixed else args.period)
-    trainer = SimpleNamespace(world_size=world, callbacks=[], default_root_dir=str(out), is_global_zero=rank == 0,
-                              fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace()), global_step=0, current_epoch=0,
-                              save_checkpoint=lambda path, weights_only=False: None,
-                              _logger_connector=SimpleNamespace(update_train_step_metrics=lambda: None))  # no loggers
+    trainer = SimpleNamespace(
+        world_size=world,
+        callbacks=[],
+        default_root_dir=str(out),
+        is_global_zero=rank == 0,
+        fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace()),
+        global_step=0,
+        current_epoch=0,
+        save_checkpoint=lambda path, weights_only=False: None,
+        _logger_connector=SimpleNamespace(update_train_step_metrics=lambda: None),
+    )  # no loggers
     callback.setup(trainer, None, "fit")
     callback.on_train_start(trainer, None)
     grads = torch.zeros(256)
@@ -79,17 +88,34 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, fixed:
         if step >= args.warmup:
             hook_s.append(time.perf_counter() - started)
     hook_s = hook_s[1:] or [0.0]
-    times = torch.tensor([statistics.mean(hook_s), sorted(hook_s)[int(0.99 * (len(hook_s) - 1))], max(hook_s),
-                          float(callback._period), float(stopped_at)], dtype=torch.float64)
+    times = torch.tensor(
+        [
+            statistics.mean(hook_s),
+            sorted(hook_s)[int(0.99 * (len(hook_s) - 1))],
+            max(hook_s),
+            float(callback._period),
+            float(stopped_at),
+        ],
+        dtype=torch.float64,
+    )
     gathered = [torch.zeros_like(times) for _ in range(world)] if rank == 0 else None
     dist.gather(times, gathered, dst=0)
     if rank == 0:
         rows = torch.stack(gathered)
-        (out / f"{'fixed' if fixed else 'adaptive'}-{world}.json").write_text(json.dumps({
-            "ranks": world, "design": "every batch" if fixed else "adaptive period",
-            "hook_ms_mean": 1000 * float(rows[:, 0].mean()), "hook_ms_p99": 1000 * float(rows[:, 1].max()),
-            "hook_ms_max": 1000 * float(rows[:, 2].max()), "period": int(rows[0, 3]), "step_ms": args.step_ms,
-            "stopped_at": [int(x) for x in rows[:, 4]]}))
+        (out / f"{'fixed' if fixed else 'adaptive'}-{world}.json").write_text(
+            json.dumps(
+                {
+                    "ranks": world,
+                    "design": "every batch" if fixed else "adaptive period",
+                    "hook_ms_mean": 1000 * float(rows[:, 0].mean()),
+                    "hook_ms_p99": 1000 * float(rows[:, 1].max()),
+                    "hook_ms_max": 1000 * float(rows[:, 2].max()),
+                    "period": int(rows[0, 3]),
+                    "step_ms": args.step_ms,
+                    "stopped_at": [int(x) for x in rows[:, 4]],
+                }
+            )
+        )
     dist.destroy_process_group()
 
 
@@ -124,12 +150,19 @@ def main() -> None:
     parser.add_argument("--step-ms", type=float, default=20.0, help="a step's work, in milliseconds")
     parser.add_argument("--out", type=Path, default=ROOT / "outputs" / "bench" / "stop-agreement")
     parser.add_argument("--period", type=int, default=1, help="callbacks.graceful_stop.period: the first period")
-    parser.add_argument("--signal-at", type=int, default=-1,
-                        help="SIGTERM the last rank at this step: every rank must stop after the same step")
+    parser.add_argument(
+        "--signal-at",
+        type=int,
+        default=-1,
+        help="SIGTERM the last rank at this step: every rank must stop after the same step",
+    )
     parser.add_argument("--designs", default="every-batch,adaptive", help="which designs to run")
-    parser.add_argument("--ask-longer-at", type=int, default=-1,
-                        help="from this step, rank 0 alone finds its next agreements slow (it then asks for twice "
-                             "the period)")
+    parser.add_argument(
+        "--ask-longer-at",
+        type=int,
+        default=-1,
+        help="from this step, rank 0 alone finds its next agreements slow (it then asks for twice the period)",
+    )
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     import lightning  # noqa: F401
@@ -143,19 +176,30 @@ def main() -> None:
                 rows.append(measure(world, args, fixed, args.out))
     import torch as t
 
-    head = (f"stop agreement per batch end, {args.steps} batches of {args.step_ms:g} ms after {args.warmup}; "
-            f"{cpu_name()} ({os.cpu_count()} cores), torch {t.__version__}, gloo, {time.strftime('%Y-%m-%d')}")
-    lines = [head, "", "| ranks | design | mean ms | p99 ms | max ms | period (batches) |",
-             "|---:|---|---:|---:|---:|---:|"]
-    lines += [f"| {r['ranks']} | {r['design']} | {r['hook_ms_mean']:.3f} | {r['hook_ms_p99']:.3f} | "
-              f"{r['hook_ms_max']:.3f} | {r['period']} |" for r in rows]
+    head = (
+        f"stop agreement per batch end, {args.steps} batches of {args.step_ms:g} ms after {args.warmup}; "
+        f"{cpu_name()} ({os.cpu_count()} cores), torch {t.__version__}, gloo, {time.strftime('%Y-%m-%d')}"
+    )
+    lines = [
+        head,
+        "",
+        "| ranks | design | mean ms | p99 ms | max ms | period (batches) |",
+        "|---:|---|---:|---:|---:|---:|",
+    ]
+    lines += [
+        f"| {r['ranks']} | {r['design']} | {r['hook_ms_mean']:.3f} | {r['hook_ms_p99']:.3f} | "
+        f"{r['hook_ms_max']:.3f} | {r['period']} |"
+        for r in rows
+    ]
     if args.signal_at >= 0:  # every rank stopped after one step, whichever was signalled
         for r in rows:
             steps = set(r["stopped_at"])
             if len(steps) != 1 or -1 in steps:
                 sys.exit(f"error: {r['ranks']} ranks ({r['design']}) stopped after steps {r['stopped_at']}")
-            lines.append(f"stop: rank {r['ranks'] - 1} of {r['ranks']} signalled at step {args.signal_at}; every rank "
-                         f"stopped after step {steps.pop()} ({r['design']}, period {r['period']})")
+            lines.append(
+                f"stop: rank {r['ranks'] - 1} of {r['ranks']} signalled at step {args.signal_at}; every rank "
+                f"stopped after step {steps.pop()} ({r['design']}, period {r['period']})"
+            )
     (args.out / "stop_agreement.json").write_text(json.dumps({"head": head, "rows": rows}, indent=1))
     (args.out / "stop_agreement.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -26,7 +26,9 @@ log = logging.getLogger("src.eval")
 def main(cfg: DictConfig) -> dict[str, float]:
     """Evaluate ``ckpt_path`` on the test set; print and save ``test_metrics.json``."""
     if OmegaConf.is_missing(cfg, "ckpt_path") or not cfg.ckpt_path:
-        raise UserError("ckpt_path=PATH is required: the checkpoint to evaluate (e.g. outputs/.../checkpoints/last.ckpt)")
+        raise UserError(
+            "ckpt_path=PATH is required: the checkpoint to evaluate (e.g. outputs/.../checkpoints/last.ckpt)"
+        )
     path = Path(cfg.ckpt_path)
     checkpoint = read_checkpoint(path, trusted=cfg.ckpt_trusted)
     # every device by default: the test shards count each image once at any world size
@@ -39,8 +41,9 @@ def main(cfg: DictConfig) -> dict[str, float]:
     metrics = {k: float(v) for k, v in trainer.test(model, datamodule=datamodule, verbose=False)[0].items()}
     if trainer.is_global_zero:
         Path(cfg.paths.output_dir, "test_metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
-        log.info(test_summary(metrics, f"{describe_checkpoint(path, checkpoint)}, {model.hparams.arch}", trainer,
-                              datamodule))
+        log.info(
+            test_summary(metrics, f"{describe_checkpoint(path, checkpoint)}, {model.hparams.arch}", trainer, datamodule)
+        )
     return metrics
 
 

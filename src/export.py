@@ -60,8 +60,10 @@ def main(cfg: DictConfig) -> dict[str, Any]:
     net = Normalised(model.net).eval()
     reference = logits_of(net, images, cfg.export.batch_size) if images is not None else None
     meta = describe(model, checkpoint, path, data_cfg, config_file)
-    record: dict[str, Any] = {"checkpoint": str(path), "validated_on": None if images is None else
-                              {"data": data_name, "images": len(images)}}
+    record: dict[str, Any] = {
+        "checkpoint": str(path),
+        "validated_on": None if images is None else {"data": data_name, "images": len(images)},
+    }
     with torch.inference_mode():
         for name in formats:
             target = out / f"{path.stem}.{name}"
@@ -70,8 +72,9 @@ def main(cfg: DictConfig) -> dict[str, Any]:
     write_record(out / RECORD, path.name, record)
     failed = [f"{name}: {r['failed']}" for name in formats if (r := record[name]).get("failed")]
     if failed:
-        raise UserError(f"the export does not match PyTorch ({'; '.join(failed)}; figures in {out / RECORD}): "
-                        "the file was not kept")
+        raise UserError(
+            f"the export does not match PyTorch ({'; '.join(failed)}; figures in {out / RECORD}): the file was not kept"
+        )
     return record
 
 

@@ -41,21 +41,34 @@ def main(cfg: DictConfig) -> list[dict[str, Any]]:
     images = [read_image(f) for f in files]
     batch = torch.stack([image for image, _ in images])
     with torch.inference_mode():
-        probabilities = torch.cat([classify(batch[i:i + cfg.batch_size]).float().softmax(dim=1)
-                                   for i in range(0, len(batch), cfg.batch_size)])
+        probabilities = torch.cat(
+            [
+                classify(batch[i : i + cfg.batch_size]).float().softmax(dim=1)
+                for i in range(0, len(batch), cfg.batch_size)
+            ]
+        )
     top = probabilities.topk(min(top_k, probabilities.shape[1]), dim=1)
-    predictions = [{"image": str(f), "resized_from": size,
-                    "top": [{"class": names[i], "index": int(i), "probability": round(float(p), 6)}
-                            for p, i in zip(values, indices)]}
-                   for f, (_, size), values, indices in zip(files, images, top.values, top.indices)]
+    predictions = [
+        {
+            "image": str(f),
+            "resized_from": size,
+            "top": [
+                {"class": names[i], "index": int(i), "probability": round(float(p), 6)} for p, i in zip(values, indices)
+            ],
+        }
+        for f, (_, size), values, indices in zip(files, images, top.values, top.indices)
+    ]
     if cfg.json == "-":
         print(json.dumps(predictions, indent=2))
     else:
         width = max(len(p["image"]) for p in predictions)
         for p in predictions:
             resized = f"  (resized from {p['resized_from'][0]}x{p['resized_from'][1]})" if p["resized_from"] else ""
-            print(f"{p['image']:<{width}}  " + "  ".join(f"{t['class']} {t['probability']:.3f}" for t in p["top"])
-                  + resized)
+            print(
+                f"{p['image']:<{width}}  "
+                + "  ".join(f"{t['class']} {t['probability']:.3f}" for t in p["top"])
+                + resized
+            )
         if cfg.json:
             Path(cfg.json).write_text(json.dumps(predictions, indent=2) + "\n")
             log.info("predictions of %d images in %s", len(predictions), cfg.json)
@@ -64,8 +77,9 @@ def main(cfg: DictConfig) -> list[dict[str, Any]]:
 
 def json_flag(argv: list[str]) -> list[str]:
     """``--json`` (JSON on stdout) and ``--json=PATH`` as the Hydra key ``json``."""
-    return [("json=-" if a == "--json" else f"json={a[len('--json='):]}" if a.startswith("--json=") else a)
-            for a in argv]
+    return [
+        ("json=-" if a == "--json" else f"json={a[len('--json=') :]}" if a.startswith("--json=") else a) for a in argv
+    ]
 
 
 if __name__ == "__main__":

@@ -66,10 +66,12 @@ def submit(cmd: list[str]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    sbatch_options, overrides = (argv[: argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else ([], argv)
+    sbatch_options, overrides = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else ([], argv)
     if not overrides:
-        print("error: no overrides to sweep: python -m src.slurm_sweep [sbatch options] -- trainer.devices=1,2 ...",
-              file=sys.stderr)
+        print(
+            "error: no overrides to sweep: python -m src.slurm_sweep [sbatch options] -- trainer.devices=1,2 ...",
+            file=sys.stderr,
+        )
         return 2
     try:
         jobs = expand(overrides)
@@ -81,16 +83,21 @@ def main(argv: list[str] | None = None) -> int:
     record = sweep_dir / JOBS_FILE
     earlier = json.loads(record.read_text())["jobs"] if record.is_file() else []
     if earlier and [j["overrides"] for j in earlier] != jobs:
-        print(f"error: SWEEP_DIR={sweep_dir} holds another sweep ({record} lists other jobs): pass a new SWEEP_DIR to "
-              "start another sweep, or the same overrides to go on with that one", file=sys.stderr)
+        print(
+            f"error: SWEEP_DIR={sweep_dir} holds another sweep ({record} lists other jobs): pass a new SWEEP_DIR to "
+            "start another sweep, or the same overrides to go on with that one",
+            file=sys.stderr,
+        )
         return 2
     ids = [j.get("slurm_job") for j in earlier] or [None] * len(jobs)
     waiting = []  # the Slurm jobs the report waits for
     try:
         for k, job in enumerate(jobs):
             if read_result(sweep_dir / str(k)) is not None:
-                print(f"job {k}: finished in an earlier run of this sweep ({sweep_dir / str(k) / RESULT_FILE}): "
-                      "not submitted again")
+                print(
+                    f"job {k}: finished in an earlier run of this sweep ({sweep_dir / str(k) / RESULT_FILE}): "
+                    "not submitted again"
+                )
                 continue
             state = slurm_state(ids[k]) if ids[k] else ""
             if state in HELD:
@@ -102,10 +109,20 @@ def main(argv: list[str] | None = None) -> int:
             print(f"job {k}: Slurm job {ids[k]}: {' '.join(job)}")
             _record(record, jobs, ids)
         dependency = [f"--dependency=afterany:{':'.join(waiting)}"] if waiting else []
-        report = submit(["sbatch", "--parsable", *dependency, "--nodes=1", "--ntasks=1",
-                         f"--output={sweep_dir}/report.out", "--job-name=scaling-report",
-                         "--wrap", f"{shlex.quote(os.environ.get('PYTHON', '.venv/bin/python'))} -m src.sweeps.report "
-                                   f"{shlex.quote(str(sweep_dir))}"])
+        report = submit(
+            [
+                "sbatch",
+                "--parsable",
+                *dependency,
+                "--nodes=1",
+                "--ntasks=1",
+                f"--output={sweep_dir}/report.out",
+                "--job-name=scaling-report",
+                "--wrap",
+                f"{shlex.quote(os.environ.get('PYTHON', '.venv/bin/python'))} -m src.sweeps.report "
+                f"{shlex.quote(str(sweep_dir))}",
+            ]
+        )
     except (RuntimeError, ValueError) as err:
         for job_id in waiting:
             subprocess.run(["scancel", job_id], check=False)
@@ -124,8 +141,9 @@ def slurm_state(job_id: str) -> str:
 
 def _record(path: Path, jobs: list[list[str]], ids: list[str | None]) -> None:
     """jobs.json: every job's overrides and its latest Slurm job id (written after each submission)."""
-    write_json(path, {"jobs": [{"num": k, "overrides": job, "slurm_job": i}
-                               for k, (job, i) in enumerate(zip(jobs, ids))]})
+    write_json(
+        path, {"jobs": [{"num": k, "overrides": job, "slurm_job": i} for k, (job, i) in enumerate(zip(jobs, ids))]}
+    )
 
 
 if __name__ == "__main__":

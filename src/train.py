@@ -59,9 +59,12 @@ def main(cfg: DictConfig) -> float | None:
         check_compatible(checkpoint, ckpt_path, model.hparams)
         keep_checkpoint_batch(datamodule, checkpoint)  # data.batch_size=auto resumes with the batch it trained with
     if torchrun.active():  # a restart says where it resumes; at another world size, the global batch stays
-        for line in (torchrun.restart_line(ckpt_path, checkpoint, cfg.paths.output_dir),
-                     torchrun.keep_global_batch(checkpoint, datamodule, int(os.environ["WORLD_SIZE"]),
-                                                cfg.trainer.accumulate_grad_batches)):
+        for line in (
+            torchrun.restart_line(ckpt_path, checkpoint, cfg.paths.output_dir),
+            torchrun.keep_global_batch(
+                checkpoint, datamodule, int(os.environ["WORLD_SIZE"]), cfg.trainer.accumulate_grad_batches
+            ),
+        ):
             if line and is_launch_rank_zero():
                 log.info(line)
     continue_logs(cfg, ckpt_path, checkpoint)  # metrics.csv keeps its rows; the MLflow / W&B runs go on
@@ -85,8 +88,14 @@ def main(cfg: DictConfig) -> float | None:
     score = getattr(trainer.checkpoint_callback, "best_model_score", None)
     score = None if score is None else float(score)
     if trainer.is_global_zero:  # the run ended well: a sweep run again skips it
-        record_result(cfg.paths.output_dir, score=score, monitor="val/acc", best_checkpoint=best,
-                      pruned_at_epoch=pruned, test=metrics)
+        record_result(
+            cfg.paths.output_dir,
+            score=score,
+            monitor="val/acc",
+            best_checkpoint=best,
+            pruned_at_epoch=pruned,
+            test=metrics,
+        )
     return score
 
 

@@ -84,11 +84,14 @@ def shares_a_fixture(item: pytest.Item) -> bool:
     """Whether ``item`` uses a module- or session-wide fixture of the suite's own (a trained checkpoint, a batch
     of bad command lines): its seconds are charged to the first test that uses it, not to this one."""
     info = getattr(item, "_fixtureinfo", None)
-    for definitions in (info.name2fixturedefs.values() if info is not None else ()):
+    for definitions in info.name2fixturedefs.values() if info is not None else ():
         for definition in definitions:
             code = getattr(definition.func, "__code__", None)
-            if definition.scope != "function" and code is not None and Path(code.co_filename).is_relative_to(
-                    Path(__file__).parent):
+            if (
+                definition.scope != "function"
+                and code is not None
+                and Path(code.co_filename).is_relative_to(Path(__file__).parent)
+            ):
                 return True
     return False
 
@@ -98,32 +101,47 @@ def whole_suite(session: pytest.Session) -> bool:
     option = config.option
     tests = Path(__file__).parent
     paths = [Path(arg.split("::")[0]).resolve() for arg in config.args]
-    return (session.testscollected >= WHOLE_SUITE_MIN_TESTS and not option.collectonly and not option.keyword
-            and not option.markexpr and not getattr(option, "deselect", None) and not getattr(option, "lf", False)
-            and all(p == tests for p in paths))
+    return (
+        session.testscollected >= WHOLE_SUITE_MIN_TESTS
+        and not option.collectonly
+        and not option.keyword
+        and not option.markexpr
+        and not getattr(option, "deselect", None)
+        and not getattr(option, "lf", False)
+        and all(p == tests for p in paths)
+    )
 
 
 def judge(session: pytest.Session, took_s: float) -> None:
     """In the session that ran the whole suite (not a subset, not an xdist worker): fail it past its budget."""
     record = recorded()
     reference = record.get("reference_work_s")
-    if (hasattr(session.config, "workerinput") or not reference or not whole_suite(session)
-            or os.environ.get("CIFAR10_DDP_NO_BUDGET") == "1"):
+    if (
+        hasattr(session.config, "workerinput")
+        or not reference
+        or not whole_suite(session)
+        or os.environ.get("CIFAR10_DDP_NO_BUDGET") == "1"
+    ):
         return
     here = fixed_work_s()
     factor = max(1.0, here / reference)
     budget = BUDGET_S * factor
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
-    line = (f"time budget: {took_s / 60:.1f} min of pytest against {budget / 60:.1f} min ({BUDGET_S / 60:.0f} min on "
-            f"{record['reference_cpu']} x {factor:.2f}: the fixed work took {here:.3f} s here, "
-            f"{reference:.3f} s there)")
+    line = (
+        f"time budget: {took_s / 60:.1f} min of pytest against {budget / 60:.1f} min ({BUDGET_S / 60:.0f} min on "
+        f"{record['reference_cpu']} x {factor:.2f}: the fixed work took {here:.3f} s here, "
+        f"{reference:.3f} s there)"
+    )
     if reporter is not None:
         reporter.write_sep("-", line)
     if took_s > budget and session.exitstatus == 0:
         if reporter is not None:
-            reporter.write_line("error: the suite ran past its time budget: make the new slow test pay for itself "
-                                "elsewhere (docs/development.md, The suite's time), or CIFAR10_DDP_NO_BUDGET=1 "
-                                "to run without the check", red=True)
+            reporter.write_line(
+                "error: the suite ran past its time budget: make the new slow test pay for itself "
+                "elsewhere (docs/development.md, The suite's time), or CIFAR10_DDP_NO_BUDGET=1 "
+                "to run without the check",
+                red=True,
+            )
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
@@ -135,8 +153,12 @@ def write(junit: Path, cpu: str) -> dict:
         name = case.get("name", "")
         if module:
             tests[f"{module}.py::{name}"] = round(float(case.get("time") or 0), 2)
-    data = {"reference_cpu": cpu, "reference_work_s": round(fixed_work_s(), 4), "measured": time.strftime("%Y-%m-%d"),
-            "tests": dict(sorted(tests.items()))}
+    data = {
+        "reference_cpu": cpu,
+        "reference_work_s": round(fixed_work_s(), 4),
+        "measured": time.strftime("%Y-%m-%d"),
+        "tests": dict(sorted(tests.items())),
+    }
     DURATIONS.write_text(json.dumps(data, indent=1) + "\n")
     return data
 

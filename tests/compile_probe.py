@@ -32,8 +32,13 @@ class CompileProbe(L.Callback):
     def _mark(self, at: str) -> None:
         from torch._dynamo.utils import counters
 
-        self.marks.append({"at": at, "graphs": counters["stats"]["unique_graphs"],
-                           "cudagraph_skips": counters["inductor"]["cudagraph_skips"]})
+        self.marks.append(
+            {
+                "at": at,
+                "graphs": counters["stats"]["unique_graphs"],
+                "cudagraph_skips": counters["inductor"]["cudagraph_skips"],
+            }
+        )
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._mark(f"epoch {trainer.current_epoch}")
@@ -42,4 +47,5 @@ class CompileProbe(L.Callback):
         self._mark("test")
         self.out.mkdir(parents=True, exist_ok=True)
         (self.out / f"compile_rank{trainer.global_rank}.json").write_text(
-            json.dumps({"marks": self.marks, "ddp_optimizer": self.ddp_optimizer}, indent=1) + "\n")
+            json.dumps({"marks": self.marks, "ddp_optimizer": self.ddp_optimizer}, indent=1) + "\n"
+        )

@@ -25,16 +25,29 @@ SAMPLE = Path(os.environ.get("CIFAR10_SAMPLE") or ROOT.parent / "shared" / "data
 
 # A run that exercises every part in seconds on a CPU: small ResNet, batch of 4, 2 steps (any dataset).
 FAST_RUN = [
-    "data.batch_size=4", "model.arch=resnet18", "trainer.accelerator=cpu", "backend=gloo", "trainer.max_epochs=1",
-    "trainer.limit_train_batches=2", "trainer.limit_val_batches=1", "trainer.limit_test_batches=1",
-    "trainer.log_every_n_steps=1", "trainer.enable_model_summary=false",
+    "data.batch_size=4",
+    "model.arch=resnet18",
+    "trainer.accelerator=cpu",
+    "backend=gloo",
+    "trainer.max_epochs=1",
+    "trainer.limit_train_batches=2",
+    "trainer.limit_val_batches=1",
+    "trainer.limit_test_batches=1",
+    "trainer.log_every_n_steps=1",
+    "trainer.enable_model_summary=false",
 ]
 # ... on a small synthetic dataset
 FAST = ["data=synthetic", "data.num_train=96", "data.num_test=16", *FAST_RUN]
 
 
-def run_module(module: str, *overrides: str, env: dict[str, str] | None = None, timeout: float = 300,
-               background: bool = False, prefix: Sequence[str] = ()):
+def run_module(
+    module: str,
+    *overrides: str,
+    env: dict[str, str] | None = None,
+    timeout: float = 300,
+    background: bool = False,
+    prefix: Sequence[str] = (),
+):
     """Run ``python -m <module> overrides...`` from the project root, as a user would (``prefix``: e.g. taskset);
     started warm where that cannot differ (tests/warm.py)."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
@@ -70,12 +83,19 @@ def write_cifar_folder(root: Path, per_batch: int = 20, seed: int = 0) -> Path:
     folder.mkdir(parents=True)
     rng = np.random.default_rng(seed)
     for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
-        entry = {"batch_label": name, "labels": [int(x) for x in rng.integers(0, 10, per_batch)],
-                 "data": rng.integers(0, 256, (per_batch, 3072), dtype=np.uint8), "filenames": []}
+        entry = {
+            "batch_label": name,
+            "labels": [int(x) for x in rng.integers(0, 10, per_batch)],
+            "data": rng.integers(0, 256, (per_batch, 3072), dtype=np.uint8),
+            "filenames": [],
+        }
         with open(folder / name, "wb") as f:
             pickle.dump(entry, f, protocol=2)
-    meta = {"label_names": ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship",
-                            "truck"], "num_cases_per_batch": per_batch, "num_vis": 3072}
+    meta = {
+        "label_names": ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"],
+        "num_cases_per_batch": per_batch,
+        "num_vis": 3072,
+    }
     with open(folder / "batches.meta", "wb") as f:
         pickle.dump(meta, f, protocol=2)
     return root
@@ -183,10 +203,22 @@ def sample_checkpoint(tmp_path_factory) -> Path:
 
 
 def _train_sample(run_dir: Path) -> None:
-    result = train("data=cifar10", f"data.root={SAMPLE}", "data.download=false", "model.arch=resnet18",
-                   "model.stem=imagenet", "model.optimizer.lr=0.05", "data.batch_size=32", "trainer.accelerator=cpu",
-                   "trainer.max_epochs=1", "trainer.limit_train_batches=60", "trainer.limit_val_batches=4", "test=false",
-                   "trainer.enable_model_summary=false", f"hydra.run.dir={run_dir}")
+    result = train(
+        "data=cifar10",
+        f"data.root={SAMPLE}",
+        "data.download=false",
+        "model.arch=resnet18",
+        "model.stem=imagenet",
+        "model.optimizer.lr=0.05",
+        "data.batch_size=32",
+        "trainer.accelerator=cpu",
+        "trainer.max_epochs=1",
+        "trainer.limit_train_batches=60",
+        "trainer.limit_val_batches=4",
+        "test=false",
+        "trainer.enable_model_summary=false",
+        f"hydra.run.dir={run_dir}",
+    )
     assert result.returncode == 0, output(result)[-4000:]
 
 
@@ -196,8 +228,12 @@ def exported_sample_model(sample_checkpoint, tmp_path_factory) -> tuple[Path, st
     folder of the files, and what src.export printed."""
     with shared_between_workers(tmp_path_factory, "exported") as (out, made):
         if not made:
-            result = run_module("src.export", f"ckpt_path={sample_checkpoint}/checkpoints/last.ckpt",
-                                f"export.dir={out}", f"hydra.run.dir={out}/run")
+            result = run_module(
+                "src.export",
+                f"ckpt_path={sample_checkpoint}/checkpoints/last.ckpt",
+                f"export.dir={out}",
+                f"hydra.run.dir={out}/run",
+            )
             assert result.returncode == 0, output(result)[-4000:]
             (out / "said.txt").write_text(output(result))
         return out, (out / "said.txt").read_text()
@@ -224,6 +260,7 @@ def shared_between_workers(tmp_path_factory, name: str):
 
 
 # ------------------------------------------------------------------------------------------------- the time budget
+
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:

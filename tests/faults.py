@@ -15,8 +15,9 @@ class RaiseAt(L.Callback):
     first ``validate`` or ``test`` batch once ``step`` is reached.
     """
 
-    def __init__(self, rank: int = 0, step: int = 3, error: str = "builtins.RuntimeError", stage: str = "train"
-                 ) -> None:
+    def __init__(
+        self, rank: int = 0, step: int = 3, error: str = "builtins.RuntimeError", stage: str = "train"
+    ) -> None:
         from hydra.utils import get_class
 
         self.rank, self.step, self.error, self.stage = rank, step, get_class(error), stage
@@ -25,16 +26,20 @@ class RaiseAt(L.Callback):
         if stage == self.stage and trainer.global_rank == self.rank and trainer.global_step >= self.step:
             raise self.error(f"injected failure at step {trainer.global_step}")
 
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         self._raise_at(trainer, "train")
 
-    def on_validation_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int,
-                                  dataloader_idx: int = 0) -> None:
+    def on_validation_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
         if not trainer.sanity_checking:
             self._raise_at(trainer, "validate")
 
-    def on_test_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int,
-                            dataloader_idx: int = 0) -> None:
+    def on_test_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
         self._raise_at(trainer, "test")
 
 
@@ -63,8 +68,9 @@ class SleepAt(L.Callback):
     def __init__(self, rank: int = 1, step: int = 3, seconds: float = 3600) -> None:
         self.rank, self.step, self.seconds = rank, step, seconds
 
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
-                             ) -> None:
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         import time
 
         if trainer.global_rank == self.rank and trainer.global_step == self.step:
@@ -97,7 +103,7 @@ class SlowCheckpoint(L.Callback):
             data = buffer.getvalue()
             pieces = max(1, len(data) // chunk)
             for i in range(pieces):
-                f.write(data[i * len(data) // pieces:(i + 1) * len(data) // pieces])
+                f.write(data[i * len(data) // pieces : (i + 1) * len(data) // pieces])
                 f.flush()
                 time.sleep(seconds / pieces)
 
@@ -111,8 +117,9 @@ class SlowValidation(L.Callback):
     def __init__(self, rank: int = 1, seconds: float = 1.0) -> None:
         self.rank, self.seconds = rank, seconds
 
-    def on_validation_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int,
-                                  dataloader_idx: int = 0) -> None:
+    def on_validation_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
         import time
 
         if trainer.global_rank == self.rank:
@@ -152,8 +159,9 @@ class RecordBatches(L.Callback):
     def __init__(self, path: str) -> None:
         self.path = path
 
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
-                             ) -> None:
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         if trainer.global_rank == 0:
             with open(self.path, "a") as f:
                 f.write(f"{trainer.current_epoch} {batch[1].tolist()}\n")
@@ -176,4 +184,6 @@ class SlowEnd(L.Callback):
         self._wait(trainer)
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
-        self._wait(trainer)  # a stop (SIGTERM, Ctrl-C) ends fit with an exception: Lightning finalizes the loggers after
+        self._wait(
+            trainer
+        )  # a stop (SIGTERM, Ctrl-C) ends fit with an exception: Lightning finalizes the loggers after

@@ -123,7 +123,9 @@ class _FunctionLevel(TorchFunctionMode):
             source = args[1] if len(args) > 1 else kwargs.get("src")
             if _on_device(source) and not _on_device(tensor):
                 self.recorder.record("copy_ of a device tensor into host memory")
-            elif _on_device(tensor) and isinstance(source, torch.Tensor) and not _on_device(source) and not non_blocking:
+            elif (
+                _on_device(tensor) and isinstance(source, torch.Tensor) and not _on_device(source) and not non_blocking
+            ):
                 self.recorder.record("copy_ of host memory into a device tensor without non_blocking")
             return
         target = kwargs.get("device", next((a for a in args[1:] if isinstance(a, (str, torch.device))), None))
@@ -151,8 +153,11 @@ class _DispatchLevel(TorchDispatchMode):
         on_device = any(_on_device(t) for t in inputs)
         if on_device:
             what = _SYNCING_OPS.get(func)
-            if what is None and func in (aten.index.Tensor, aten.index_put.default, aten.index_put_.default) and any(
-                    t is not None and t.dtype == torch.bool for t in (args[1] if len(args) > 1 else [])):
+            if (
+                what is None
+                and func in (aten.index.Tensor, aten.index_put.default, aten.index_put_.default)
+                and any(t is not None and t.dtype == torch.bool for t in (args[1] if len(args) > 1 else []))
+            ):
                 what = f"{func.__name__.split('.')[0]} with a boolean mask"
             if what is None and func is aten.repeat_interleave.Tensor and kwargs.get("output_size") is None:
                 what = "repeat_interleave without output_size"
@@ -203,8 +208,9 @@ class HostSyncProbe(L.Callback):
         for mode in self._modes:
             mode.__enter__()
 
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
-                             batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         self._close(trainer)
         step = trainer.global_step
         if self._recorder is not None and self.first_step <= step < self.first_step + self.steps:
@@ -231,10 +237,16 @@ class HostSyncProbe(L.Callback):
         self._close(trainer)
         while self._modes:
             self._modes.pop().__exit__(None, None, None)
-        name = self.out.name if trainer.global_rank == 0 else f"{self.out.stem}_rank{trainer.global_rank}{self.out.suffix}"
+        name = (
+            self.out.name if trainer.global_rank == 0 else f"{self.out.stem}_rank{trainer.global_rank}{self.out.suffix}"
+        )
         self.out.parent.mkdir(parents=True, exist_ok=True)
-        (self.out.parent / name).write_text(json.dumps({
-            "device": str(self._recorder.device if self._recorder else None), "steps": self._steps}, indent=1) + "\n")
+        (self.out.parent / name).write_text(
+            json.dumps(
+                {"device": str(self._recorder.device if self._recorder else None), "steps": self._steps}, indent=1
+            )
+            + "\n"
+        )
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         if torch.cuda.is_available():

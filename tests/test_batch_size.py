@@ -28,8 +28,14 @@ def test_the_probe_keeps_the_largest_batch_within_the_margin_and_stops_at_the_fi
 
 
 def test_auto_is_the_reference_batch_on_a_cpu_and_a_resumed_run_keeps_its_checkpoints_batch(tmp_path):
-    fresh = train(*FAST, "data.batch_size=auto", "data.num_train=300", "trainer.limit_train_batches=1",
-                  "test=false", f"hydra.run.dir={tmp_path / 'fresh'}")
+    fresh = train(
+        *FAST,
+        "data.batch_size=auto",
+        "data.num_train=300",
+        "trainer.limit_train_batches=1",
+        "test=false",
+        f"hydra.run.dir={tmp_path / 'fresh'}",
+    )
     assert fresh.returncode == 0, output(fresh)[-3000:]
     assert "global batch 128 (128 per process; auto: the recipe's reference batch on a CPU" in output(fresh)
     assert yaml.safe_load((tmp_path / "fresh" / "config.yaml").read_text())["data"]["batch_size"] == 128
@@ -37,8 +43,9 @@ def test_auto_is_the_reference_batch_on_a_cpu_and_a_resumed_run_keeps_its_checkp
     run = tmp_path / "resumed"
     first = train(*FAST, "test=false", f"hydra.run.dir={run}")  # data.batch_size=4
     assert first.returncode == 0, output(first)[-3000:]
-    resumed = train(*FAST, "data.batch_size=auto", "trainer.max_epochs=2", "ckpt_path=last", "test=false",
-                    f"hydra.run.dir={run}")
+    resumed = train(
+        *FAST, "data.batch_size=auto", "trainer.max_epochs=2", "ckpt_path=last", "test=false", f"hydra.run.dir={run}"
+    )
     assert resumed.returncode == 0, output(resumed)[-3000:]
     assert "global batch 4 (4 per process; auto: the checkpoint's batch, as the run resumes)" in output(resumed)
     assert yaml.safe_load((run / "config.yaml").read_text())["data"]["batch_size"] == 4

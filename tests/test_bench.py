@@ -10,18 +10,36 @@ from tests.conftest import run_script
 
 
 def test_the_benchmark_compares_the_project_with_the_bare_loop_at_equal_settings_and_ends_with_the_ratio_lines(
-        tmp_path):
-    result = run_script("benchmarks/bench.py", "--arch=resnet18", "--batch-size=4", "--steps=3", "--warmup=2",
-                        "--processes=1", "--repeats=1", "--pipelines=device,dataloader", f"--out={tmp_path}")
+    tmp_path,
+):
+    result = run_script(
+        "benchmarks/bench.py",
+        "--arch=resnet18",
+        "--batch-size=4",
+        "--steps=3",
+        "--warmup=2",
+        "--processes=1",
+        "--repeats=1",
+        "--pipelines=device,dataloader",
+        f"--out={tmp_path}",
+    )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     lines = result.stdout.strip().splitlines()
-    rows = {tuple(line.strip("| ").split(" | ")[1:3]): line.strip("| ").split(" | ")
-            for line in lines if line.startswith("| 1 |")}
+    rows = {
+        tuple(line.strip("| ").split(" | ")[1:3]): line.strip("| ").split(" | ")
+        for line in lines
+        if line.startswith("| 1 |")
+    }
     fmt = fast_path("cpu", "resnet18").label  # the project's defaults here; the bare loop is given the same
     # each data path on both sides; one process: no DDP on either; the bare loop as it comes, once
     loader = "DataLoader, 0 workers"  # data.num_workers=auto on a CPU
-    assert set(rows) == {("bare loop", "device"), ("project", "device"), ("bare loop", loader), ("project", loader),
-                         ("bare loop, its defaults", loader)}
+    assert set(rows) == {
+        ("bare loop", "device"),
+        ("project", "device"),
+        ("bare loop", loader),
+        ("project", loader),
+        ("bare loop, its defaults", loader),
+    }
     for (run, data), row in rows.items():
         own = run == "bare loop, its defaults"
         assert row[3:6] == (["DDP", "eager", "32-true, contiguous"] if own else ["no DDP", "eager", fmt])
@@ -33,12 +51,18 @@ def test_the_benchmark_compares_the_project_with_the_bare_loop_at_equal_settings
             bare = float(rows["bare loop", data][6])
             ratio = float(row[8])
             assert abs(ratio - rate / bare) <= ratio * (0.05 / rate + 0.05 / bare) + 0.001  # img/s is rounded to 0.1
-    assert re.fullmatch(r"project/bare throughput ratio at equal settings: \d+\.\d{3} \(project [\d.]+ img/s, bare "
-                        rf"[\d.]+ img/s, both data.pipeline=device, no DDP, eager, {fmt}, .+ \(\d+ cores\), "
-                        r"1 process, gloo\)", lines[-2]), lines[-2]
-    assert re.fullmatch(r"what a user gets: project defaults / bare loop defaults: \d+\.\d{3} \(project [\d.]+ img/s "
-                        rf"with data.pipeline=device, no DDP, eager, {fmt}; bare [\d.]+ img/s with a DataLoader, "
-                        r"0 workers, DDP, eager, 32-true, contiguous; .+, 1 process, gloo\)", lines[-1]), lines[-1]
+    assert re.fullmatch(
+        r"project/bare throughput ratio at equal settings: \d+\.\d{3} \(project [\d.]+ img/s, bare "
+        rf"[\d.]+ img/s, both data.pipeline=device, no DDP, eager, {fmt}, .+ \(\d+ cores\), "
+        r"1 process, gloo\)",
+        lines[-2],
+    ), lines[-2]
+    assert re.fullmatch(
+        r"what a user gets: project defaults / bare loop defaults: \d+\.\d{3} \(project [\d.]+ img/s "
+        rf"with data.pipeline=device, no DDP, eager, {fmt}; bare [\d.]+ img/s with a DataLoader, "
+        r"0 workers, DDP, eager, 32-true, contiguous; .+, 1 process, gloo\)",
+        lines[-1],
+    ), lines[-1]
     summary = json.loads((tmp_path / "bench.json").read_text())  # what make gpu-check reads
     assert f"{summary['ratio']:.3f}" == lines[-2].split(": ")[1].split()[0] and len(summary["rows"]) == 5
     # the project's own run went through python -m src.train and left its records
@@ -47,9 +71,16 @@ def test_the_benchmark_compares_the_project_with_the_bare_loop_at_equal_settings
 
 
 def test_the_step_profile_gives_cpu_times_per_step_of_the_project_and_the_bare_loop_and_no_gpu_figures_on_a_cpu(
-        tmp_path):
-    result = run_script("benchmarks/profile_step.py", "--arch=resnet18", "--batch-size=4", "--steps=3", "--warmup=2",
-                        f"--out={tmp_path}")
+    tmp_path,
+):
+    result = run_script(
+        "benchmarks/profile_step.py",
+        "--arch=resnet18",
+        "--batch-size=4",
+        "--steps=3",
+        "--warmup=2",
+        f"--out={tmp_path}",
+    )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     profile = json.loads((tmp_path / "profile.json").read_text())
     for side in ("project (src.train)", "bare loop"):
@@ -65,12 +96,25 @@ def test_the_step_profile_gives_cpu_times_per_step_of_the_project_and_the_bare_l
 
 
 def test_the_precision_comparison_trains_fp32_and_bf16_alike_and_reports_their_test_accuracy(sample_root, tmp_path):
-    result = run_script("benchmarks/compare_recipes.py", "--compare=precision", "--epochs=1", "--arch=resnet18",
-                        "--seeds=7", f"--root={sample_root}", f"--out={tmp_path}", "--", "data.batch_size=8",
-                        "trainer.limit_train_batches=2", "trainer.limit_val_batches=1", "trainer.limit_test_batches=2",
-                        timeout=600)
+    result = run_script(
+        "benchmarks/compare_recipes.py",
+        "--compare=precision",
+        "--epochs=1",
+        "--arch=resnet18",
+        "--seeds=7",
+        f"--root={sample_root}",
+        f"--out={tmp_path}",
+        "--",
+        "data.batch_size=8",
+        "trainer.limit_train_batches=2",
+        "trainer.limit_val_batches=1",
+        "trainer.limit_test_batches=2",
+        timeout=600,
+    )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
-    rows = [line.strip("| ").split(" | ") for line in result.stdout.splitlines() if line.startswith(("| fp32", "| bf16"))]
+    rows = [
+        line.strip("| ").split(" | ") for line in result.stdout.splitlines() if line.startswith(("| fp32", "| bf16"))
+    ]
     assert [row[0] for row in rows] == ["fp32", "bf16"]
     for row in rows:
         assert 0 <= float(row[1]) <= 1 and row[1] == row[2]  # one seed: its accuracy is the mean

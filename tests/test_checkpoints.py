@@ -23,8 +23,16 @@ from tests.conftest import FAST, descendants, output, running, train
 from tests.test_supervision import LONG, error_lines, finish, last_step, start_and_wait_for_step
 
 # Deterministic CPU training, 3 epochs of 12 steps, last.ckpt every 2 steps.
-EXACT = [*FAST, "data.num_train=200", "trainer.limit_train_batches=12", "trainer.max_epochs=3", "trainer.deterministic=true",
-         "callbacks.last_checkpoint.every_n_train_steps=2", "callbacks.progress_bar=null", "test=false"]
+EXACT = [
+    *FAST,
+    "data.num_train=200",
+    "trainer.limit_train_batches=12",
+    "trainer.max_epochs=3",
+    "trainer.deterministic=true",
+    "callbacks.last_checkpoint.every_n_train_steps=2",
+    "callbacks.progress_bar=null",
+    "test=false",
+]
 WORLDS = {"one process": ["trainer.devices=1"], "ddp x2": ["strategy=ddp", "trainer.devices=2"]}
 
 
@@ -74,12 +82,25 @@ def test_a_run_stopped_mid_epoch_resumes_with_ckpt_path_last_to_the_same_weights
 def test_the_dataloader_pipelines_first_epoch_after_an_epochs_end_resume_draws_its_own_order(tmp_path):
     """data.pipeline=dataloader with workers, ddp x 2: the resumed run's first epoch draws the batches the
     uninterrupted run drew in that epoch, not epoch 0's again (Lightning #21938); rank 0's batches, by their labels."""
-    args = [*FAST, "strategy=ddp", "trainer.devices=2", "data.pipeline=dataloader", "data.num_workers=1",
-            "trainer.limit_train_batches=4", "test=false", "callbacks.progress_bar=null",
-            "+callbacks.batches._target_=tests.faults.RecordBatches"]
+    args = [
+        *FAST,
+        "strategy=ddp",
+        "trainer.devices=2",
+        "data.pipeline=dataloader",
+        "data.num_workers=1",
+        "trainer.limit_train_batches=4",
+        "test=false",
+        "callbacks.progress_bar=null",
+        "+callbacks.batches._target_=tests.faults.RecordBatches",
+    ]
     for name, epochs, resume in (("whole", 2, []), ("resumed", 1, []), ("resumed", 2, ["ckpt_path=last"])):
-        result = train(*args, f"trainer.max_epochs={epochs}", f"+callbacks.batches.path={tmp_path}/{name}.txt",
-                       f"hydra.run.dir={tmp_path}/{name}", *resume)
+        result = train(
+            *args,
+            f"trainer.max_epochs={epochs}",
+            f"+callbacks.batches.path={tmp_path}/{name}.txt",
+            f"hydra.run.dir={tmp_path}/{name}",
+            *resume,
+        )
         assert result.returncode == 0, output(result)[-3000:]
     whole, resumed = ((tmp_path / f"{name}.txt").read_text().splitlines() for name in ("whole", "resumed"))
     assert len(whole) == 8 and whole[4:] != [f"1 {line[2:]}" for line in whole[:4]]  # epoch 1 has an order of its own
@@ -91,9 +112,19 @@ def test_every_n_minutes_is_agreed_by_both_ranks_and_the_saves_are_timed(minutes
     """Tiny: due at every batch, saved one batch after (the ranks' agreement arrives then); huge: only the first epoch's
     end (a write that works is known early) and the last. Either way one last.ckpt, and the fit line counts every
     save: these and the best checkpoint's, here one per epoch (no monitor: the newest epoch is kept)."""
-    result = train(*FAST, "trainer.limit_train_batches=4", "trainer.max_epochs=3", "strategy=ddp", "trainer.devices=2",
-                   f"callbacks.last_checkpoint.every_n_minutes={minutes}", "callbacks.model_checkpoint.monitor=null",
-                   "test=false", "strategy.timeout_s=60", f"hydra.run.dir={tmp_path}", timeout=240)
+    result = train(
+        *FAST,
+        "trainer.limit_train_batches=4",
+        "trainer.max_epochs=3",
+        "strategy=ddp",
+        "trainer.devices=2",
+        f"callbacks.last_checkpoint.every_n_minutes={minutes}",
+        "callbacks.model_checkpoint.monitor=null",
+        "test=false",
+        "strategy.timeout_s=60",
+        f"hydra.run.dir={tmp_path}",
+        timeout=240,
+    )
     assert result.returncode == 0, output(result)[-3000:]
     saves = last_saves + 3
     checkpoints = tmp_path / "checkpoints"
@@ -104,17 +135,28 @@ def test_every_n_minutes_is_agreed_by_both_ranks_and_the_saves_are_timed(minutes
     record = json.loads((tmp_path / "throughput.json").read_text())
     assert record["checkpoints_saved"] == saves and 0 < record["checkpoint_save_s"] < record["fit_time_s"]
     assert record["checkpoint_share"] == pytest.approx(record["checkpoint_save_s"] / record["fit_time_s"])
-    line = re.search(r"fit: 3 epochs, 12 steps in ([\d.]+) s \([\d.]+ img/s\); checkpoints: (\d+) saved in ([\d.]+) s, "
-                     r"([\d.]+)% of the time", output(result))
+    line = re.search(
+        r"fit: 3 epochs, 12 steps in ([\d.]+) s \([\d.]+ img/s\); checkpoints: (\d+) saved in ([\d.]+) s, "
+        r"([\d.]+)% of the time",
+        output(result),
+    )
     assert line and int(line[2]) == saves, output(result)[-3000:]
     assert float(line[4]) == pytest.approx(100 * record["checkpoint_share"], abs=0.06)
 
 
 def test_a_process_killed_while_writing_a_checkpoint_leaves_the_previous_one_whole(tmp_path):
     """ResNet-50 checkpoints (~190 MB with momentum) take long enough to write that the kill lands inside one."""
-    proc = train(*FAST, "model.arch=resnet50", "data.num_train=400", "trainer.limit_train_batches=null",
-                 "callbacks.last_checkpoint.every_n_train_steps=1", "callbacks.progress_bar=null", "test=false",
-                 f"hydra.run.dir={tmp_path}", background=True)
+    proc = train(
+        *FAST,
+        "model.arch=resnet50",
+        "data.num_train=400",
+        "trainer.limit_train_batches=null",
+        "callbacks.last_checkpoint.every_n_train_steps=1",
+        "callbacks.progress_bar=null",
+        "test=false",
+        f"hydra.run.dir={tmp_path}",
+        background=True,
+    )
     checkpoints = tmp_path / "checkpoints"
     deadline = time.monotonic() + 240
     killed_mid_write = False
@@ -158,8 +200,9 @@ def small_disk(tmp_path):
         pytest.skip("mounting a tmpfs needs root")
     mount = tmp_path / "disk"
     mount.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=150m", "tmpfs", str(mount)], capture_output=True,
-                             text=True)
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=150m", "tmpfs", str(mount)], capture_output=True, text=True
+    )
     if mounted.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
     yield mount
@@ -183,7 +226,8 @@ def test_a_full_disk_while_writing_last_ckpt_stops_every_rank_with_one_line_and_
     assert len(errors) == 1 and re.fullmatch(
         rf"error: rank 0: no space left on device writing {run_dir}/checkpoints/last.ckpt \(\d+ MB needed, \d+ MB "
         r"free\): the previous last.ckpt \(step 2\) is intact; free space and resume with ckpt_path=last",
-        errors[0]), out[-3000:]
+        errors[0],
+    ), out[-3000:]
     assert "Traceback" not in out and "Callback" not in out
     assert load(run_dir / "checkpoints" / "last.ckpt")["global_step"] == 2  # whole, weights-only
     assert not list((run_dir / "checkpoints").glob(".*tmp*"))
@@ -194,8 +238,15 @@ def test_a_run_dir_that_turns_read_only_or_vanishes_mid_run_stops_the_run_with_o
     if how == "read-only" and os.geteuid() != 0:
         pytest.skip("making the run dir read-only under a running process needs root (a read-only bind mount)")
     run_dir = tmp_path / "run"
-    proc = start_and_wait_for_step(run_dir, 2, *LONG, "strategy=ddp", "trainer.devices=2",
-                                   "callbacks.last_checkpoint.every_n_train_steps=4", ranks=2)
+    proc = start_and_wait_for_step(
+        run_dir,
+        2,
+        *LONG,
+        "strategy=ddp",
+        "trainer.devices=2",
+        "callbacks.last_checkpoint.every_n_train_steps=4",
+        ranks=2,
+    )
     if how == "read-only":  # files the run holds open stay writable, as on a filesystem remounted read-only
         subprocess.run(["mount", "--bind", str(run_dir), str(run_dir)], check=True)
         try:
@@ -211,9 +262,12 @@ def test_a_run_dir_that_turns_read_only_or_vanishes_mid_run_stops_the_run_with_o
     assert len(errors) == 1, out[-3000:]
     if how == "read-only":
         # the next last.ckpt, or TensorBoard's next flush (it opens its file again each time), whichever comes first
-        assert re.fullmatch(rf"error: rank 0: cannot write {run_dir}/(checkpoints/last.ckpt|tensorboard/events\S+) "
-                            r"\(Read-only file system\): (the previous )?last.ckpt \(step 4\) is intact; "
-                            rf"make {run_dir}/\w+ writable and resume with ckpt_path=last", errors[0]), errors[0]
+        assert re.fullmatch(
+            rf"error: rank 0: cannot write {run_dir}/(checkpoints/last.ckpt|tensorboard/events\S+) "
+            r"\(Read-only file system\): (the previous )?last.ckpt \(step 4\) is intact; "
+            rf"make {run_dir}/\w+ writable and resume with ckpt_path=last",
+            errors[0],
+        ), errors[0]
         assert load(run_dir / "checkpoints" / "last.ckpt")["global_step"] == 4
         assert not list((run_dir / "checkpoints").glob(".*tmp*"))
     else:
@@ -222,8 +276,14 @@ def test_a_run_dir_that_turns_read_only_or_vanishes_mid_run_stops_the_run_with_o
 
 
 def test_ckpt_path_auto_passes_over_an_unreadable_last_ckpt_for_the_newest_intact_one(tmp_path):
-    run = [*FAST, "trainer.limit_train_batches=4", "callbacks.last_checkpoint.every_n_train_steps=2",
-           "callbacks.model_checkpoint=null", "test=false", f"hydra.run.dir={tmp_path}"]
+    run = [
+        *FAST,
+        "trainer.limit_train_batches=4",
+        "callbacks.last_checkpoint.every_n_train_steps=2",
+        "callbacks.model_checkpoint=null",
+        "test=false",
+        f"hydra.run.dir={tmp_path}",
+    ]
     assert train(*run).returncode == 0
     last, previous = tmp_path / "checkpoints" / "last.ckpt", tmp_path / "checkpoints" / "last.prev.ckpt"
     assert load(last)["global_step"] == 4 and load(previous)["global_step"] == 2
@@ -236,8 +296,11 @@ def test_ckpt_path_auto_passes_over_an_unreadable_last_ckpt_for_the_newest_intac
     resumed = train(*run, "trainer.max_epochs=2", "ckpt_path=auto")
     assert resumed.returncode == 0, output(resumed)[-3000:]
     warnings = [line for line in resumed.stderr.splitlines() if line.startswith("warning:")]
-    assert len(warnings) == 1 and warnings[0].startswith(f"warning: {last} cannot be read (") and \
-        warnings[0].endswith(f"resuming from {previous} (step 2), the newest intact checkpoint of the run dir"), warnings
+    assert (
+        len(warnings) == 1
+        and warnings[0].startswith(f"warning: {last} cannot be read (")
+        and warnings[0].endswith(f"resuming from {previous} (step 2), the newest intact checkpoint of the run dir")
+    ), warnings
     assert load(last)["global_step"] == 8  # step 2 to the end of epoch 2: 6 steps, none skipped
 
 
@@ -255,7 +318,8 @@ def test_a_checkpoint_that_needs_full_unpickling_loads_only_with_ckpt_trusted(tm
     errors = [line for line in refused.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and f"ckpt_path={unsafe}" in errors[0] and "ckpt_trusted=true" in errors[0], errors
 
-    trusted = train(*FAST, "trainer.max_epochs=2", f"ckpt_path={unsafe}", "ckpt_trusted=true",
-                    f"hydra.run.dir={tmp_path}/trusted")
+    trusted = train(
+        *FAST, "trainer.max_epochs=2", f"ckpt_path={unsafe}", "ckpt_trusted=true", f"hydra.run.dir={tmp_path}/trusted"
+    )
     assert trusted.returncode == 0, output(trusted)[-3000:]
     assert load(tmp_path / "trusted" / "checkpoints" / "last.ckpt")["global_step"] == 4  # 2 steps more

@@ -9,10 +9,22 @@ import json
 from tests.conftest import output, train
 
 # 100 training images: 80 to train (3 steps of 8 per rank an epoch), 20 to validate (last batch smaller), 20 to test
-COMPILED = ["data=synthetic", "data.num_train=100", "data.val_size=20", "data.num_test=20", "data.batch_size=8",
-            "model.arch=resnet18", "model.compile=true", "trainer.accelerator=cpu", "strategy=ddp", "trainer.devices=2",
-            "trainer.max_epochs=2", "trainer.limit_train_batches=3", "trainer.enable_model_summary=false",
-            "+callbacks.compile_probe._target_=tests.compile_probe.CompileProbe"]
+COMPILED = [
+    "data=synthetic",
+    "data.num_train=100",
+    "data.val_size=20",
+    "data.num_test=20",
+    "data.batch_size=8",
+    "model.arch=resnet18",
+    "model.compile=true",
+    "trainer.accelerator=cpu",
+    "strategy=ddp",
+    "trainer.devices=2",
+    "trainer.max_epochs=2",
+    "trainer.limit_train_batches=3",
+    "trainer.enable_model_summary=false",
+    "+callbacks.compile_probe._target_=tests.compile_probe.CompileProbe",
+]
 
 
 def test_two_compiled_ddp_epochs_and_the_test_compile_one_training_and_one_evaluation_graph(tmp_path):

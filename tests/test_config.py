@@ -25,13 +25,24 @@ def options(group: str) -> list[str]:
 
 def make_cfg(tmp_path: Path, *overrides: str, name: str = "train"):
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        return compose(config_name=name, overrides=[
-            f"paths.root_dir={tmp_path}", f"paths.output_dir={tmp_path}/run", *overrides])
+        return compose(
+            config_name=name, overrides=[f"paths.root_dir={tmp_path}", f"paths.output_dir={tmp_path}/run", *overrides]
+        )
 
 
 def test_every_config_group_has_options():
-    for group in ("data", "model", "trainer", "strategy", "callbacks", "logger", "paths", "hydra", "experiment",
-                  "debug"):
+    for group in (
+        "data",
+        "model",
+        "trainer",
+        "strategy",
+        "callbacks",
+        "logger",
+        "paths",
+        "hydra",
+        "experiment",
+        "debug",
+    ):
         assert options(group), f"conf/{group}/ is empty"
 
 
@@ -60,21 +71,30 @@ def test_strategy_options_build_what_they_name(tmp_path):
     assert isinstance(spawn, HydraDDPStrategy) and spawn._start_method == "spawn"
     assert ddp.process_group_backend == "gloo"
     assert ddp._ddp_kwargs["gradient_as_bucket_view"] is False  # auto: off on CPUs (on for CUDA)
-    assert instantiate(make_cfg(tmp_path, "strategy=ddp", *cpu, "strategy.gradient_as_bucket_view=true").strategy
-                       )._ddp_kwargs["gradient_as_bucket_view"] is True
+    assert (
+        instantiate(
+            make_cfg(tmp_path, "strategy=ddp", *cpu, "strategy.gradient_as_bucket_view=true").strategy
+        )._ddp_kwargs["gradient_as_bucket_view"]
+        is True
+    )
     assert ddp._timeout.total_seconds() == 300
     assert instantiate(make_cfg(tmp_path, "trainer.accelerator=cpu").strategy) == "auto"  # one device
     auto_two = instantiate(make_cfg(tmp_path, "trainer.accelerator=cpu", "trainer.devices=2").strategy)
     assert isinstance(auto_two, HydraDDPStrategy) and auto_two._start_method == "popen"
-    assert instantiate(make_cfg(tmp_path, "strategy=ddp", "trainer.accelerator=cpu").strategy
-                       ).process_group_backend is None  # auto: Lightning's choice, gloo on CPU
+    assert (
+        instantiate(make_cfg(tmp_path, "strategy=ddp", "trainer.accelerator=cpu").strategy).process_group_backend
+        is None
+    )  # auto: Lightning's choice, gloo on CPU
 
 
-@pytest.mark.parametrize("kwargs, words", [
-    ({"name": "ddp", "backend": "nccl", "accelerator": "cpu"}, "backend=nccl needs CUDA"),
-    ({"name": "ddp", "backend": "mpi"}, "backend=mpi is not known"),
-    ({"name": "fsdp"}, "strategy=fsdp is not known"),
-])
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [
+        ({"name": "ddp", "backend": "nccl", "accelerator": "cpu"}, "backend=nccl needs CUDA"),
+        ({"name": "ddp", "backend": "mpi"}, "backend=mpi is not known"),
+        ({"name": "fsdp"}, "strategy=fsdp is not known"),
+    ],
+)
 def test_bad_strategy_settings_are_user_errors(kwargs, words):
     with pytest.raises(UserError, match=words):
         build_strategy(**kwargs)
@@ -87,15 +107,24 @@ def test_trainer_builds_from_the_composed_config(tmp_path):
     trainer = build_trainer(cfg, cfg.model.arch)
     assert isinstance(trainer, L.Trainer) and trainer.max_epochs == 1
     names = {type(c).__name__ for c in trainer.callbacks}
-    assert {"ModelCheckpoint", "LastCheckpoint", "LearningRateMonitor", "ThroughputRecorder", "ProgressBar", "RunSummary",
-             "GracefulStop"} <= names
+    assert {
+        "ModelCheckpoint",
+        "LastCheckpoint",
+        "LearningRateMonitor",
+        "ThroughputRecorder",
+        "ProgressBar",
+        "RunSummary",
+        "GracefulStop",
+    } <= names
     assert Path(trainer.logger.log_dir) == tmp_path / "run" / "tensorboard"
 
 
-@pytest.mark.parametrize("users, kept", [(":16:8", ":16:8"), (":4096:8", ":4096:8"), (None, ":4096:8"),
-                                         (":0:0", ":4096:8")])
-def test_a_users_deterministic_cublas_workspace_is_kept_and_another_replaced_with_a_warning(users, kept, tmp_path,
-                                                                                           monkeypatch, caplog):
+@pytest.mark.parametrize(
+    "users, kept", [(":16:8", ":16:8"), (":4096:8", ":4096:8"), (None, ":4096:8"), (":0:0", ":4096:8")]
+)
+def test_a_users_deterministic_cublas_workspace_is_kept_and_another_replaced_with_a_warning(
+    users, kept, tmp_path, monkeypatch, caplog
+):
     """Lightning sets :4096:8 under trainer.deterministic, over whatever the user had."""
     from src.training.trainer import build_trainer
 
@@ -108,9 +137,14 @@ def test_a_users_deterministic_cublas_workspace_is_kept_and_another_replaced_wit
         build_trainer(cfg, cfg.model.arch)
     assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == kept
     warned = [r.getMessage() for r in caplog.records if "CUBLAS_WORKSPACE_CONFIG" in r.getMessage()]
-    assert warned == ([] if users != ":0:0" else [
-        "CUBLAS_WORKSPACE_CONFIG=:0:0 replaced by :4096:8: trainer.deterministic=True needs :4096:8 or :16:8 (torch "
-        "refuses other values there)"])
+    assert warned == (
+        []
+        if users != ":0:0"
+        else [
+            "CUBLAS_WORKSPACE_CONFIG=:0:0 replaced by :4096:8: trainer.deterministic=True needs :4096:8 or :16:8 "
+            "(torch refuses other values there)"
+        ]
+    )
 
 
 def test_experiment_demo_is_two_cpu_processes_on_synthetic_data(tmp_path):

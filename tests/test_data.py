@@ -126,7 +126,9 @@ def test_training_augmentation_crops_and_flips_but_evaluation_does_not(sample_ro
     assert len({bytes(v.numpy()) for v in views}) > 50  # crop offsets x flips: many distinct views
     plain = dm.val_set[0][0]
     assert torch.equal(plain, dm.val_set[0][0])
-    expected = (raw.float() / 255 - torch.tensor(CIFAR10_MEAN)[:, None, None]) / torch.tensor(CIFAR10_STD)[:, None, None]
+    expected = (raw.float() / 255 - torch.tensor(CIFAR10_MEAN)[:, None, None]) / torch.tensor(CIFAR10_STD)[
+        :, None, None
+    ]
     assert torch.allclose(dm.val_set.transform(raw), expected, atol=1e-5)
     assert views.shape == (200, 3, 32, 32)
 
@@ -146,6 +148,7 @@ def test_synthetic_data_is_deterministic_sized_and_class_dependent():
 
 
 # -- the first download: once per data.root, before any rank waits in the rendezvous --------------------------------
+
 
 def cifar_tarball(tmp_path: Path) -> bytes:
     """A tar.gz laid out as the release's cifar-10-python.tar.gz (its MD5 is not the release's)."""
@@ -170,7 +173,7 @@ def slow_server(body: bytes, seconds: float) -> Iterator[tuple[str, list[str]]]:
             pieces = 16
             try:
                 for i in range(pieces):
-                    self.wfile.write(body[i * len(body) // pieces:(i + 1) * len(body) // pieces])
+                    self.wfile.write(body[i * len(body) // pieces : (i + 1) * len(body) // pieces])
                     self.wfile.flush()
                     time.sleep(seconds / pieces)
             except (BrokenPipeError, ConnectionResetError):
@@ -196,15 +199,24 @@ def test_a_first_download_slower_than_the_rendezvous_timeout_ends_before_the_ran
     root, seconds, body = tmp_path / "data", 12.0, cifar_tarball(tmp_path)
     with slow_server(body, seconds) as (url, sent):
         start = time.monotonic()
-        result = train(*FAST_RUN, "data=cifar10", f"data.root={root}", f"data.download_url={url}", "strategy=ddp",
-                       "trainer.devices=2", "strategy.timeout_s=2", f"hydra.run.dir={tmp_path / 'run'}")
+        result = train(
+            *FAST_RUN,
+            "data=cifar10",
+            f"data.root={root}",
+            f"data.download_url={url}",
+            "strategy=ddp",
+            "trainer.devices=2",
+            "strategy.timeout_s=2",
+            f"hydra.run.dir={tmp_path / 'run'}",
+        )
         took = time.monotonic() - start
     text = output(result)
     assert result.returncode == 2, text[-3000:]
     assert [line for line in text.splitlines() if line.startswith("error:")] == [
         f"error: the file downloaded from {url} is not CIFAR-10's release (MD5 {hashlib.md5(body).hexdigest()}, the "
         "release's is c58f30108f718f92721af3b95e74349a): point data.download_url at the release or a mirror of it, or "
-        f"put the release's cifar-10-batches-py folder under data.root={root}"], text[-3000:]
+        f"put the release's cifar-10-batches-py folder under data.root={root}"
+    ], text[-3000:]
     assert "could not form a process group" not in text and "Traceback" not in text
     assert sent == ["/cifar-10-python.tar.gz"], "the other rank downloaded again instead of failing with its line"
     assert seconds < took < seconds + 60
@@ -220,14 +232,24 @@ def lock_waiters(path: Path) -> int:
 def test_a_download_that_failed_while_this_process_waited_fails_it_at_once_with_that_line(tmp_path):
     # another process (on another node) holds the lock, then records its failure: this one, waiting, repeats its line
     # without trying the URL, which would hang here until the 30 s read timeout
-    holder = subprocess.Popen([sys.executable, "-c", (
-        "import json, sys; from pathlib import Path; from src.launch.run_dir import locked\n"
-        f"root = Path({str(tmp_path)!r})\n"
-        "with locked(root / '.cifar-10-download.lock'):\n"
-        "    print('locked', flush=True); sys.stdin.readline()\n"
-        "    (root / '.cifar-10-download-failed.json').write_text(json.dumps({'line': 'downloading failed on node2', "
-        "'host': 'node2', 'pid': 1, 'run': 'elsewhere', 'at': 1.0}))\n")],
-        cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            (
+                "import json, sys; from pathlib import Path; from src.launch.run_dir import locked\n"
+                f"root = Path({str(tmp_path)!r})\n"
+                "with locked(root / '.cifar-10-download.lock'):\n"
+                "    print('locked', flush=True); sys.stdin.readline()\n"
+                "    (root / '.cifar-10-download-failed.json').write_text(json.dumps("
+                "{'line': 'downloading failed on node2', 'host': 'node2', 'pid': 1, 'run': 'elsewhere', 'at': 1.0}))\n"
+            ),
+        ],
+        cwd=ROOT,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert holder.stdout.readline() == "locked\n"
     with socket.socket() as silent:  # listens, never answers
         silent.bind(("127.0.0.1", 0))
@@ -275,7 +297,8 @@ def test_a_complete_download_puts_the_folder_in_place_whole_and_leaves_nothing_e
 
 
 def test_a_rank_counts_the_cores_srun_bound_it_to_once(monkeypatch):
-    """data.num_workers=auto's cores: srun's per-task binding gives a rank its own cores, not a share to divide again."""
+    """data.num_workers=auto's cores: srun's per-task binding gives a rank its own cores, not a share to divide
+    again."""
     from src.launch.ranks import rank_cores
 
     def machine(cpus: int, affinity: int, **slurm: str) -> None:

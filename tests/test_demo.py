@@ -7,21 +7,45 @@ import subprocess
 
 from tests.conftest import ROOT
 
-NOISE = ("`weights_only` was not set", "The `srun` command is available", "LeafSpec", "GPU available",
-         "TPU available", "Initializing distributed", "Seed set to", "All distributed processes registered")
+NOISE = (
+    "`weights_only` was not set",
+    "The `srun` command is available",
+    "LeafSpec",
+    "GPU available",
+    "TPU available",
+    "Initializing distributed",
+    "Seed set to",
+    "All distributed processes registered",
+)
 
 
 def test_make_demo_tests_one_checkpoint_twice_with_the_same_accuracy_and_prints_no_noise(tmp_path):
     demo = tmp_path / "demo"
-    result = subprocess.run(["make", "--no-print-directory", "demo", f"DEMO_DIR={demo}",
-                             "DEMO_ARGS=data.num_train=256 trainer.limit_val_batches=2"],
-                            cwd=ROOT, capture_output=True, text=True, timeout=600)
+    result = subprocess.run(
+        [
+            "make",
+            "--no-print-directory",
+            "demo",
+            f"DEMO_DIR={demo}",
+            "DEMO_ARGS=data.num_train=256 trainer.limit_val_batches=2",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     text = result.stdout + result.stderr
     assert result.returncode == 0, text[-4000:]
     stories = [line.split("] - ", 1)[1] for line in text.splitlines() if "test accuracy" in line]
     assert len(stories) == 2, text[-4000:]  # the training's test of its best checkpoint, then src.eval's
-    trained, evaluated = (re.fullmatch(r"test accuracy ([\d.]+) \| test loss ([\d.]+) \| (\S+) \(epoch (\d+), step "
-                                       r"(\d+)\)(?:, resnet18)? \| 256 test images of data=synthetic", s) for s in stories)
+    trained, evaluated = (
+        re.fullmatch(
+            r"test accuracy ([\d.]+) \| test loss ([\d.]+) \| (\S+) \(epoch (\d+), step "
+            r"(\d+)\)(?:, resnet18)? \| 256 test images of data=synthetic",
+            s,
+        )
+        for s in stories
+    )
     assert trained and evaluated, stories
     assert trained.group(1, 3, 4, 5) == evaluated.group(1, 3, 4, 5)  # same accuracy, file, epoch and step
     # the loss, a float mean summed in another order (two ranks there, one here), to its printed digits

@@ -35,8 +35,18 @@ def test_ranks_see_disjoint_shards_that_cover_the_dataset_and_reshuffle_each_epo
     seen = {}
     for epoch in range(2):
         for rank in range(2):
-            batches = DeviceBatches(images, labels, 8, device=CPU, rank=rank, world_size=2, seed=3, shuffle=True,
-                                    drop_last=True, epoch_of=lambda e=epoch: e)
+            batches = DeviceBatches(
+                images,
+                labels,
+                8,
+                device=CPU,
+                rank=rank,
+                world_size=2,
+                seed=3,
+                shuffle=True,
+                drop_last=True,
+                epoch_of=lambda e=epoch: e,
+            )
             seen[epoch, rank] = torch.cat([y for _, y in batches]).tolist()
         assert not set(seen[epoch, 0]) & set(seen[epoch, 1])
         assert sorted(seen[epoch, 0] + seen[epoch, 1]) == list(range(96))
@@ -46,8 +56,7 @@ def test_ranks_see_disjoint_shards_that_cover_the_dataset_and_reshuffle_each_epo
 def test_batches_are_normalised_uint8_images_without_augmentation():
     data = SyntheticDataModule(num_train=40, num_test=8, image_size=16, seed=0)
     data.setup("fit")
-    batches = DeviceBatches(data.val_set.images, data.val_set.labels, 3, device=CPU, mean=CIFAR10_MEAN,
-                            std=CIFAR10_STD)
+    batches = DeviceBatches(data.val_set.images, data.val_set.labels, 3, device=CPU, mean=CIFAR10_MEAN, std=CIFAR10_STD)
     got = torch.cat([x for x, _ in batches])
     expected = torch.stack([data.val_set.transform(img) for img in data.val_set.images])
     assert len(batches) == 2 and got.shape == (4, 3, 16, 16)  # 4 images: batches of 3 and 1 (no drop_last)
@@ -60,7 +69,7 @@ def views(image: torch.Tensor, padding: int = 4) -> dict[tuple[int, int, bool], 
     size = image.shape[-1]
     out = {}
     for dy, dx in itertools.product(range(2 * padding + 1), repeat=2):
-        crop = padded[:, dy:dy + size, dx:dx + size]
+        crop = padded[:, dy : dy + size, dx : dx + size]
         out[dy, dx, False], out[dy, dx, True] = crop, crop.flip(-1)
     return out
 
@@ -70,14 +79,18 @@ def test_crops_and_flips_happen_at_the_expected_rates_and_labels_stay_with_their
     g = torch.Generator().manual_seed(0)
     images = torch.randint(1, 256, (n, 3, size, size), dtype=torch.uint8, generator=g)  # no zero: padding shows
     labels = torch.randint(0, 10, (n,), generator=g)
-    batches = DeviceBatches(images, labels, 32, device=CPU, seed=1, shuffle=True, augment=True, mean=CIFAR10_MEAN,
-                            std=CIFAR10_STD)
+    batches = DeviceBatches(
+        images, labels, 32, device=CPU, seed=1, shuffle=True, augment=True, mean=CIFAR10_MEAN, std=CIFAR10_STD
+    )
     found = []
     for x, y in batches:
         for view, label in zip(unnormalise(x), y):
             # the source image is identified by its pixels: the uncropped middle of every view matches it
-            source = next(i for i in range(n) if labels[i] == label and any(
-                torch.equal(view, v) for v in views(images[i]).values()))
+            source = next(
+                i
+                for i in range(n)
+                if labels[i] == label and any(torch.equal(view, v) for v in views(images[i]).values())
+            )
             key = next(k for k, v in views(images[source]).items() if torch.equal(view, v))
             found.append((source, key))
     assert sorted(s for s, _ in found) == list(range(n))  # every image once per epoch, with its own label
@@ -95,8 +108,12 @@ def test_augmentation_depends_on_epoch_and_seed_only_so_it_repeats_exactly():
     labels = torch.arange(64)
 
     def epoch_batches(epoch: int, seed: int = 5) -> list[torch.Tensor]:
-        return [x for x, _ in DeviceBatches(images, labels, 16, device=CPU, seed=seed, shuffle=True, augment=True,
-                                            epoch_of=lambda: epoch)]
+        return [
+            x
+            for x, _ in DeviceBatches(
+                images, labels, 16, device=CPU, seed=seed, shuffle=True, augment=True, epoch_of=lambda: epoch
+            )
+        ]
 
     assert all(torch.equal(a, b) for a, b in zip(epoch_batches(0), epoch_batches(0)))
     assert not torch.equal(epoch_batches(0)[0], epoch_batches(1)[0])
@@ -108,8 +125,9 @@ def test_a_restored_position_continues_with_the_next_batch_of_the_same_epoch():
     labels = torch.arange(80)
 
     def make() -> DeviceBatches:
-        return DeviceBatches(images, labels, 8, device=CPU, seed=2, shuffle=True, augment=True, drop_last=True,
-                             epoch_of=lambda: 1)
+        return DeviceBatches(
+            images, labels, 8, device=CPU, seed=2, shuffle=True, augment=True, drop_last=True, epoch_of=lambda: 1
+        )
 
     full = list(make())
     first = make()
@@ -133,8 +151,21 @@ def test_resumed_at_another_world_size_the_epoch_goes_on_with_the_images_not_yet
     labels = torch.arange(96)  # the label names the image
 
     def world(size: int, batch: int) -> list[DeviceBatches]:
-        return [DeviceBatches(images, labels, batch, device=CPU, rank=r, world_size=size, seed=3, shuffle=True,
-                              drop_last=True, epoch_of=lambda: 0) for r in range(size)]
+        return [
+            DeviceBatches(
+                images,
+                labels,
+                batch,
+                device=CPU,
+                rank=r,
+                world_size=size,
+                seed=3,
+                shuffle=True,
+                drop_last=True,
+                epoch_of=lambda: 0,
+            )
+            for r in range(size)
+        ]
 
     (old_size, old_batch), (new_size, new_batch) = before, after
     old, steps = world(old_size, old_batch), 5

@@ -24,8 +24,15 @@ from tests.conftest import FAST, output, train
 from tests.test_config import make_cfg
 
 # each of these creates a CUDA context on the current device (GPU 0) when called before the rank selects its own
-CONTEXT_MAKERS = ("current_device", "is_bf16_supported", "mem_get_info", "set_device", "synchronize", "init",
-                  "_lazy_init")
+CONTEXT_MAKERS = (
+    "current_device",
+    "is_bf16_supported",
+    "mem_get_info",
+    "set_device",
+    "synchronize",
+    "init",
+    "_lazy_init",
+)
 RANK_ENV = ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK", "TORCHELASTIC_RUN_ID", "CUDA_VISIBLE_DEVICES")
 
 
@@ -72,8 +79,10 @@ def gpu_trainer(tmp_path, *overrides: str):
     return build_trainer(cfg, cfg.model.arch)
 
 
-@pytest.mark.parametrize(("devices", "count"), [([0, 2], 2), (ListConfig([0, 2]), 2), ("0,2", 2), ("1", 1), (3, 3),
-                                                ("auto", 4), (-1, 4), ("-1", 4)])
+@pytest.mark.parametrize(
+    ("devices", "count"),
+    [([0, 2], 2), (ListConfig([0, 2]), 2), ("0,2", 2), ("1", 1), (3, 3), ("auto", 4), (-1, 4), ("-1", 4)],
+)
 def test_every_form_of_trainer_devices_counts_its_processes(gpus, devices, count):
     gpus(4)
     assert local_device_count("gpu", devices) == count
@@ -106,18 +115,33 @@ def test_ids_count_within_cuda_visible_devices_and_one_beyond_them_is_one_line(g
         gpu_trainer(tmp_path, "strategy=ddp", "trainer.devices=[0,2]")
     assert str(user_error_in(refused.value)) == (
         "trainer.devices=[0, 2] names GPU 2, but this node has 2 GPU(s) visible (CUDA_VISIBLE_DEVICES=1,3): ids count "
-        "from 0 within the visible GPUs, so use ids 0..1")
+        "from 0 within the visible GPUs, so use ids 0..1"
+    )
 
 
-@pytest.mark.parametrize(("accelerator", "devices", "message"), [
-    ("gpu", [1, 1], "trainer.devices=[1, 1] names GPU 1 more than once: every process needs a GPU of its own"),
-    ("gpu", ["a"], "trainer.devices=['a'] is not a list of GPU ids: give whole numbers >= 0, e.g. "
-                   "trainer.devices=[0,2], or a count of devices"),
-    ("gpu", 8, "trainer.devices=8 asks for 8 GPUs but this node has 4: lower trainer.devices, or use "
-               "trainer.devices=auto"),
-    ("cpu", "0,1", "trainer.devices=0,1 lists GPU ids, but this run is on the CPU (trainer.accelerator=cpu, CUDA "
-                   "available: True): give a number of processes instead, e.g. trainer.devices=2"),
-])
+@pytest.mark.parametrize(
+    ("accelerator", "devices", "message"),
+    [
+        ("gpu", [1, 1], "trainer.devices=[1, 1] names GPU 1 more than once: every process needs a GPU of its own"),
+        (
+            "gpu",
+            ["a"],
+            "trainer.devices=['a'] is not a list of GPU ids: give whole numbers >= 0, e.g. "
+            "trainer.devices=[0,2], or a count of devices",
+        ),
+        (
+            "gpu",
+            8,
+            "trainer.devices=8 asks for 8 GPUs but this node has 4: lower trainer.devices, or use trainer.devices=auto",
+        ),
+        (
+            "cpu",
+            "0,1",
+            "trainer.devices=0,1 lists GPU ids, but this run is on the CPU (trainer.accelerator=cpu, CUDA "
+            "available: True): give a number of processes instead, e.g. trainer.devices=2",
+        ),
+    ],
+)
 def test_impossible_gpu_choices_are_one_line_naming_the_key(gpus, accelerator, devices, message):
     gpus(4)
     with pytest.raises(UserError) as refused:
@@ -130,17 +154,27 @@ def test_a_list_of_gpu_ids_for_a_cpu_run_stops_before_training_with_what_to_give
     assert result.returncode == 2, output(result)
     assert output(result).strip().splitlines()[-1] == (
         "error: trainer.devices=[0, 1] lists GPU ids, but this run is on the CPU (trainer.accelerator=cpu, CUDA "
-        f"available: {torch.cuda.is_available()}): give a number of processes instead, e.g. trainer.devices=2")
+        f"available: {torch.cuda.is_available()}): give a number of processes instead, e.g. trainer.devices=2"
+    )
     assert not (tmp_path / "checkpoints").exists()
 
 
 def srun_task(monkeypatch, local_id: int, per_node: int, nodes: int = 1) -> None:
     """This process as the task srun starts with SLURM_LOCALID=local_id (the variables srun sets for it)."""
-    for key, value in {"SLURM_JOB_ID": 4242, "SLURM_JOB_NAME": "cifar10-ddp", "SLURM_STEP_ID": 0,
-                       "SLURM_NTASKS": per_node * nodes, "SLURM_NTASKS_PER_NODE": per_node,
-                       "SLURM_JOB_NUM_NODES": nodes, "SLURM_NNODES": nodes, "SLURM_NODEID": 0,
-                       "SLURM_LOCALID": local_id, "SLURM_PROCID": local_id, "SLURM_NODELIST": "gpu-node-1",
-                       "SLURM_JOB_NODELIST": "gpu-node-1"}.items():
+    for key, value in {
+        "SLURM_JOB_ID": 4242,
+        "SLURM_JOB_NAME": "cifar10-ddp",
+        "SLURM_STEP_ID": 0,
+        "SLURM_NTASKS": per_node * nodes,
+        "SLURM_NTASKS_PER_NODE": per_node,
+        "SLURM_JOB_NUM_NODES": nodes,
+        "SLURM_NNODES": nodes,
+        "SLURM_NODEID": 0,
+        "SLURM_LOCALID": local_id,
+        "SLURM_PROCID": local_id,
+        "SLURM_NODELIST": "gpu-node-1",
+        "SLURM_JOB_NODELIST": "gpu-node-1",
+    }.items():
         monkeypatch.setenv(key, str(value))
 
 
@@ -154,11 +188,13 @@ def test_srun_tasks_with_one_gpu_each_train_on_their_cuda_0(gpus, tmp_path, monk
     assert (trainer.global_rank, trainer.local_rank, trainer.world_size, trainer.num_devices) == (3, 3, 4, 4)
     assert trainer.strategy.cluster_environment.__class__.__name__ == "SLURMEnvironment"
     assert trainer.precision == "16-mixed"  # read from the task's own GPU, as the run line says
-    module = SimpleNamespace(memory_format=torch.channels_last, hparams=AttributeDict(arch="resnet18",
-                                                                                      channels_last="auto"))
+    module = SimpleNamespace(
+        memory_format=torch.channels_last, hparams=AttributeDict(arch="resnet18", channels_last="auto")
+    )
     assert number_format(trainer, module, "auto") == (
         "precision 16-mixed, channels-last (auto: GPU cuda:0 has compute capability 7.0, below 8.0 bf16 would be "
-        "emulated: fp16 with a gradient scaler)")
+        "emulated: fp16 with a gradient scaler)"
+    )
 
 
 def test_srun_tasks_that_see_the_nodes_gpus_train_on_cuda_local_rank(gpus, tmp_path, monkeypatch):

@@ -73,10 +73,10 @@ def src_call(command: str) -> tuple[str, list[str]] | None:
         fixed = re.search(r"-m src\.train (.*?)\"\$@\"", (ROOT / script).read_text().replace("\\\n", " "), re.S)
         assert fixed, f"{script} does not pass its arguments to python -m src.train"
         # the script's own arguments, less those it fills from the allocation (${...})
-        return "src.train", [w for w in shlex.split(fixed.group(1)) if "$" not in w] + words[words.index(script) + 1:]
+        return "src.train", [w for w in shlex.split(fixed.group(1)) if "$" not in w] + words[words.index(script) + 1 :]
     if "-m" in words and words.index("-m") + 1 < len(words) and words[words.index("-m") + 1].startswith("src."):
         at = words.index("-m")
-        return words[at + 1], words[at + 2:]
+        return words[at + 1], words[at + 2 :]
     return None
 
 
@@ -113,7 +113,7 @@ def jobs(overrides: list[str], multirun: bool) -> list[list[str]]:
     parsed = OverridesParser.create().parse_overrides(overrides)
     values = [_values(o) if o.is_sweep_override() else [o.input_line] for o in parsed]
     first = [v[0] for v in values]
-    return [first] + [first[:i] + [v] + first[i + 1:] for i, vs in enumerate(values) for v in vs[1:]]
+    return [first] + [first[:i] + [v] + first[i + 1 :] for i, vs in enumerate(values) for v in vs[1:]]
 
 
 def _values(override) -> list[str]:
@@ -129,12 +129,15 @@ def check_src_command(module: str, args: list[str]) -> None:
         check_synopsis_keys(config_name, " ".join(args))
         return
     if module == "src.slurm_sweep":  # its overrides after "--" are src.train's, swept
-        module, args, config_name = "src.train", ["-m", *args[args.index("--") + 1:]], "train"
+        module, args, config_name = "src.train", ["-m", *args[args.index("--") + 1 :]], "train"
     if config_name is None:
         return  # a plain argparse tool: its file exists
     flags = {"-m", "--multirun", "--resolve"}
-    overrides = [a for i, a in enumerate(args) if a not in flags and not a.startswith("--")
-                 and not (i and args[i - 1] == "--cfg")]
+    overrides = [
+        a
+        for i, a in enumerate(args)
+        if a not in flags and not a.startswith("--") and not (i and args[i - 1] == "--cfg")
+    ]
     for job in jobs(overrides, "-m" in args or "--multirun" in args):
         compose_run(config_name, tuple(job))
 
@@ -146,8 +149,9 @@ def check_synopsis_keys(config_name: str, synopsis: str) -> None:
     for key in re.findall(r"(?<![\w.\-])([a-z_][\w.]*)=", synopsis):
         parent, _, leaf = key.rpartition(".")
         node = OmegaConf.select(cfg, parent) if parent else cfg
-        assert key in cfg.hydra.runtime.choices or (OmegaConf.is_dict(node) and leaf in node.keys()), \
+        assert key in cfg.hydra.runtime.choices or (OmegaConf.is_dict(node) and leaf in node.keys()), (
             f"{synopsis}: {key} is not a key of conf/{config_name}.yaml"
+        )
 
 
 @cache
@@ -203,7 +207,8 @@ def test_a_renamed_key_or_option_fails_the_check():
     with pytest.raises(AssertionError, match="no variable"):
         check_make("make bench BENCH_ARG=--compile")
     assert [c for c in commands("`error: ... (python -m src.train -m x)` and `A=1 python -m src.eval b=2`")] == [
-        "python -m src.eval b=2"]
+        "python -m src.eval b=2"
+    ]
 
 
 def anchors(text: str) -> Iterator[str]:
@@ -235,10 +240,12 @@ def test_every_relative_link_and_anchor_resolves(page):
 
 @pytest.mark.parametrize("page", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
 def test_every_file_the_documentation_names_exists(page):
-    """A path in inline code (``src/launch/ranks.py``, ``conf/hydra/default.yaml``, ``tests/slurm/``) is a file or folder."""
+    """A path in inline code (``src/launch/ranks.py``, ``conf/hydra/default.yaml``, ``tests/slurm/``) is a file or
+    folder."""
     for _tick, span in INLINE.findall(FENCE.sub("", page.read_text())):
-        for path in re.findall(r"(?<![\w./-])((?:src|tests|conf|benchmarks|slurm|hydra_plugins|docs)/[\w./-]*[\w/])",
-                               span):
+        for path in re.findall(
+            r"(?<![\w./-])((?:src|tests|conf|benchmarks|slurm|hydra_plugins|docs)/[\w./-]*[\w/])", span
+        ):
             assert (ROOT / path).exists(), f"{page.name}: {path} does not exist"
 
 

@@ -42,80 +42,127 @@ class Case:
 
 CASES = {
     # what Hydra rejects before the task runs
-    "unknown-group-option": Case([*FAST, "strategy=horovod"],
-                                 ["strategy=horovod", "config group strategy", "choose one of auto, ddp, ddp_spawn"]),
-    "unknown-optional-option": Case([*FAST, "experiment=resnet50"],
-                                    ["experiment=resnet50", "choose one of cifar10_resnet50, demo"]),
-    "misspelled-key": Case([*FAST, "trainer.max_epoch=3"],
-                           ["trainer.max_epoch is not a key", "did you mean trainer.max_epochs", "+trainer.max_epoch=3"]),
+    "unknown-group-option": Case(
+        [*FAST, "strategy=horovod"], ["strategy=horovod", "config group strategy", "choose one of auto, ddp, ddp_spawn"]
+    ),
+    "unknown-optional-option": Case(
+        [*FAST, "experiment=resnet50"], ["experiment=resnet50", "choose one of cifar10_resnet50, demo"]
+    ),
+    "misspelled-key": Case(
+        [*FAST, "trainer.max_epoch=3"],
+        ["trainer.max_epoch is not a key", "did you mean trainer.max_epochs", "+trainer.max_epoch=3"],
+    ),
     "unknown-argument": Case([*FAST, "+model.dropout=0.5"], ["model.dropout", "ImageClassifier", "remove it"]),
     "unparsable-override": Case([*FAST, "trainer.devices=[1,"], ["trainer.devices=[1,", "quote"]),
-    "broken-interpolation": Case([*FAST, "data.batch_size=${{nope}}"],
-                                 ["data.batch_size: Interpolation key 'nope' not found", "--cfg job --resolve"]),
-    "value-the-trainer-rejects": Case([*FAST, "trainer.precision=15"],
-                                      ["trainer: Precision 15 is invalid", "bf16-mixed", "trainer.* value"]),
+    "broken-interpolation": Case(
+        [*FAST, "data.batch_size=${{nope}}"],
+        ["data.batch_size: Interpolation key 'nope' not found", "--cfg job --resolve"],
+    ),
+    "value-the-trainer-rejects": Case(
+        [*FAST, "trainer.precision=15"], ["trainer: Precision 15 is invalid", "bf16-mixed", "trainer.* value"]
+    ),
     # processes and devices
     "devices-zero": Case([*FAST, "trainer.devices=0"], ["trainer.devices=0", ">= 1"]),
     "devices-negative": Case([*FAST, "trainer.devices=-3"], ["trainer.devices=-3", ">= 1"]),
     "devices-not-a-number": Case([*FAST, "trainer.devices=abc"], ["trainer.devices=abc", "give a count"]),
-    "devices-beyond-cpu-cores": Case([*FAST, *DDP2], ["trainer.devices=2", "1 CPU core", "trainer.devices=1 or fewer"],
-                                     one_core=True),
+    "devices-beyond-cpu-cores": Case(
+        [*FAST, *DDP2], ["trainer.devices=2", "1 CPU core", "trainer.devices=1 or fewer"], one_core=True
+    ),
     "num-nodes-zero": Case([*FAST, "trainer.num_nodes=0"], ["trainer.num_nodes=0", ">= 1"]),
     "unknown-backend": Case([*FAST, "backend=bogus"], ["backend=bogus is not known", "auto, nccl, gloo"]),
     "nccl-on-cpu": Case([*FAST, *DDP2, "backend=nccl"], ["error: backend=nccl needs CUDA", "backend=gloo"]),
-    "unknown-accelerator": Case([*FAST, "trainer.accelerator=tpu"],
-                                ["trainer.accelerator=tpu", "choose one of auto, cpu, gpu"]),
+    "unknown-accelerator": Case(
+        [*FAST, "trainer.accelerator=tpu"], ["trainer.accelerator=tpu", "choose one of auto, cpu, gpu"]
+    ),
     "timeout-zero": Case([*FAST, *DDP2, "strategy.timeout_s=0"], ["strategy.timeout_s=0", "> 0"]),
-    "master-port-in-use": Case([*FAST, *DDP2], ["MASTER_PORT={port}", "Address already in use", "unset MASTER_PORT"],
-                               env={"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "{port}"}),
-    "master-port-not-a-port": Case([*FAST, *DDP2], ["MASTER_PORT=abc is not a port", "1-65535"],
-                                   env={"MASTER_PORT": "abc"}),
-    "two-nodes-by-hand-without-master": Case([*FAST, "strategy=ddp", "trainer.num_nodes=2"],
-                                             ["trainer.num_nodes=2", "MASTER_ADDR and MASTER_PORT", "node 0"]),
+    "master-port-in-use": Case(
+        [*FAST, *DDP2],
+        ["MASTER_PORT={port}", "Address already in use", "unset MASTER_PORT"],
+        env={"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "{port}"},
+    ),
+    "master-port-not-a-port": Case(
+        [*FAST, *DDP2], ["MASTER_PORT=abc is not a port", "1-65535"], env={"MASTER_PORT": "abc"}
+    ),
+    "two-nodes-by-hand-without-master": Case(
+        [*FAST, "strategy=ddp", "trainer.num_nodes=2"], ["trainer.num_nodes=2", "MASTER_ADDR and MASTER_PORT", "node 0"]
+    ),
     "max-epochs-negative": Case([*FAST, "trainer.max_epochs=-1"], ["trainer.max_epochs=-1", ">= 1"]),
     "unknown-arch": Case([*FAST, "model.arch=resnet7"], ["model.arch=resnet7", "choose one of"]),
     # files: data, checkpoints, the run dir
     "data-root-missing-offline": Case(
-        [*FAST_RUN, "data=cifar10", "data.root={tmp}/nowhere", "data.download_url=http://127.0.0.1:9/cifar-10-python.tar.gz"],
-        ["data.root={tmp}/nowhere", "data=synthetic"]),
-    "data-root-unreadable": Case([*CIFAR_OFFLINE, "data.root={tmp}/unreadable"],
-                                 ["data.root={tmp}/unreadable", "cannot be read", "permissions"], restricted=True),
-    "truncated-batch-file": Case([*CIFAR_OFFLINE, "data.root={tmp}/truncated"],
-                                 ["{tmp}/truncated/cifar-10-batches-py/data_batch_3 is truncated", "restore the file"]),
-    "no-training-step-per-epoch": Case([*FAST, *DDP2, "data.batch_size=64"],
-                                       ["86 training images over 2 processes are 43 per process",
-                                        "data.batch_size=64", "data.batch_size=43 or less"]),
-    "a-rank-without-a-test-image": Case([*FAST, *DDP2, "data.num_test=1", "test=true"],
-                                        ["1 test images for 2 processes", "every process needs at least one"]),
-    "mpirun-without-mpi4py": Case([*FAST], ["mpirun started 4 processes", "No module named 'mpi4py'",
-                                            "pip install mpi4py", "srun or torchrun"],
-                                  env={"OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_RANK": "0",
-                                       "PYTHONPATH": "{tmp}/no-mpi4py"}),
+        [
+            *FAST_RUN,
+            "data=cifar10",
+            "data.root={tmp}/nowhere",
+            "data.download_url=http://127.0.0.1:9/cifar-10-python.tar.gz",
+        ],
+        ["data.root={tmp}/nowhere", "data=synthetic"],
+    ),
+    "data-root-unreadable": Case(
+        [*CIFAR_OFFLINE, "data.root={tmp}/unreadable"],
+        ["data.root={tmp}/unreadable", "cannot be read", "permissions"],
+        restricted=True,
+    ),
+    "truncated-batch-file": Case(
+        [*CIFAR_OFFLINE, "data.root={tmp}/truncated"],
+        ["{tmp}/truncated/cifar-10-batches-py/data_batch_3 is truncated", "restore the file"],
+    ),
+    "no-training-step-per-epoch": Case(
+        [*FAST, *DDP2, "data.batch_size=64"],
+        ["86 training images over 2 processes are 43 per process", "data.batch_size=64", "data.batch_size=43 or less"],
+    ),
+    "a-rank-without-a-test-image": Case(
+        [*FAST, *DDP2, "data.num_test=1", "test=true"],
+        ["1 test images for 2 processes", "every process needs at least one"],
+    ),
+    "mpirun-without-mpi4py": Case(
+        [*FAST],
+        ["mpirun started 4 processes", "No module named 'mpi4py'", "pip install mpi4py", "srun or torchrun"],
+        env={"OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_RANK": "0", "PYTHONPATH": "{tmp}/no-mpi4py"},
+    ),
     "batch-size-zero": Case([*FAST, "data.batch_size=0"], ["data.batch_size=0", ">= 1"]),
     "val-size-not-a-fraction": Case([*FAST, "data.val_size=2.0"], ["data.val_size=2.0", "fraction in (0, 1)"]),
     "ckpt-missing": Case([*FAST, "ckpt_path=/nonexistent.ckpt"], ["ckpt_path=/nonexistent.ckpt does not exist"]),
-    "ckpt-random-bytes": Case([*FAST, "ckpt_path={tmp}/random.ckpt"],
-                              ["ckpt_path={tmp}/random.ckpt is not a checkpoint", "pass an intact .ckpt"]),
-    "ckpt-truncated": Case([*FAST, "ckpt_path={tmp}/truncated.ckpt"],
-                           ["ckpt_path={tmp}/truncated.ckpt is not a checkpoint", "truncated"]),
-    "ckpt-other-arch": Case([*FAST, "ckpt_path={tmp}/resnet18.ckpt", "model.arch=resnet50"],
-                            ["ckpt_path={tmp}/resnet18.ckpt holds a resnet18", "pass model.arch=resnet18"]),
+    "ckpt-random-bytes": Case(
+        [*FAST, "ckpt_path={tmp}/random.ckpt"],
+        ["ckpt_path={tmp}/random.ckpt is not a checkpoint", "pass an intact .ckpt"],
+    ),
+    "ckpt-truncated": Case(
+        [*FAST, "ckpt_path={tmp}/truncated.ckpt"], ["ckpt_path={tmp}/truncated.ckpt is not a checkpoint", "truncated"]
+    ),
+    "ckpt-other-arch": Case(
+        [*FAST, "ckpt_path={tmp}/resnet18.ckpt", "model.arch=resnet50"],
+        ["ckpt_path={tmp}/resnet18.ckpt holds a resnet18", "pass model.arch=resnet18"],
+    ),
     "ckpt-last-without-one": Case([*FAST, "ckpt_path=last"], ["ckpt_path=last but", "does not exist", "hydra.run.dir"]),
-    "run-dir-not-writable": Case([*FAST, "hydra.run.dir={tmp}/readonly/run"],
-                                 ["{tmp}/readonly/run", "Permission denied", "hydra.run.dir=DIR"], restricted=True),
+    "run-dir-not-writable": Case(
+        [*FAST, "hydra.run.dir={tmp}/readonly/run"],
+        ["{tmp}/readonly/run", "Permission denied", "hydra.run.dir=DIR"],
+        restricted=True,
+    ),
     # optional parts
-    "mlflow-server-not-answering": Case([*FAST, *DDP2, "logger=mlflow", "logger.mlflow.tracking_uri=http://127.0.0.1:9"],
-                                        ["logger.mlflow.tracking_uri=http://127.0.0.1:9", "no MLflow server answers",
-                                         "Connection refused", "leave tracking_uri out"]),
-    "wandb-online-server-not-answering": Case([*FAST, "logger=wandb"],
-                                              ["logger=wandb logs online (an API key is configured)",
-                                               "http://127.0.0.1:9 cannot be reached (Connection refused)",
-                                               "logger.wandb.offline=true"],
-                                              env={"WANDB_API_KEY": "0" * 40, "WANDB_BASE_URL": "http://127.0.0.1:9",
-                                                   "WANDB_MODE": ""}),
+    "mlflow-server-not-answering": Case(
+        [*FAST, *DDP2, "logger=mlflow", "logger.mlflow.tracking_uri=http://127.0.0.1:9"],
+        [
+            "logger.mlflow.tracking_uri=http://127.0.0.1:9",
+            "no MLflow server answers",
+            "Connection refused",
+            "leave tracking_uri out",
+        ],
+    ),
+    "wandb-online-server-not-answering": Case(
+        [*FAST, "logger=wandb"],
+        [
+            "logger=wandb logs online (an API key is configured)",
+            "http://127.0.0.1:9 cannot be reached (Connection refused)",
+            "logger.wandb.offline=true",
+        ],
+        env={"WANDB_API_KEY": "0" * 40, "WANDB_BASE_URL": "http://127.0.0.1:9", "WANDB_MODE": ""},
+    ),
     "eval-without-ckpt": Case([*EVAL], ["ckpt_path=PATH is required"], module="src.eval"),
 }
-# The same kind of mistakes with HYDRA_FULL_ERROR=1: the user asked for the traceback, one of the task's, one of Hydra's.
+# The same kind of mistakes with HYDRA_FULL_ERROR=1: the user asked for the traceback, one of the task's, one of
+# Hydra's.
 TRACEBACK_CASES = {
     "task-error": Case([*FAST, "backend=bogus"], ["UserError", "backend=bogus is not known"]),
     "hydra-error": Case([*FAST, "trainer.max_epoch=3"], ["ConfigCompositionException", "trainer.max_epoch"]),
@@ -157,8 +204,16 @@ def make_files(tmp: Path) -> None:
 
     (tmp / "random.ckpt").write_bytes(os.urandom(4096))
     model = ImageClassifier(arch="resnet18")
-    torch.save({"state_dict": model.state_dict(), "hyper_parameters": dict(model.hparams),
-                "pytorch-lightning_version": "2.6.6", "epoch": 0, "global_step": 0}, tmp / "resnet18.ckpt")
+    torch.save(
+        {
+            "state_dict": model.state_dict(),
+            "hyper_parameters": dict(model.hparams),
+            "pytorch-lightning_version": "2.6.6",
+            "epoch": 0,
+            "global_step": 0,
+        },
+        tmp / "resnet18.ckpt",
+    )
     whole = (tmp / "resnet18.ckpt").read_bytes()
     (tmp / "truncated.ckpt").write_bytes(whole[: len(whole) // 2])
     batch = write_cifar_folder(tmp / "truncated") / "cifar-10-batches-py" / "data_batch_3"
@@ -172,7 +227,7 @@ def make_files(tmp: Path) -> None:
 def hide_mpi4py(folder: Path) -> Path:
     """A folder that, first on PYTHONPATH, makes ``import mpi4py`` fail as where it is not installed."""
     (folder / "mpi4py").mkdir(parents=True)
-    (folder / "mpi4py" / "__init__.py").write_text('raise ModuleNotFoundError("No module named \'mpi4py\'")\n')
+    (folder / "mpi4py" / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 'mpi4py'\")\n")
     return folder
 
 
@@ -219,8 +274,10 @@ def runs(tmp_path_factory) -> Runs:
             busy.bind(("127.0.0.1", 0))
             busy.listen()
             port = busy.getsockname()[1]
-            futures = {name: pool.submit(launch, case, name, tmp, port, full_error, prefixes)
-                       for name, case, full_error in jobs}
+            futures = {
+                name: pool.submit(launch, case, name, tmp, port, full_error, prefixes)
+                for name, case, full_error in jobs
+            }
             found = {name: future.result() for name, future in futures.items()}
     finally:
         (tmp / "unreadable").chmod(0o755)  # so that pytest can clean up
@@ -265,13 +322,16 @@ def test_the_users_hydra_full_error_wins_over_the_one_set_for_hydra(monkeypatch)
 
 
 # The same messages in-process, for variants that need no process of their own.
-@pytest.mark.parametrize("override, words", [
-    ("data=imagenet", ["data=imagenet is not an option of config group data", "choose one of cifar10, synthetic"]),
-    ("modle.arch=resnet34", ["modle.arch is not a key", "did you mean model.arch?", "+modle.arch=resnet34"]),
-    ("model.optimizer.lrr=0.2", ["did you mean model.optimizer.lr?"]),
-    ("trainer.zzz=1", ["trainer.zzz is not a key", "--cfg job", "+trainer.zzz=1"]),
-    ("+trainer.max_epochs=3", ["An item is already at 'trainer.max_epochs'", "trainer.max_epochs=3"]),
-])
+@pytest.mark.parametrize(
+    "override, words",
+    [
+        ("data=imagenet", ["data=imagenet is not an option of config group data", "choose one of cifar10, synthetic"]),
+        ("modle.arch=resnet34", ["modle.arch is not a key", "did you mean model.arch?", "+modle.arch=resnet34"]),
+        ("model.optimizer.lrr=0.2", ["did you mean model.optimizer.lr?"]),
+        ("trainer.zzz=1", ["trainer.zzz is not a key", "--cfg job", "+trainer.zzz=1"]),
+        ("+trainer.max_epochs=3", ["An item is already at 'trainer.max_epochs'", "trainer.max_epochs=3"]),
+    ],
+)
 def test_hydras_rejections_become_one_line_naming_the_override(override, words, tmp_path):
     from hydra.errors import HydraException
 

@@ -49,30 +49,50 @@ def small_test_set(tmp_path: Path) -> Path:
     return folder.parent
 
 
-def evaluate(checkpoint: Path, data_root: Path, run_dir: Path, *extra: str, env: dict[str, str] | None = None,
-             background: bool = False):
-    return run_module("src.eval", *EVAL, f"data.root={data_root}", "data.download=false", f"ckpt_path={checkpoint}",
-                      f"hydra.run.dir={run_dir}", *extra, env=env, background=background, timeout=240)
+def evaluate(
+    checkpoint: Path,
+    data_root: Path,
+    run_dir: Path,
+    *extra: str,
+    env: dict[str, str] | None = None,
+    background: bool = False,
+):
+    return run_module(
+        "src.eval",
+        *EVAL,
+        f"data.root={data_root}",
+        "data.download=false",
+        f"ckpt_path={checkpoint}",
+        f"hydra.run.dir={run_dir}",
+        *extra,
+        env=env,
+        background=background,
+        timeout=240,
+    )
 
 
-def test_one_checkpoint_gives_the_same_count_accuracy_and_loss_at_world_sizes_1_2_and_3(sample_checkpoint,
-                                                                                       small_test_set, tmp_path):
+def test_one_checkpoint_gives_the_same_count_accuracy_and_loss_at_world_sizes_1_2_and_3(
+    sample_checkpoint, small_test_set, tmp_path
+):
     checkpoint = sample_checkpoint / "checkpoints" / "last.ckpt"
     results = {}
     one = evaluate(checkpoint, small_test_set, tmp_path / "1")
     assert one.returncode == 0, output(one)[-4000:]
     results[1] = json.loads((tmp_path / "1" / "test_metrics.json").read_text())
     # two local processes through the DataLoader pipeline (Lightning's sampler replaced by an unrepeated one) ...
-    two = evaluate(checkpoint, small_test_set, tmp_path / "2", "strategy=ddp", "trainer.devices=2",
-                   "data.pipeline=dataloader")
+    two = evaluate(
+        checkpoint, small_test_set, tmp_path / "2", "strategy=ddp", "trainer.devices=2", "data.pipeline=dataloader"
+    )
     assert two.returncode == 0, output(two)[-4000:]
     assert (tmp_path / "2" / "eval_node0_local1.log").is_file()  # the second process joined
     results[2] = json.loads((tmp_path / "2" / "test_metrics.json").read_text())
     # ... and three one-process nodes over loopback through the device pipeline: rank 0 tests one batch more
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     args = ["strategy=ddp", "trainer.devices=1", "trainer.num_nodes=3"]
-    others = [evaluate(checkpoint, small_test_set, tmp_path / "3", *args, env={**env, "NODE_RANK": str(r)},
-                       background=True) for r in (1, 2)]
+    others = [
+        evaluate(checkpoint, small_test_set, tmp_path / "3", *args, env={**env, "NODE_RANK": str(r)}, background=True)
+        for r in (1, 2)
+    ]
     three = evaluate(checkpoint, small_test_set, tmp_path / "3", *args, env={**env, "NODE_RANK": "0"})
     for node in others:
         out, _ = node.communicate(timeout=240)

@@ -21,7 +21,8 @@ BOUNDS = {"min_top1_agreement": 0.999, "max_abs_logit_diff": 1e-3}
 
 
 def test_a_trained_checkpoint_exports_to_onnx_and_safetensors_that_agree_with_pytorch_on_the_samples_test_images(
-        exported_sample_model, sample_checkpoint):
+    exported_sample_model, sample_checkpoint
+):
     out, printed = exported_sample_model
     record = json.loads((out / "export.json").read_text())["last.ckpt"]
     assert record["validated_on"]["images"] == 1000  # the sample's test set: the data the run trained on
@@ -30,8 +31,11 @@ def test_a_trained_checkpoint_exports_to_onnx_and_safetensors_that_agree_with_py
         assert figures["top1_agreement"] >= 0.999 and figures["max_abs_logit_diff"] <= 1e-3, figures
         assert figures["bounds"] == BOUNDS and "failed" not in figures
         assert (out / f"last.{name}").is_file()
-    assert re.search(r"onnx: onnxruntime \S+ vs PyTorch on 1000 images: top-1 agreement 1\.0000, max \|logit diff\| "
-                     r"\d\.\d\de[-+]\d\d", printed), printed[-3000:]
+    assert re.search(
+        r"onnx: onnxruntime \S+ vs PyTorch on 1000 images: top-1 agreement 1\.0000, max \|logit diff\| "
+        r"\d\.\d\de[-+]\d\d",
+        printed,
+    ), printed[-3000:]
     assert "onnxscript" not in printed  # the exporter's passes keep their INFO lines to themselves
     meta = json.loads((out / "last.json").read_text())
     assert meta["arch"] == "resnet18" and meta["stem"] == "imagenet" and meta["num_classes"] == 10
@@ -41,8 +45,9 @@ def test_a_trained_checkpoint_exports_to_onnx_and_safetensors_that_agree_with_py
     assert not list(out.glob(".*tmp*"))
 
 
-def test_the_onnx_model_takes_any_batch_of_images_in_0_1_and_names_its_classes(exported_sample_model,
-                                                                              sample_checkpoint):
+def test_the_onnx_model_takes_any_batch_of_images_in_0_1_and_names_its_classes(
+    exported_sample_model, sample_checkpoint
+):
     from src.serving.formats import onnx_session
 
     session = onnx_session(exported_sample_model[0] / "last.onnx")
@@ -75,8 +80,13 @@ def test_the_documented_loader_rebuilds_torchvisions_network_with_the_same_logit
             if isinstance(module, torch.nn.BatchNorm2d):
                 module.running_mean.uniform_(-0.5, 0.5)
                 module.running_var.uniform_(0.5, 2.0)
-    meta = {"arch": "resnet18", "stem": stem, "num_classes": 10, "mean": [0.4914, 0.4822, 0.4465],
-            "std": [0.247, 0.2435, 0.2616]}
+    meta = {
+        "arch": "resnet18",
+        "stem": stem,
+        "num_classes": 10,
+        "mean": [0.4914, 0.4822, 0.4465],
+        "std": [0.247, 0.2435, 0.2616],
+    }
     config = OmegaConf.create({"batch_size": 4, **BOUNDS})
     export_safetensors(Normalised(model.net).eval(), tmp_path / "last.safetensors", meta, None, None, config)
     images = torch.rand(4, 3, 32, 32)
@@ -89,9 +99,15 @@ def test_the_documented_loader_rebuilds_torchvisions_network_with_the_same_logit
 
 
 def test_a_failed_validation_keeps_no_file_and_says_why_in_one_line(sample_checkpoint, tmp_path):
-    result = run_module("src.export", f"ckpt_path={sample_checkpoint}/checkpoints/last.ckpt", "format=onnx",
-                        "export.max_abs_logit_diff=0", "export.validation_images=64", f"export.dir={tmp_path}",
-                        f"hydra.run.dir={tmp_path}/run")
+    result = run_module(
+        "src.export",
+        f"ckpt_path={sample_checkpoint}/checkpoints/last.ckpt",
+        "format=onnx",
+        "export.max_abs_logit_diff=0",
+        "export.validation_images=64",
+        f"export.dir={tmp_path}",
+        f"hydra.run.dir={tmp_path}/run",
+    )
     text = output(result)
     assert result.returncode == 2 and "Traceback" not in text, text[-3000:]
     errors = [line for line in text.splitlines() if line.startswith("error:")]
@@ -103,14 +119,22 @@ def test_a_failed_validation_keeps_no_file_and_says_why_in_one_line(sample_check
 
 def test_without_the_export_extra_one_line_names_the_install_command(tmp_path):
     # onnxruntime made unimportable in this process only: sys.modules[name] = None is how Python marks a blocked module
-    code = ("import runpy, sys; sys.modules['onnxruntime'] = None; sys.argv[0] = 'src.export'; "
-            "runpy.run_module('src.export', run_name='__main__', alter_sys=True)")
-    result = subprocess.run([sys.executable, "-c", code, "ckpt_path=any.ckpt", "format=onnx",
-                             f"hydra.run.dir={tmp_path}"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    code = (
+        "import runpy, sys; sys.modules['onnxruntime'] = None; sys.argv[0] = 'src.export'; "
+        "runpy.run_module('src.export', run_name='__main__', alter_sys=True)"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code, "ckpt_path=any.ckpt", "format=onnx", f"hydra.run.dir={tmp_path}"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 2, output(result)[-3000:]
     assert output(result).strip().splitlines()[-1] == (
         'error: format=onnx needs the onnxruntime package, which is not installed: pip install -e ".[export]" '
-        "(or pip install onnxruntime)")
+        "(or pip install onnxruntime)"
+    )
 
 
 def test_formats_are_one_name_or_several_and_an_unknown_one_is_refused():

@@ -1,5 +1,5 @@
-"""trainer.precision=auto and model.channels_last=auto follow the hardware found (src/models/fast_path.py); spawned ranks keep
-the parent's TF32 settings."""
+"""trainer.precision=auto and model.channels_last=auto follow the hardware found (src/models/fast_path.py); spawned
+ranks keep the parent's TF32 settings."""
 
 from __future__ import annotations
 
@@ -21,8 +21,9 @@ from tests.test_devices import gpus  # noqa: F401 - the fixture: GPUs stood in f
 
 
 def cpu_trainer(**overrides):
-    return OmegaConf.create({"accelerator": "cpu", "precision": "auto", "benchmark": "auto", "deterministic": False,
-                             **overrides})
+    return OmegaConf.create(
+        {"accelerator": "cpu", "precision": "auto", "benchmark": "auto", "deterministic": False, **overrides}
+    )
 
 
 @pytest.fixture(autouse=True)
@@ -49,14 +50,16 @@ def pretend_cpu(monkeypatch, avx512_bf16: bool, amx: bool, speedup: float | None
     return timed
 
 
-@pytest.mark.parametrize(("avx512_bf16", "amx", "isa"), [(True, False, "AVX512_BF16"), (True, True, "AMX"),
-                                                          (False, True, "AMX")])
+@pytest.mark.parametrize(
+    ("avx512_bf16", "amx", "isa"), [(True, False, "AVX512_BF16"), (True, True, "AMX"), (False, True, "AMX")]
+)
 def test_a_cpu_whose_native_bf16_measures_faster_trains_in_bf16_and_channels_last(monkeypatch, avx512_bf16, amx, isa):
     pretend_cpu(monkeypatch, avx512_bf16, amx, speedup=2.37)
     chosen = fast_path("cpu", "resnet50")
     assert (chosen.precision, chosen.channels_last) == ("bf16-mixed", True)
-    assert chosen.why == (f"the CPU has native bf16 ({isa}) and a resnet50 train step measured 2.37x the fp32 rate "
-                          "in bf16 on this CPU")
+    assert chosen.why == (
+        f"the CPU has native bf16 ({isa}) and a resnet50 train step measured 2.37x the fp32 rate in bf16 on this CPU"
+    )
     assert hardware_defaults(cpu_trainer(), "resnet50") == {"precision": "bf16-mixed", "benchmark": False}
 
 
@@ -66,8 +69,10 @@ def test_a_cpu_whose_native_bf16_is_not_faster_stays_32_bit_and_says_what_it_mea
     assert speedup < BF16_MIN_SPEEDUP
     chosen = fast_path("cpu", "resnet18")
     assert (chosen.precision, chosen.channels_last) == ("32-true", True)
-    assert chosen.why == (f"the CPU has native bf16 (AVX512_BF16) but a resnet18 train step measured {speedup:.2f}x "
-                          "the fp32 rate in bf16 on this CPU")
+    assert chosen.why == (
+        f"the CPU has native bf16 (AVX512_BF16) but a resnet18 train step measured {speedup:.2f}x "
+        "the fp32 rate in bf16 on this CPU"
+    )
 
 
 def test_a_cpu_without_native_bf16_stays_32_bit_without_timing_anything(monkeypatch):
@@ -98,14 +103,18 @@ def test_the_measurement_is_kept_per_network_and_read_back_by_later_processes(mo
 
 def test_processes_starting_together_measure_once_and_agree(tmp_path):
     """Two real processes, no cache yet: the file lock makes one time the steps while the other waits for its answer."""
-    code = ("import sys; from src import fast_path as fp; fp.cpu_bf16_isa = lambda: 'AVX512_BF16'; timed = [];"
-            "real = fp.measure_bf16_speedup\n"
-            "def measure(arch):\n    timed.append(arch); return real(arch)\n"
-            "fp.measure_bf16_speedup = measure; chosen = fp.fast_path('cpu', 'resnet18');"
-            "print(chosen.precision, len(timed), fp.bf16_speedup('resnet18'))")
+    code = (
+        "import sys; from src import fast_path as fp; fp.cpu_bf16_isa = lambda: 'AVX512_BF16'; timed = [];"
+        "real = fp.measure_bf16_speedup\n"
+        "def measure(arch):\n    timed.append(arch); return real(arch)\n"
+        "fp.measure_bf16_speedup = measure; chosen = fp.fast_path('cpu', 'resnet18');"
+        "print(chosen.precision, len(timed), fp.bf16_speedup('resnet18'))"
+    )
     env = {"XDG_CACHE_HOME": str(tmp_path / "cache"), "PATH": "/usr/bin:/bin"}
-    procs = [subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
-             for _ in range(2)]
+    procs = [
+        subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
     answers = [p.communicate(timeout=600)[0].split() for p in procs]
     assert all(p.returncode == 0 for p in procs)
     assert sorted(a[1] for a in answers) == ["0", "1"]  # one measured, the other read its answer
@@ -133,14 +142,16 @@ def test_this_machine_is_read_from_what_torch_reports():
 
 
 def gpu_trainer_cfg(devices="auto"):
-    return OmegaConf.create({"accelerator": "gpu", "devices": devices, "precision": "auto", "benchmark": "auto",
-                             "deterministic": False})
+    return OmegaConf.create(
+        {"accelerator": "gpu", "devices": devices, "precision": "auto", "benchmark": "auto", "deterministic": False}
+    )
 
 
-@pytest.mark.parametrize(("capability", "precision"), [((7, 0), "16-mixed"), ((7, 5), "16-mixed"),
-                                                       ((8, 0), "bf16-mixed"), ((9, 0), "bf16-mixed")])
-def test_a_gpu_computes_in_bf16_from_compute_capability_8_and_in_fp16_with_a_scaler_below(gpus, capability,
-                                                                                         precision):
+@pytest.mark.parametrize(
+    ("capability", "precision"),
+    [((7, 0), "16-mixed"), ((7, 5), "16-mixed"), ((8, 0), "bf16-mixed"), ((9, 0), "bf16-mixed")],
+)
+def test_a_gpu_computes_in_bf16_from_compute_capability_8_and_in_fp16_with_a_scaler_below(gpus, capability, precision):
     """V100 (7.0) and T4 (7.5) emulate bf16, and torch.cuda.is_bf16_supported() says yes there: the capability
     decides, read without creating a CUDA context (the stand-ins of anything that would create one raise)."""
     gpus(2, capability)
@@ -162,8 +173,9 @@ def test_the_gpus_of_a_node_agree_on_the_lowest_capability_among_them(gpus):
 def test_ddp_spawn_ranks_compute_with_the_tf32_settings_the_parent_chose(monkeypatch):
     """A real spawned rank (Lightning's spawn carries cuDNN autotuning and determinism, not these)."""
     monkeypatch.setenv("MASTER_PORT", str(free_port()))
-    strategy = HydraDDPStrategy(start_method="spawn", parallel_devices=[torch.device("cpu")],
-                                cluster_environment=LightningEnvironment())
+    strategy = HydraDDPStrategy(
+        start_method="spawn", parallel_devices=[torch.device("cpu")], cluster_environment=LightningEnvironment()
+    )
     strategy._configure_launcher()
     chosen = {"float32_matmul_precision": "high", "cudnn_allow_tf32": False, "cudnn_deterministic": True}
     before = backend_flags()
@@ -184,14 +196,19 @@ def test_model_compile_auto_uses_cuda_graphs_only_for_long_gpu_fits_and_refuses_
     assert compile_choice("auto", "cuda", 30 * 351) == ("reduce-overhead", "auto: CUDA graphs on a GPU")
     assert compile_choice("auto", "cuda", None)[0] == "reduce-overhead"  # not a fit: no steps to weigh
     assert compile_choice("auto", "cuda", COMPILE_MIN_STEPS - 1) == (
-        None, f"auto: {COMPILE_MIN_STEPS - 1} steps are too few to pay for compiling, from 2,000")
+        None,
+        f"auto: {COMPILE_MIN_STEPS - 1} steps are too few to pay for compiling, from 2,000",
+    )
     assert compile_choice("auto", "cuda", 10**5, deterministic=True)[0] is None
     assert compile_choice("auto", "cpu", 10**5) == (None, "auto: on a CPU")
     assert compile_choice(True, "cpu") == ("default", "model.compile=true")
     assert compile_choice(False, "cuda", 10**5) == (None, "model.compile=false")
     assert compile_choice("max-autotune", "cpu") == ("max-autotune", "model.compile=max-autotune")
-    with pytest.raises(UserError, match=r"model.compile=fast is not known: choose auto, true, false or a "
-                                        r"torch.compile mode \(default, reduce-overhead"):
+    with pytest.raises(
+        UserError,
+        match=r"model.compile=fast is not known: choose auto, true, false or a "
+        r"torch.compile mode \(default, reduce-overhead",
+    ):
         ImageClassifier(arch="resnet18", compile="fast")
     with pytest.raises(UserError, match=r"model.optimizer.fused=yes must be true, false or auto"):
         ImageClassifier(arch="resnet18", optimizer={"fused": "yes"})

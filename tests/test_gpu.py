@@ -29,9 +29,20 @@ from tests.test_supervision import LONG, error_lines, last_step
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none here)")
 
-GPU_RUN = ["data=synthetic", "data.num_train=640", "data.num_test=64", "data.batch_size=32", "model.arch=resnet18",
-           "trainer.accelerator=gpu", "trainer.devices=1", "trainer.max_epochs=1", "trainer.limit_train_batches=8",
-           "trainer.limit_val_batches=1", "trainer.limit_test_batches=1", "trainer.enable_model_summary=false"]
+GPU_RUN = [
+    "data=synthetic",
+    "data.num_train=640",
+    "data.num_test=64",
+    "data.batch_size=32",
+    "model.arch=resnet18",
+    "trainer.accelerator=gpu",
+    "trainer.devices=1",
+    "trainer.max_epochs=1",
+    "trainer.limit_train_batches=8",
+    "trainer.limit_val_batches=1",
+    "trainer.limit_test_batches=1",
+    "trainer.enable_model_summary=false",
+]
 
 
 def test_device_batches_on_the_gpu_are_the_cpu_batches():
@@ -40,8 +51,11 @@ def test_device_batches_on_the_gpu_are_the_cpu_batches():
     labels = torch.randint(0, 10, (200,), generator=g)
 
     def batches(device: str) -> list:
-        return list(DeviceBatches(images, labels, 64, device=torch.device(device), seed=3, shuffle=True,
-                                  augment=True, drop_last=True))
+        return list(
+            DeviceBatches(
+                images, labels, 64, device=torch.device(device), seed=3, shuffle=True, augment=True, drop_last=True
+            )
+        )
 
     for (xc, yc), (xg, yg) in zip(batches("cpu"), batches("cuda")):
         assert xg.is_cuda and xg.is_contiguous(memory_format=torch.channels_last)
@@ -57,9 +71,16 @@ def test_one_gpu_trains_with_nccl_bf16_channels_last_and_the_device_pipeline(tmp
 
 @pytest.mark.parametrize("mode", ["true", "reduce-overhead"])
 def test_compiled_model_trains_on_the_gpu_with_one_training_and_one_evaluation_graph(mode, tmp_path):
-    result = train(*GPU_RUN, f"model.compile={mode}", "trainer.max_epochs=2", "data.num_test=40",
-                   "+callbacks.compile_probe._target_=tests.compile_probe.CompileProbe",
-                   f"+callbacks.compile_probe.out={tmp_path}", f"hydra.run.dir={tmp_path}", timeout=900)
+    result = train(
+        *GPU_RUN,
+        f"model.compile={mode}",
+        "trainer.max_epochs=2",
+        "data.num_test=40",
+        "+callbacks.compile_probe._target_=tests.compile_probe.CompileProbe",
+        f"+callbacks.compile_probe.out={tmp_path}",
+        f"hydra.run.dir={tmp_path}",
+        timeout=900,
+    )
     assert result.returncode == 0, output(result)[-3000:]
     marks = json.loads((tmp_path / "compile_rank0.json").read_text())["marks"]
     assert [(m["at"], m["graphs"]) for m in marks] == [("epoch 0", 2), ("epoch 1", 2), ("test", 2)]
@@ -78,17 +99,25 @@ def on_gpu(overrides: list[str]) -> list[str]:
     return [o for o in overrides if not o.startswith(("trainer.accelerator=", "backend="))] + ON_GPU
 
 
-def start_nodes(count: int, run_dir: Path, *overrides: str, module: str = "src.train", step: int | None = None
-                ) -> list[subprocess.Popen]:
+def start_nodes(
+    count: int, run_dir: Path, *overrides: str, module: str = "src.train", step: int | None = None
+) -> list[subprocess.Popen]:
     """``count`` one-process nodes of one run, node 0 first, each as a shell starts a job (SIGINT at its default);
     with ``step``, return once the run's last.ckpt holds that step."""
     port, args = str(free_port()), [*overrides, *NODES, f"trainer.num_nodes={count}", f"hydra.run.dir={run_dir}"]
     base = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
-    nodes = [subprocess.Popen([sys.executable, "-m", module, *args], cwd=ROOT, text=True, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
-                              env={**base, "PYTHONUNBUFFERED": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
-                                   "NODE_RANK": str(n)})
-             for n in range(count)]
+    nodes = [
+        subprocess.Popen(
+            [sys.executable, "-m", module, *args],
+            cwd=ROOT,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+            env={**base, "PYTHONUNBUFFERED": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "NODE_RANK": str(n)},
+        )
+        for n in range(count)
+    ]
     deadline = time.monotonic() + 180
     while step is not None and last_step(run_dir) < step:
         for node in nodes:
@@ -106,13 +135,23 @@ def finish_nodes(nodes: list[subprocess.Popen], limit_s: float) -> tuple[list[st
 
 
 # the sample's real images: 97 held out for validation, in batches of 16 shards of 49 + 48 images (4 and 3 batches)
-SAMPLE_FIT = ["data=cifar10", f"data.root={SAMPLE}", "data.download=false", "data.val_size=97", "data.batch_size=16",
-              "model.arch=resnet18", "model.stem=imagenet", "model.optimizer.lr=0.05", "trainer.max_epochs=1",
-              "trainer.limit_train_batches=40", "trainer.enable_model_summary=false", "callbacks.progress_bar=null"]
+SAMPLE_FIT = [
+    "data=cifar10",
+    f"data.root={SAMPLE}",
+    "data.download=false",
+    "data.val_size=97",
+    "data.batch_size=16",
+    "model.arch=resnet18",
+    "model.stem=imagenet",
+    "model.optimizer.lr=0.05",
+    "trainer.max_epochs=1",
+    "trainer.limit_train_batches=40",
+    "trainer.enable_model_summary=false",
+    "callbacks.progress_bar=null",
+]
 
 
-def test_two_cuda_ranks_fit_validate_and_test_and_one_checkpoint_evaluates_alike_on_1_2_and_3(small_test_set,
-                                                                                              tmp_path):
+def test_two_cuda_ranks_fit_validate_and_test_and_one_checkpoint_evaluates_alike_on_1_2_and_3(small_test_set, tmp_path):
     if not (SAMPLE / "cifar-10-batches-py").is_dir():
         pytest.skip(f"the CIFAR-10 sample is not at {SAMPLE} (CIFAR10_SAMPLE=DIR names a copy)")
     fit = tmp_path / "fit"
@@ -128,8 +167,15 @@ def test_two_cuda_ranks_fit_validate_and_test_and_one_checkpoint_evaluates_alike
     results = {}
     for world in (1, 2, 3):
         run_dir = tmp_path / f"eval{world}"
-        args = on_gpu([*EVAL, f"data.root={small_test_set}", "data.download=false", f"ckpt_path={checkpoint}",
-                       "trainer.precision=32-true"])
+        args = on_gpu(
+            [
+                *EVAL,
+                f"data.root={small_test_set}",
+                "data.download=false",
+                f"ckpt_path={checkpoint}",
+                "trainer.precision=32-true",
+            ]
+        )
         nodes = start_nodes(world, run_dir, *args, module="src.eval")
         outs, _ = finish_nodes(nodes, 240)
         assert [n.returncode for n in nodes] == [0] * world, outs[0][-3000:]
@@ -174,13 +220,16 @@ def test_a_cuda_rank_stuck_in_python_is_named_with_its_stack(tmp_path):
 
 
 def test_a_cuda_out_of_memory_on_rank_1_is_one_line_naming_the_gpu_and_the_batch(tmp_path):
-    node0, node1 = start_nodes(2, tmp_path, *GPU_LONG, *OUT_OF_MEMORY, "+callbacks.fault.step=3",
-                               "+callbacks.fault.rank=1", step=2)
+    node0, node1 = start_nodes(
+        2, tmp_path, *GPU_LONG, *OUT_OF_MEMORY, "+callbacks.fault.step=3", "+callbacks.fault.rank=1", step=2
+    )
     (out0, out1), seconds = finish_nodes([node0, node1], 60)
     assert node0.returncode == node1.returncode == 1 and seconds < 30, (out0[-2000:], out1[-2000:])
     name = re.escape(torch.cuda.get_device_name(0))
-    oom = (rf"error: rank 1: CUDA out of memory on cuda:0 \({name}\) at data\.batch_size=4 per device, step 3: "
-           r"[\d.]+ GiB in use of [\d.]+ GiB; lower data\.batch_size \(e\.g\. data\.batch_size=2\)")
+    oom = (
+        rf"error: rank 1: CUDA out of memory on cuda:0 \({name}\) at data\.batch_size=4 per device, step 3: "
+        r"[\d.]+ GiB in use of [\d.]+ GiB; lower data\.batch_size \(e\.g\. data\.batch_size=2\)"
+    )
     assert len(error_lines(out1)) == 1 and re.fullmatch(oom, error_lines(out1)[0]), out1[-3000:]
     assert len(error_lines(out0)) == 1 and re.match(oom, error_lines(out0)[0]), out0[-3000:]
     assert error_lines(out0)[0].endswith("; this node's ranks stopped too")
@@ -198,15 +247,21 @@ def test_ctrl_c_on_cuda_ranks_writes_last_ckpt_exits_130_and_the_run_resumes(tmp
     stopped = int(re.match(r"interrupted \(Ctrl-C\) at step (\d+) of epoch 0; .*last\.ckpt written", lines[0]).group(1))
     assert last_step(tmp_path) == stopped > 2 and not error_lines(out0 + out1)
 
-    outs, _ = finish_nodes(start_nodes(2, tmp_path, *GPU_LONG, "ckpt_path=last", f"trainer.max_steps={stopped + 3}"),
-                           240)
+    outs, _ = finish_nodes(
+        start_nodes(2, tmp_path, *GPU_LONG, "ckpt_path=last", f"trainer.max_steps={stopped + 3}"), 240
+    )
     assert [n for n in outs if "error:" in n] == [], outs[0][-3000:]
     assert last_step(tmp_path) == stopped + 3
 
 
 def test_nccl_at_world_size_1_dumps_its_flight_recorder_into_the_run_dir_and_gpu_check_reads_it(tmp_path):
-    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--only=env,nccl",
-                           f"--out={tmp_path}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--only=env,nccl", f"--out={tmp_path}"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     report = json.loads((tmp_path / "report.json").read_text())
     nccl = next(s for s in report["steps"] if s["name"] == "nccl")
     assert done.returncode == 0 and nccl["status"] == "passed", done.stdout[-3000:] + done.stderr[-3000:]

@@ -49,8 +49,10 @@ def test_the_cpu_mode_runs_every_step_and_reports_each_with_its_status_seconds_c
     tests = figures["tests"]
     assert tests["failed"] == tests["errors"] == 0 and tests["skipped"] > 0  # test_gpu.py skips without CUDA
     rows = figures["throughput"]["rows"]
-    assert [(r["pipeline"], r["batch"], r["status"]) for r in rows] == [("device", 4, "passed"),
-                                                                        ("dataloader", 4, "passed")]
+    assert [(r["pipeline"], r["batch"], r["status"]) for r in rows] == [
+        ("device", 4, "passed"),
+        ("dataloader", 4, "passed"),
+    ]
     for row in rows:
         assert row["images_per_second"] > 0 and row["steps_measured"] == 3
         assert (row["precision"], row["channels_last"]) == ("32-true", True)  # the GPU's bf16 does not apply
@@ -73,8 +75,10 @@ def test_without_cuda_it_says_so_in_one_line_and_exits_2():
 
 
 def test_a_missing_hydra_is_one_line_naming_what_to_install_and_nothing_runs(tmp_path):
-    script = ("import runpy, sys; sys.modules['hydra'] = None; sys.argv = ['benchmarks/gpu_check.py', "
-              f"'--out={tmp_path}']; sys.exit(runpy.run_path('benchmarks/gpu_check.py', run_name='__main__'))")
+    script = (
+        "import runpy, sys; sys.modules['hydra'] = None; sys.argv = ['benchmarks/gpu_check.py', "
+        f"'--out={tmp_path}']; sys.exit(runpy.run_path('benchmarks/gpu_check.py', run_name='__main__'))"
+    )
     result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and result.stdout == ""
     assert result.stderr.count("\n") == 1 and result.stderr.startswith("error: make gpu-check needs hydra-core, ")
@@ -82,9 +86,11 @@ def test_a_missing_hydra_is_one_line_naming_what_to_install_and_nothing_runs(tmp
 
 
 def test_an_unknown_step_or_device_is_one_line_before_anything_runs(tmp_path):
-    for args, device, line in ((["--only=speed"], "cpu", "error: --only names unknown steps (speed): the steps are env, "),
-                               (["--skip=nccl,speed"], "cpu", "error: --skip names unknown steps (speed): "),
-                               ([], "tpu", "error: GPU_CHECK_DEVICE=tpu is not known: ")):
+    for args, device, line in (
+        (["--only=speed"], "cpu", "error: --only names unknown steps (speed): the steps are env, "),
+        (["--skip=nccl,speed"], "cpu", "error: --skip names unknown steps (speed): "),
+        ([], "tpu", "error: GPU_CHECK_DEVICE=tpu is not known: "),
+    ):
         result = gpu_check(f"--out={tmp_path}", *args, device=device, timeout=60)
         assert result.returncode == 2 and result.stdout == "", result.stderr
         assert result.stderr.count("\n") == 1 and result.stderr.startswith(line), result.stderr
@@ -98,8 +104,9 @@ def test_a_step_that_would_overrun_the_budget_is_skipped_with_a_note(tmp_path):
     assert steps["env"]["status"] == "passed"
     assert steps["nccl"]["status"] == "skipped" and steps["nccl"]["note"].startswith("would overrun the time budget")
     assert "--only nccl" in steps["nccl"]["note"] and not steps["nccl"]["commands"]
-    assert all(step["note"] == "left out (--only, --skip)" for name, step in steps.items()
-               if name not in ("env", "nccl"))
+    assert all(
+        step["note"] == "left out (--only, --skip)" for name, step in steps.items() if name not in ("env", "nccl")
+    )
 
 
 def test_a_command_past_its_time_is_stopped_with_every_process_it_started(tmp_path):
@@ -118,8 +125,14 @@ def test_a_command_past_its_time_is_stopped_with_every_process_it_started(tmp_pa
 
 def test_sigterm_stops_the_check_and_the_run_under_way_and_keeps_the_report(tmp_path):
     env = {**os.environ, "GPU_CHECK_DEVICE": "cpu"}
-    check = subprocess.Popen([sys.executable, "benchmarks/gpu_check.py", "--only=deterministic", f"--out={tmp_path}"],
-                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    check = subprocess.Popen(
+        [sys.executable, "benchmarks/gpu_check.py", "--only=deterministic", f"--out={tmp_path}"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.time() + 120
     while not (runs := [p for p in descendants(check.pid) if "src.train" in cmdline(p)]) and time.time() < deadline:
         time.sleep(0.2)

@@ -23,15 +23,17 @@ from tests.test_supervision import LONG, error_lines, finish, last_step, rank_pi
 HANG_S = 6
 HANG = [*LONG, f"strategy.hang_timeout_s={HANG_S}", "strategy.timeout_s=120"]  # a collective alone would wait 120 s
 SLEEP = ["+callbacks.fault._target_=tests.faults.SleepAt", "+callbacks.fault.rank=1", "+callbacks.fault.step=4"]
-SLEEP_LINE = next(n for n, line in enumerate(Path(ROOT, "tests", "faults.py").read_text().splitlines(), 1)
-                  if "# the hang" in line)
+SLEEP_LINE = next(
+    n for n, line in enumerate(Path(ROOT, "tests", "faults.py").read_text().splitlines(), 1) if "# the hang" in line
+)
 
 
 def hang_line(out: str, rank: int) -> str:
     errors = error_lines(out)
     assert len(errors) == 1, out[-3000:]
-    assert re.match(rf"error: rank {rank} \(host \S+, pid \d+\) made no progress for \d+ s at step \d+ of epoch 0, ",
-                    errors[0]), errors[0]
+    assert re.match(
+        rf"error: rank {rank} \(host \S+, pid \d+\) made no progress for \d+ s at step \d+ of epoch 0, ", errors[0]
+    ), errors[0]
     return errors[0]
 
 
@@ -51,7 +53,9 @@ def test_a_rank_stopped_with_sigstop_is_named_and_every_process_ends(rank, tmp_p
         assert proc.returncode == -signal.SIGKILL, out[-3000:]
         assert len(error_lines(out)) == 1 and re.match(
             rf"error: rank 0 \(host \S+, pid {victim}\), which hosts the run's store, stopped answering for \d+ s "
-            r"\(last seen at step \d+ of epoch 0, .*\): it cannot run \(stopped", error_lines(out)[0]), out[-3000:]
+            r"\(last seen at step \d+ of epoch 0, .*\): it cannot run \(stopped",
+            error_lines(out)[0],
+        ), out[-3000:]
     assert not [p for p in everyone if running(p)], "processes were left behind"
     assert last_step(tmp_path) >= 2  # the previous last.ckpt, whole
     assert "Traceback" not in out
@@ -88,11 +92,26 @@ def test_a_rank_stuck_on_another_node_is_named_on_both(tmp_path):
 
 
 def test_a_slow_checkpoint_write_and_a_slow_validation_are_not_a_hang_and_usr2_dumps_stacks(tmp_path):
-    slow = ["+callbacks.slow_save._target_=tests.faults.SlowCheckpoint", "+callbacks.slow_save.seconds=8",
-            "+callbacks.slow_val._target_=tests.faults.SlowValidation", "+callbacks.slow_val.seconds=2.5",
-            "trainer.limit_val_batches=3", "trainer.num_sanity_val_steps=0"]
-    args = [*FAST, "data.num_train=400", "trainer.limit_train_batches=3", "callbacks.progress_bar=null", "test=false",
-            "strategy.hang_timeout_s=5", *slow, "strategy=ddp", "trainer.devices=2", f"hydra.run.dir={tmp_path}"]
+    slow = [
+        "+callbacks.slow_save._target_=tests.faults.SlowCheckpoint",
+        "+callbacks.slow_save.seconds=8",
+        "+callbacks.slow_val._target_=tests.faults.SlowValidation",
+        "+callbacks.slow_val.seconds=2.5",
+        "trainer.limit_val_batches=3",
+        "trainer.num_sanity_val_steps=0",
+    ]
+    args = [
+        *FAST,
+        "data.num_train=400",
+        "trainer.limit_train_batches=3",
+        "callbacks.progress_bar=null",
+        "test=false",
+        "strategy.hang_timeout_s=5",
+        *slow,
+        "strategy=ddp",
+        "trainer.devices=2",
+        f"hydra.run.dir={tmp_path}",
+    ]
     proc = train(*args, background=True)
     log = tmp_path / "train_node0_local1.log"
     deadline = time.monotonic() + 120
@@ -111,12 +130,21 @@ def test_a_slow_checkpoint_write_and_a_slow_validation_are_not_a_hang_and_usr2_d
 
 def start_in_own_group(*overrides: str) -> subprocess.Popen:
     """Start a run as a terminal's foreground job would: its own process group, SIGINT at its default."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE",
-                                                           "MASTER_ADDR", "MASTER_PORT")}
-    return subprocess.Popen([sys.executable, "-m", "src.train", *overrides], cwd=ROOT,
-                            env={**env, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    }
+    return subprocess.Popen(
+        [sys.executable, "-m", "src.train", *overrides],
+        cwd=ROOT,
+        env={**env, "PYTHONUNBUFFERED": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
 
 
 def wait_for(condition, proc: subprocess.Popen, seconds: float = 180) -> None:
@@ -137,8 +165,11 @@ def test_ctrl_c_stops_every_rank_at_one_step_with_last_ckpt_and_exit_130(strateg
     assert proc.returncode == 130 and seconds < 60, out[-3000:]
     lines = [line for line in out.splitlines() if line.startswith("interrupted")]
     assert len(lines) == 1, out[-3000:]
-    match = re.fullmatch(rf"interrupted \(Ctrl-C\) at step (\d+) of epoch 0; {tmp_path}/checkpoints/last.ckpt written; "
-                         rf"resume with hydra.run.dir={tmp_path} ckpt_path=last", lines[0])
+    match = re.fullmatch(
+        rf"interrupted \(Ctrl-C\) at step (\d+) of epoch 0; {tmp_path}/checkpoints/last.ckpt written; "
+        rf"resume with hydra.run.dir={tmp_path} ckpt_path=last",
+        lines[0],
+    )
     assert match, lines[0]
     assert last_step(tmp_path) == int(match.group(1)) > 2
     assert not [p for p in everyone if running(p)], "processes were left behind"
@@ -146,8 +177,11 @@ def test_ctrl_c_stops_every_rank_at_one_step_with_last_ckpt_and_exit_130(strateg
 
 
 def test_a_second_ctrl_c_during_the_save_quits_at_once_and_keeps_the_previous_last_ckpt(tmp_path):
-    slow = ["+callbacks.slow_save._target_=tests.faults.SlowCheckpoint", "+callbacks.slow_save.seconds=120",
-            "+callbacks.slow_save.after=1"]  # the save at step 2 is quick, the next ones take two minutes
+    slow = [
+        "+callbacks.slow_save._target_=tests.faults.SlowCheckpoint",
+        "+callbacks.slow_save.seconds=120",
+        "+callbacks.slow_save.after=1",
+    ]  # the save at step 2 is quick, the next ones take two minutes
     proc = start_in_own_group(*LONG, *slow, "strategy=ddp", "trainer.devices=2", f"hydra.run.dir={tmp_path}")
     wait_for(lambda: last_step(tmp_path) >= 2 and len(rank_pids(proc.pid)) == 2, proc)
     everyone = [proc.pid, *descendants(proc.pid)]
@@ -158,8 +192,10 @@ def test_a_second_ctrl_c_during_the_save_quits_at_once_and_keeps_the_previous_la
     out, seconds = finish(proc, everyone, limit_s=30)
     assert proc.returncode == 130 and seconds < 15, out[-3000:]
     lines = [line for line in out.splitlines() if line.startswith("interrupted")]
-    assert lines == [f"interrupted again (Ctrl-C): quit at once; {tmp_path}/checkpoints/last.ckpt is the previous one "
-                     f"(step 2); resume with hydra.run.dir={tmp_path} ckpt_path=last"], out[-3000:]
+    assert lines == [
+        f"interrupted again (Ctrl-C): quit at once; {tmp_path}/checkpoints/last.ckpt is the previous one "
+        f"(step 2); resume with hydra.run.dir={tmp_path} ckpt_path=last"
+    ], out[-3000:]
     assert last_step(tmp_path) == 2
     assert not [p for p in everyone if running(p)], "processes were left behind"
     assert "Traceback" not in out and not error_lines(out)
@@ -173,37 +209,70 @@ def test_ctrl_c_in_a_sweep_stops_the_job_and_says_the_same_command_resumes_it(tm
     out, _ = finish(proc, [proc.pid], limit_s=60)
     assert proc.returncode == 130, out[-3000:]
     assert re.search(rf"^interrupted \(Ctrl-C\) at step \d+ of epoch 0; {job}/checkpoints/last.ckpt written", out, re.M)
-    assert (f"the sweep stopped at job 0: run the same command again (with hydra.sweep.dir={tmp_path}) to resume it: "
-            "finished jobs are skipped and job 0 goes on from its last.ckpt") in out
+    assert (
+        f"the sweep stopped at job 0: run the same command again (with hydra.sweep.dir={tmp_path}) to resume it: "
+        "finished jobs are skipped and job 0 goes on from its last.ckpt"
+    ) in out
     assert not (tmp_path / "1").exists() and "Traceback" not in out
 
 
-# 9 validation images at batch 4: rank 0's shard has 2 batches, rank 1's has 1 (the sanity check's too); 4 steps an epoch
-UNEVEN = [*FAST, "data.num_train=41", "data.val_size=9", "trainer.limit_val_batches=null", "trainer.limit_train_batches=null",
-          "trainer.max_epochs=5", "callbacks.last_checkpoint.every_n_train_steps=2", "callbacks.progress_bar=null",
-          "test=false", f"strategy.hang_timeout_s={HANG_S}", "strategy.timeout_s=120"]
+# 9 validation images at batch 4: rank 0's shard has 2 batches, rank 1's has 1 (the sanity check's too); 4 steps an
+# epoch
+UNEVEN = [
+    *FAST,
+    "data.num_train=41",
+    "data.val_size=9",
+    "trainer.limit_val_batches=null",
+    "trainer.limit_train_batches=null",
+    "trainer.max_epochs=5",
+    "callbacks.last_checkpoint.every_n_train_steps=2",
+    "callbacks.progress_bar=null",
+    "test=false",
+    f"strategy.hang_timeout_s={HANG_S}",
+    "strategy.timeout_s=120",
+]
 
 
 @pytest.mark.parametrize("rank", [0, 1])  # the larger validation shard (and the store's host), the smaller
 def test_uneven_validation_shards_over_epochs_do_not_blame_a_waiting_rank(rank, tmp_path):
-    proc = start_and_wait_for_step(tmp_path, 2, *UNEVEN, "+callbacks.fault._target_=tests.faults.SleepAt",
-                                   f"+callbacks.fault.rank={rank}", "+callbacks.fault.step=10", "strategy=ddp",
-                                   "trainer.devices=2", ranks=2)
+    proc = start_and_wait_for_step(
+        tmp_path,
+        2,
+        *UNEVEN,
+        "+callbacks.fault._target_=tests.faults.SleepAt",
+        f"+callbacks.fault.rank={rank}",
+        "+callbacks.fault.step=10",
+        "strategy=ddp",
+        "trainer.devices=2",
+        ranks=2,
+    )
     out, seconds = finish(proc, [proc.pid], limit_s=HANG_S + 60)
     assert proc.returncode == 1 and seconds < HANG_S + 60, out[-3000:]
     errors = error_lines(out)
-    assert len(errors) == 1 and re.match(rf"error: rank {rank} \(host \S+, pid \d+\) made no progress for \d+ s at step "
-                                         rf"10 of epoch 2, in a training step, while rank {1 - rank} waited for it",
-                                         errors[0]), out[-3000:]
+    assert len(errors) == 1 and re.match(
+        rf"error: rank {rank} \(host \S+, pid \d+\) made no progress for \d+ s at step "
+        rf"10 of epoch 2, in a training step, while rank {1 - rank} waited for it",
+        errors[0],
+    ), out[-3000:]
 
 
 def test_a_sweeps_ddp_job_that_tests_leaves_no_watch_behind_to_end_the_next_job(tmp_path):
     """Lightning sets the process group up again for the test stage: the watchers stay the fit's, and none is left
     running once the job's store is gone. The single-process job after it (strategy=auto: no process group of its
     own) runs well past hang_timeout_s."""
-    result = train("-m", *FAST, "data.num_train=240", "trainer.limit_train_batches=null", "test=true",
-                   "callbacks.progress_bar=null", "trainer.devices=2,1", "strategy.timeout_s=60",
-                   "strategy.hang_timeout_s=3", f"hydra.sweep.dir={tmp_path}", timeout=300)
+    result = train(
+        "-m",
+        *FAST,
+        "data.num_train=240",
+        "trainer.limit_train_batches=null",
+        "test=true",
+        "callbacks.progress_bar=null",
+        "trainer.devices=2,1",
+        "strategy.timeout_s=60",
+        "strategy.hang_timeout_s=3",
+        f"hydra.sweep.dir={tmp_path}",
+        timeout=300,
+    )
     out = output(result)
     assert result.returncode == 0, out[-3000:]
     assert out.count("] - test accuracy ") == 2, out[-3000:]  # both jobs trained and tested

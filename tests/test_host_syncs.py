@@ -15,12 +15,23 @@ from tests.host_syncs import _DispatchLevel, _FunctionLevel, _mark, _Recorder
 
 # 16 steps; steps 3..12 recorded, step 7 a log step (Lightning logs where (step + 1) % 8 == 0). The throughput
 # record's first window opens (a sync, once) at its warm-up's end: after step 2, before the recorded steps.
-PROBED = ["data=synthetic", "data.num_train=400", "data.num_test=16", "data.batch_size=8", "model.arch=resnet18",
-          "trainer.max_epochs=1", "trainer.limit_train_batches=16", "trainer.limit_val_batches=1",
-          "trainer.log_every_n_steps=8", "trainer.enable_model_summary=false", "test=false",
-          "callbacks.throughput_record.warmup_steps=2",
-          "+callbacks.host_syncs._target_=tests.host_syncs.HostSyncProbe", "+callbacks.host_syncs.first_step=3",
-          "+callbacks.host_syncs.steps=10"]
+PROBED = [
+    "data=synthetic",
+    "data.num_train=400",
+    "data.num_test=16",
+    "data.batch_size=8",
+    "model.arch=resnet18",
+    "trainer.max_epochs=1",
+    "trainer.limit_train_batches=16",
+    "trainer.limit_val_batches=1",
+    "trainer.log_every_n_steps=8",
+    "trainer.enable_model_summary=false",
+    "test=false",
+    "callbacks.throughput_record.warmup_steps=2",
+    "+callbacks.host_syncs._target_=tests.host_syncs.HostSyncProbe",
+    "+callbacks.host_syncs.first_step=3",
+    "+callbacks.host_syncs.steps=10",
+]
 
 
 def test_the_probe_names_every_kind_of_wait_on_device_tensors_and_none_on_host_tensors():
@@ -51,22 +62,43 @@ def test_the_probe_names_every_kind_of_wait_on_device_tensors_and_none_on_host_t
     ops = [found["op"] for found in recorder.found]
     assert expected_silent == 0
     assert [op.split(" (")[0] for op in ops] == [
-        "item/bool/int/float of a tensor", "item/bool/int/float of a tensor", "item/bool/int/float of a tensor",
-        "nonzero", "index with a boolean mask", "unique", "bincount", "torch.equal", "masked_select",
-        "repeat_interleave without output_size", "Tensor.tolist() of a device tensor",
-        "Tensor.numpy() of a device tensor", "Tensor.cpu() of a device tensor",
-        "torch.as_tensor(<python data>, device=...)", "Tensor.to(device) of a host tensor without non_blocking"], ops
+        "item/bool/int/float of a tensor",
+        "item/bool/int/float of a tensor",
+        "item/bool/int/float of a tensor",
+        "nonzero",
+        "index with a boolean mask",
+        "unique",
+        "bincount",
+        "torch.equal",
+        "masked_select",
+        "repeat_interleave without output_size",
+        "Tensor.tolist() of a device tensor",
+        "Tensor.numpy() of a device tensor",
+        "Tensor.cpu() of a device tensor",
+        "torch.as_tensor(<python data>, device=...)",
+        "Tensor.to(device) of a host tensor without non_blocking",
+    ], ops
     assert all("test_host_syncs.py" in found["stack"][-1] for found in recorder.found)  # the line that waited
 
 
-@pytest.mark.parametrize("device, layout", [
-    ("cpu", ["trainer.accelerator=cpu"]),
-    ("cpu", ["trainer.accelerator=cpu", "strategy=ddp", "trainer.devices=2"]),
-    pytest.param("cuda", ["trainer.accelerator=gpu", "trainer.devices=1"],
-                 marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none here)")),
-    pytest.param("cuda", ["trainer.accelerator=gpu", "trainer.devices=1", "model.compile=reduce-overhead"],
-                 marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none here)")),
-], ids=["cpu-one-process", "cpu-ddp-2", "cuda-sync-debug-error", "cuda-graphs-sync-debug-error"])
+@pytest.mark.parametrize(
+    "device, layout",
+    [
+        ("cpu", ["trainer.accelerator=cpu"]),
+        ("cpu", ["trainer.accelerator=cpu", "strategy=ddp", "trainer.devices=2"]),
+        pytest.param(
+            "cuda",
+            ["trainer.accelerator=gpu", "trainer.devices=1"],
+            marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none here)"),
+        ),
+        pytest.param(
+            "cuda",
+            ["trainer.accelerator=gpu", "trainer.devices=1", "model.compile=reduce-overhead"],
+            marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none here)"),
+        ),
+    ],
+    ids=["cpu-one-process", "cpu-ddp-2", "cuda-sync-debug-error", "cuda-graphs-sync-debug-error"],
+)
 def test_steady_state_training_steps_wait_for_the_device_only_at_log_steps(tmp_path, device, layout):
     result = train(*PROBED, *layout, f"hydra.run.dir={tmp_path}", f"+callbacks.host_syncs.out={tmp_path}/syncs.json")
     assert result.returncode == 0, output(result)[-3000:]  # on CUDA a wait raises under set_sync_debug_mode("error")
@@ -78,12 +110,19 @@ def test_steady_state_training_steps_wait_for_the_device_only_at_log_steps(tmp_p
         steps = record["steps"]
         assert [s["step"] for s in steps] == list(range(3, 13))
         assert [s["step"] for s in steps if s["log_step"]] == [7]
-        waits = [(s["step"], found["op"], "\n    ".join(found["stack"])) for s in steps if not s["log_step"]
-                 for found in s["found"]]
+        waits = [
+            (s["step"], found["op"], "\n    ".join(found["stack"]))
+            for s in steps
+            if not s["log_step"]
+            for found in s["found"]
+        ]
         assert not waits, f"{report.name}: a steady-state step waits for the device:\n" + "\n".join(
-            f"step {step}: {op}\n    {stack}" for step, op, stack in waits[:5])
+            f"step {step}: {op}\n    {stack}" for step, op, stack in waits[:5]
+        )
         # the probe sees the waits there are: Lightning turns the logged values into numbers at the log step
-        assert any(found["op"].startswith("item/bool/int/float") for s in steps if s["log_step"] for found in s["found"])
+        assert any(
+            found["op"].startswith("item/bool/int/float") for s in steps if s["log_step"] for found in s["found"]
+        )
 
 
 def test_the_training_loss_metric_weighs_every_image_once():

@@ -14,8 +14,10 @@ COMMANDS = {"train", "eval", "export", "predict", "slurm_sweep"}  # python -m sr
 
 def src_imports() -> dict[str, set[str]]:
     """Every src module and the src modules it imports, at the top or inside a function."""
-    files = {".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): p
-             for p in (ROOT / "src").rglob("*.py")}
+    files = {
+        ".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): p
+        for p in (ROOT / "src").rglob("*.py")
+    }
     graph = {}
     for module, path in files.items():
         imported = set()
@@ -33,12 +35,12 @@ def src_imports() -> dict[str, set[str]]:
 def layers() -> list[list[str]]:
     """docs/architecture.md's layer table, bottom first: the packages (``src/core/``) or modules of each layer."""
     text = (ROOT / "docs" / "architecture.md").read_text()
-    table = text[text.index("| layer |"):].split("\n\n")[0].splitlines()[2:]
+    table = text[text.index("| layer |") :].split("\n\n")[0].splitlines()[2:]
     return [re.findall(r"`src/([\w./]*)`", row.split("|")[2]) for row in table]
 
 
 def package_of(module: str) -> str:
-    """src.resilience.failure -> 'resilience'; src.train -> 'train' (a command is its own package); src.core -> 'core'."""
+    """src.resilience.failure -> 'resilience'; src.train -> 'train' (a command is its own package)."""
     return module.split(".")[1]
 
 
@@ -58,7 +60,8 @@ def test_every_folder_of_src_is_a_package_in_one_layer_and_src_holds_only_comman
     loose = {p.stem for p in (ROOT / "src").glob("*.py")} - {"__init__"}
     assert loose == COMMANDS, f"src/ holds modules that are no command: {sorted(loose - COMMANDS)}"
     assert {n.rstrip("/") for row in table[:-1] for n in row} == folders, (
-        "every folder of src/ is one package of a layer below the commands, and every package named is a folder")
+        "every folder of src/ is one package of a layer below the commands, and every package named is a folder"
+    )
     assert {n.removesuffix(".py") for n in table[-1]} == COMMANDS, "the top layer is the commands"
     for folder in folders:
         assert (ROOT / "src" / folder / "__init__.py").is_file(), f"src/{folder}/ has no __init__.py"
@@ -69,8 +72,12 @@ def test_every_folder_of_src_is_a_package_in_one_layer_and_src_holds_only_comman
 def test_a_module_imports_its_own_package_and_the_layers_below_only():
     layer, graph = layer_of_packages(), src_imports()
     graph.pop("src")  # the package's __init__: it registers resolvers
-    upward = [f"{module} imports {dep}" for module, imported in graph.items() for dep in imported
-              if package_of(dep) != package_of(module) and layer[package_of(dep)] >= layer[package_of(module)]]
+    upward = [
+        f"{module} imports {dep}"
+        for module, imported in graph.items()
+        for dep in imported
+        if package_of(dep) != package_of(module) and layer[package_of(dep)] >= layer[package_of(module)]
+    ]
     assert not upward, f"imports across packages that do not go down a layer: {upward}"
 
 
@@ -81,7 +88,7 @@ def circles(graph: dict[str, set[str]]) -> list[list[str]]:
         state[module] = "open"
         for dep in sorted(graph.get(module, ())):
             if state.get(dep) == "open":
-                found.append(path[path.index(dep):] + [dep])
+                found.append(path[path.index(dep) :] + [dep])
             elif dep not in state:
                 visit(dep, [*path, dep])
         state[module] = "done"

@@ -49,10 +49,10 @@ def wandb_records(run_file: Path) -> list:
         if block - pos % block < 7:  # a block's tail too short for a chunk header is padding
             pos += block - pos % block
             continue
-        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
         if kind == 0 and length == 0:
             break
-        buffer += data[pos + 7:pos + 7 + length]
+        buffer += data[pos + 7 : pos + 7 + length]
         pos += 7 + length
         if kind in (1, 4):  # a full record, or the last chunk of one
             record = wandb_internal_pb2.Record()
@@ -66,16 +66,24 @@ def wandb_history(records: list, key: str) -> list[float]:
     values = []
     for record in records:
         if record.WhichOneof("record_type") == "history":
-            values += [json.loads(item.value_json) for item in record.history.item
-                       if (item.key or "/".join(item.nested_key)) == key]
+            values += [
+                json.loads(item.value_json)
+                for item in record.history.item
+                if (item.key or "/".join(item.nested_key)) == key
+            ]
     return values
 
 
 def test_mlflow_run_is_found_by_mlflows_client_and_a_resumed_run_continues_it_and_metrics_csv(tmp_path):
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     run_dir = tmp_path / "run"
-    common = [*RUN, "logger=[csv,mlflow]", f"logger.mlflow.tracking_uri={uri}", f"hydra.run.dir={run_dir}",
-              f"logger.mlflow.artifact_location={tmp_path}/artifacts"]
+    common = [
+        *RUN,
+        "logger=[csv,mlflow]",
+        f"logger.mlflow.tracking_uri={uri}",
+        f"hydra.run.dir={run_dir}",
+        f"logger.mlflow.artifact_location={tmp_path}/artifacts",
+    ]
     first = train(*common, "trainer.max_epochs=1", "logger.mlflow.log_model=true")  # checkpoints as artifacts
     assert_ok(first)
     assert "Creating initial MLflow database tables" not in output(first)  # MLflow's own INFO lines stay quiet
@@ -89,7 +97,8 @@ def test_mlflow_run_is_found_by_mlflows_client_and_a_resumed_run_continues_it_an
 
     (saved,) = [a.path for a in MlflowClient(uri).list_artifacts(run.info.run_id)]  # the best checkpoint
     assert saved.startswith("best-epoch000") and f"{saved}/{saved}.ckpt" in [
-        a.path for a in MlflowClient(uri).list_artifacts(run.info.run_id, saved)]
+        a.path for a in MlflowClient(uri).list_artifacts(run.info.run_id, saved)
+    ]
 
     resumed = train(*common, "trainer.max_epochs=2", "ckpt_path=last")  # as a requeued job: the same run dir
     assert_ok(resumed)
@@ -115,12 +124,19 @@ def test_wandb_runs_offline_without_an_api_key_and_a_resumed_run_continues_the_s
     records = wandb_records(run_file)
     (start,) = [r.run for r in records if r.WhichOneof("record_type") == "run"]
     assert start.display_name == str(run_dir) and start.project == "cifar10-ddp"
-    config = {item.key: json.loads(item.value_json) for r in records if r.WhichOneof("record_type") == "config"
-              for item in r.config.update}
+    config = {
+        item.key: json.loads(item.value_json)
+        for r in records
+        if r.WhichOneof("record_type") == "config"
+        for item in r.config.update
+    }
     assert config["model"]["arch"] == "resnet18"  # the resolved config
     assert len(wandb_history(records, "train/loss")) == 3 and len(wandb_history(records, "train/loss_epoch")) == 1
     assert json.loads((run_dir / "loggers.json").read_text())["wandb"] == {
-        "id": start.run_id, "project": "cifar10-ddp", "mode": "offline"}
+        "id": start.run_id,
+        "project": "cifar10-ddp",
+        "mode": "offline",
+    }
 
     resumed = train(*common, "trainer.max_epochs=2", "ckpt_path=last", env=env)
     assert_ok(resumed)
@@ -134,10 +150,16 @@ def test_wandb_runs_offline_without_an_api_key_and_a_resumed_run_continues_the_s
 def test_only_rank_zero_logs_logger_many_with_mlflow_and_wandb_under_ddp(tmp_path):
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     run_dir = tmp_path / "run"
-    result = train(*RUN, "strategy=ddp", "trainer.devices=2", "logger=[many,mlflow,wandb]",
-                   f"logger.mlflow.tracking_uri={uri}", f"logger.mlflow.artifact_location={tmp_path}/artifacts",
-                   f"hydra.run.dir={run_dir}", env={"HOME": str(tmp_path / "home"), "WANDB_API_KEY": "",
-                                                    "WANDB_MODE": ""})
+    result = train(
+        *RUN,
+        "strategy=ddp",
+        "trainer.devices=2",
+        "logger=[many,mlflow,wandb]",
+        f"logger.mlflow.tracking_uri={uri}",
+        f"logger.mlflow.artifact_location={tmp_path}/artifacts",
+        f"hydra.run.dir={run_dir}",
+        env={"HOME": str(tmp_path / "home"), "WANDB_API_KEY": "", "WANDB_MODE": ""},
+    )
     assert_ok(result)
     assert len(glob.glob(f"{run_dir}/wandb/offline-run-*")) == 1  # one W&B run for the two ranks
     assert not (tmp_path / "artifacts").exists()  # checkpoints become artifacts only when asked (log_model)
@@ -145,7 +167,8 @@ def test_only_rank_zero_logs_logger_many_with_mlflow_and_wandb_under_ddp(tmp_pat
     losses = metric(uri, run.info.run_id, "train/loss_epoch")
     rows = list(csv.DictReader((run_dir / "metrics.csv").open()))
     assert [float(r["train/loss_epoch"]) for r in rows if r["train/loss_epoch"]] == pytest.approx(
-        [value for _, value in losses])
+        [value for _, value in losses]
+    )
     assert len(list((run_dir / "tensorboard").glob("events.*"))) == 1
 
 
@@ -158,12 +181,22 @@ def test_a_logger_whose_package_is_missing_is_one_line_naming_the_extra(tmp_path
         "    def find_spec(self, name, path=None, target=None):\n"
         f"        if name.split('.')[0] == {package!r}:\n"
         "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
-        "sys.meta_path.insert(0, Missing())\n")
-    result = train(*RUN, "strategy=ddp", "trainer.devices=2", f"logger={logger}", f"hydra.run.dir={tmp_path}/run",
-                   env={"PYTHONPATH": str(tmp_path)}, timeout=120)
+        "sys.meta_path.insert(0, Missing())\n"
+    )
+    result = train(
+        *RUN,
+        "strategy=ddp",
+        "trainer.devices=2",
+        f"logger={logger}",
+        f"hydra.run.dir={tmp_path}/run",
+        env={"PYTHONPATH": str(tmp_path)},
+        timeout=120,
+    )
     assert result.returncode == 2, output(result)[-3000:]
-    assert result.stderr.strip() == (f'error: logger={package} needs the {package} package, which is not installed: '
-                                     f'pip install -e ".[{package}]" (or pip install {package})')
+    assert result.stderr.strip() == (
+        f"error: logger={package} needs the {package} package, which is not installed: "
+        f'pip install -e ".[{package}]" (or pip install {package})'
+    )
     assert not (tmp_path / "run" / "train_node0_local1.log").exists()  # no other rank was started
 
 

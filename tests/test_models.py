@@ -48,8 +48,9 @@ def test_other_torchvision_resnets_are_selectable_by_name():
     assert build_resnet("resnet18")(torch.randn(1, 3, 32, 32)).shape == (1, 10)
 
 
-@pytest.mark.parametrize("kwargs, words", [({"arch": "vgg16"}, "model.arch=vgg16"),
-                                           ({"stem": "huge"}, "model.stem=huge")])
+@pytest.mark.parametrize(
+    "kwargs, words", [({"arch": "vgg16"}, "model.arch=vgg16"), ({"stem": "huge"}, "model.stem=huge")]
+)
 def test_unknown_arch_or_stem_is_a_user_error_naming_the_key(kwargs, words):
     with pytest.raises(UserError, match=words):
         build_resnet(**kwargs)
@@ -68,19 +69,36 @@ def test_schedule_warms_up_linearly_then_decays_to_the_floor():
 
 
 def test_label_smoothing_and_sgd_settings_come_from_config():
-    model = ImageClassifier(arch="resnet18", label_smoothing=0.1,
-                            optimizer={"lr": 0.2, "momentum": 0.8, "nesterov": False, "weight_decay": 1e-4})
+    model = ImageClassifier(
+        arch="resnet18",
+        label_smoothing=0.1,
+        optimizer={"lr": 0.2, "momentum": 0.8, "nesterov": False, "weight_decay": 1e-4},
+    )
     assert model.criterion.label_smoothing == 0.1
-    assert model.hparams.optimizer == {"lr": 0.2, "momentum": 0.8, "nesterov": False, "weight_decay": 1e-4,
-                                       "decay_norm_and_bias": False, "lr_scaling": "linear",
-                                       "reference_batch_size": 128, "fused": "auto"}
+    assert model.hparams.optimizer == {
+        "lr": 0.2,
+        "momentum": 0.8,
+        "nesterov": False,
+        "weight_decay": 1e-4,
+        "decay_norm_and_bias": False,
+        "lr_scaling": "linear",
+        "reference_batch_size": 128,
+        "fused": "auto",
+    }
     with pytest.raises(UserError, match="model.label_smoothing"):
         ImageClassifier(arch="resnet18", label_smoothing=1.5)
 
 
 def fit(model: ImageClassifier, datamodule, **trainer_kwargs) -> L.Trainer:
-    trainer = L.Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, num_sanity_val_steps=0, **trainer_kwargs)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        **trainer_kwargs,
+    )
     trainer.fit(model, datamodule)
     return trainer
 
@@ -101,8 +119,9 @@ def test_resnet50_itself_trains_a_few_steps_and_steps_the_learning_rate():
 def test_loss_falls_on_synthetic_data():
     L.seed_everything(0)
     # the ImageNet stem at 32 px: a sixteenth of the CIFAR stem's work, and the loss falls further (to ~7%)
-    model = ImageClassifier(arch="resnet18", stem="imagenet", optimizer={"lr": 0.02, "lr_scaling": "none"},
-                            scheduler={"warmup_epochs": 0.5})
+    model = ImageClassifier(
+        arch="resnet18", stem="imagenet", optimizer={"lr": 0.02, "lr_scaling": "none"}, scheduler={"warmup_epochs": 0.5}
+    )
     data = SyntheticDataModule(num_train=480, num_test=64, image_size=32, batch_size=32)
     losses: dict[int, list[float]] = {}
 
@@ -119,8 +138,13 @@ def test_weight_decay_skips_batchnorm_and_biases_unless_asked():
     model = ImageClassifier(arch="resnet18")
     decayed, plain = model.parameter_groups()
     assert plain["weight_decay"] == 0.0 and "weight_decay" not in decayed  # the optimizer's value applies
-    bn_and_bias = {id(p) for m in model.modules() if isinstance(m, (nn.BatchNorm2d, nn.Linear))
-                   for name, p in m.named_parameters() if isinstance(m, nn.BatchNorm2d) or name == "bias"}
+    bn_and_bias = {
+        id(p)
+        for m in model.modules()
+        if isinstance(m, (nn.BatchNorm2d, nn.Linear))
+        for name, p in m.named_parameters()
+        if isinstance(m, nn.BatchNorm2d) or name == "bias"
+    }
     assert {id(p) for p in plain["params"]} == bn_and_bias
     assert len(decayed["params"]) + len(plain["params"]) == len(list(model.parameters()))
     everything = ImageClassifier(arch="resnet18", optimizer={"decay_norm_and_bias": True}).parameter_groups()

@@ -22,9 +22,14 @@ def mpirun() -> str:
     """Open MPI's mpirun, installed from Debian when missing (as the Slurm test cluster installs Slurm)."""
     found = shutil.which("mpirun")
     if found is None and os.geteuid() == 0 and shutil.which("apt-get"):
-        subprocess.run("apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "
-                       "--no-install-recommends -o DPkg::Lock::Timeout=120 openmpi-bin", shell=True, check=True,
-                       capture_output=True, timeout=600)
+        subprocess.run(
+            "apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "
+            "--no-install-recommends -o DPkg::Lock::Timeout=120 openmpi-bin",
+            shell=True,
+            check=True,
+            capture_output=True,
+            timeout=600,
+        )
         found = shutil.which("mpirun")
     if found is None:
         pytest.skip("mpirun is not installed, and apt-get cannot install openmpi-bin here (root needed)")
@@ -54,11 +59,18 @@ def test_mpiruns_ranks_train_one_world_and_a_failing_rank_stops_the_other_with_o
     assert last["saved_by"]["world_size"] == 2 and last["global_step"] == 2
 
     start = time.monotonic()
-    result = run_mpirun(mpirun, *args, *RAISE, "+callbacks.fault.rank=1", "trainer.limit_train_batches=6",
-                        f"hydra.run.dir={tmp_path}/failing")
+    result = run_mpirun(
+        mpirun,
+        *args,
+        *RAISE,
+        "+callbacks.fault.rank=1",
+        "trainer.limit_train_batches=6",
+        f"hydra.run.dir={tmp_path}/failing",
+    )
     out = result.stdout + result.stderr
     assert result.returncode != 0 and time.monotonic() - start < 60, out[-3000:]
     errors = error_lines(result.stdout + "\n" + result.stderr)
-    assert errors and all(re.match(r"error: rank 1: RuntimeError: injected failure at step 3", e) for e in errors), \
-        out[-3000:]
+    assert errors and all(re.match(r"error: rank 1: RuntimeError: injected failure at step 3", e) for e in errors), out[
+        -3000:
+    ]
     assert "Traceback" not in out

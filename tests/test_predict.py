@@ -44,13 +44,19 @@ def eval_classes(checkpoint: Path, images: torch.Tensor) -> list[int]:
 
 
 @pytest.mark.parametrize("kind", ["last.ckpt", "last.onnx", "last.safetensors"])
-def test_predict_gives_the_classes_src_evals_model_gives_for_pngs_of_the_sample(kind, sample_checkpoint,
-                                                                                exported_sample_model, sample_pngs,
-                                                                                tmp_path):
+def test_predict_gives_the_classes_src_evals_model_gives_for_pngs_of_the_sample(
+    kind, sample_checkpoint, exported_sample_model, sample_pngs, tmp_path
+):
     folder, images = sample_pngs
     model = sample_checkpoint / "checkpoints" / kind if kind.endswith(".ckpt") else exported_sample_model[0] / kind
-    result = run_module("src.predict", f"ckpt_path={model}", f"images={folder}", "top_k=3",
-                        f"json={tmp_path / 'p.json'}", f"hydra.run.dir={tmp_path}/run")
+    result = run_module(
+        "src.predict",
+        f"ckpt_path={model}",
+        f"images={folder}",
+        "top_k=3",
+        f"json={tmp_path / 'p.json'}",
+        f"hydra.run.dir={tmp_path}/run",
+    )
     assert result.returncode == 0, output(result)[-3000:]
     predictions = json.loads((tmp_path / "p.json").read_text())
     assert [Path(p["image"]).name for p in predictions] == [f"{i}.png" for i in range(COUNT)]
@@ -84,8 +90,9 @@ def png16(path: Path, pixels: np.ndarray) -> None:
         return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
 
     header = struct.pack(">IIBBBBB", width, height, 16, {1: 0, 2: 4, 3: 2, 4: 6}[channels], 0, 0, 0)
-    path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(rows))
-                     + chunk(b"IEND", b""))
+    path.write_bytes(
+        b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(rows)) + chunk(b"IEND", b"")
+    )
 
 
 def encodings(image: np.ndarray, folder: Path) -> list[tuple[str, str]]:
@@ -95,10 +102,19 @@ def encodings(image: np.ndarray, folder: Path) -> list[tuple[str, str]]:
     palette = rgb.convert("P", palette=Image.Palette.ADAPTIVE, colors=64)
     half = np.dstack([image, np.full((32, 32), 128, np.uint8)])  # half transparent: over white, as a viewer shows it
     over_white = (image.astype(np.float64) * 128 / 255 + 255 * (1 - 128 / 255)).round().astype(np.uint8)
-    files = {"rgb.png": rgb, "grey-as-rgb.png": grey.convert("RGB"), "palette-as-rgb.png": palette.convert("RGB"),
-             "grey.png": grey, "palette.png": palette, "rgba.png": rgb.convert("RGBA"), "grey-alpha.png": grey.convert("LA"),
-             "half-transparent.png": Image.fromarray(half, "RGBA"), "over-white.png": Image.fromarray(over_white),
-             "still.gif": palette, "still.webp": rgb}
+    files = {
+        "rgb.png": rgb,
+        "grey-as-rgb.png": grey.convert("RGB"),
+        "palette-as-rgb.png": palette.convert("RGB"),
+        "grey.png": grey,
+        "palette.png": palette,
+        "rgba.png": rgb.convert("RGBA"),
+        "grey-alpha.png": grey.convert("LA"),
+        "half-transparent.png": Image.fromarray(half, "RGBA"),
+        "over-white.png": Image.fromarray(over_white),
+        "still.gif": palette,
+        "still.webp": rgb,
+    }
     for name, picture in files.items():
         picture.save(folder / name, **({"lossless": True} if name.endswith(".webp") else {}))
     png16(folder / "rgb16.png", image.astype(np.uint16) * 257)
@@ -108,14 +124,24 @@ def encodings(image: np.ndarray, folder: Path) -> list[tuple[str, str]]:
     turned = Image.Exif()
     turned[0x0112] = 6  # a phone held upright: the pixels lie turned, and the tag says to turn them back 90° clockwise
     rgb.transpose(Image.Transpose.ROTATE_90).save(folder / "phone.jpg", quality=95, exif=turned.tobytes())
-    return [("rgb16.png", "rgb.png"), ("rgba.png", "rgb.png"), ("rgba16.png", "rgb.png"), ("still.webp", "rgb.png"),
-            ("grey.png", "grey-as-rgb.png"), ("grey16.png", "grey-as-rgb.png"), ("grey-alpha.png", "grey-as-rgb.png"),
-            ("palette.png", "palette-as-rgb.png"), ("still.gif", "palette-as-rgb.png"),
-            ("half-transparent.png", "over-white.png"), ("phone.jpg", "upright.jpg")]
+    return [
+        ("rgb16.png", "rgb.png"),
+        ("rgba.png", "rgb.png"),
+        ("rgba16.png", "rgb.png"),
+        ("still.webp", "rgb.png"),
+        ("grey.png", "grey-as-rgb.png"),
+        ("grey16.png", "grey-as-rgb.png"),
+        ("grey-alpha.png", "grey-as-rgb.png"),
+        ("palette.png", "palette-as-rgb.png"),
+        ("still.gif", "palette-as-rgb.png"),
+        ("half-transparent.png", "over-white.png"),
+        ("phone.jpg", "upright.jpg"),
+    ]
 
 
-def test_every_encoding_of_an_image_gives_the_classes_and_probabilities_of_the_image_itself(sample_checkpoint,
-                                                                                              sample_pngs, tmp_path):
+def test_every_encoding_of_an_image_gives_the_classes_and_probabilities_of_the_image_itself(
+    sample_checkpoint, sample_pngs, tmp_path
+):
     """16-bit, grey-scale, palette, alpha, GIF, WebP and an EXIF-turned JPEG read as a viewer shows them: the same
     top classes with the same probabilities (within 0.01) as the plain file. Top-1 alone would not do: a ReLU network
     scales with its input, so an image read 257 times too bright can keep its top class."""
@@ -158,12 +184,17 @@ def test_an_animation_a_truncated_file_and_a_shape_far_from_a_photos_are_one_lin
 
 def test_an_undecodable_image_is_one_error_line(sample_checkpoint, tmp_path):
     (tmp_path / "notes.png").write_text("not an image")
-    result = run_module("src.predict", f"ckpt_path={sample_checkpoint}/checkpoints/last.ckpt",
-                        f"images={tmp_path / 'notes.png'}", f"hydra.run.dir={tmp_path}/run")
+    result = run_module(
+        "src.predict",
+        f"ckpt_path={sample_checkpoint}/checkpoints/last.ckpt",
+        f"images={tmp_path / 'notes.png'}",
+        f"hydra.run.dir={tmp_path}/run",
+    )
     assert result.returncode == 2 and "Traceback" not in output(result), output(result)[-3000:]
     assert output(result).strip().splitlines()[-1] == (
         f"error: {tmp_path / 'notes.png'} cannot be decoded as an image (not a PNG, JPEG, GIF or WebP file, or a "
-        "damaged or truncated one): pass PNG or JPEG files")
+        "damaged or truncated one): pass PNG or JPEG files"
+    )
 
 
 def test_missing_files_and_empty_folders_are_refused(tmp_path):
@@ -179,9 +210,12 @@ def test_a_model_of_another_shape_is_refused(exported_sample_model, tmp_path):
     import onnx
     from onnx import TensorProto, helper
 
-    graph = helper.make_graph([helper.make_node("Identity", ["images"], ["logits"])], "wide",
-                              [helper.make_tensor_value_info("images", TensorProto.FLOAT, ["N", 3, 224, 224])],
-                              [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", 3, 224, 224])])
+    graph = helper.make_graph(
+        [helper.make_node("Identity", ["images"], ["logits"])],
+        "wide",
+        [helper.make_tensor_value_info("images", TensorProto.FLOAT, ["N", 3, 224, 224])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", 3, 224, 224])],
+    )
     onnx.save(helper.make_model(graph), tmp_path / "wide.onnx")
     with pytest.raises(UserError, match=r"wide.onnx is a model of another shape \(input images \['N', 3, 224, 224\]\)"):
         load_model(tmp_path / "wide.onnx", trusted=False)
@@ -189,8 +223,11 @@ def test_a_model_of_another_shape_is_refused(exported_sample_model, tmp_path):
     (tmp_path / "w.safetensors").write_bytes((out / "last.safetensors").read_bytes())
     meta = json.loads((out / "last.json").read_text())
     (tmp_path / "w.json").write_text(json.dumps({**meta, "arch": "resnet34"}))  # weights of a resnet18
-    with pytest.raises(UserError, match=r"w.safetensors holds a model of another shape than .*w.json describes "
-                                        r"\(resnet34, stem imagenet, 10 classes"):
+    with pytest.raises(
+        UserError,
+        match=r"w.safetensors holds a model of another shape than .*w.json describes "
+        r"\(resnet34, stem imagenet, 10 classes",
+    ):
         load_model(tmp_path / "w.safetensors", trusted=False)
 
 
@@ -201,9 +238,14 @@ def test_dash_dash_json_is_the_json_key():
 
 def test_dash_dash_json_prints_json_alone_on_stdout(sample_checkpoint, sample_pngs, tmp_path):
     folder, _ = sample_pngs
-    result = run_module("src.predict", f"ckpt_path={sample_checkpoint}/checkpoints/last.ckpt",
-                        f"images=[{folder / '1.png'},{folder / '2.png'}]", "top_k=1", "--json",
-                        f"hydra.run.dir={tmp_path}/run")
+    result = run_module(
+        "src.predict",
+        f"ckpt_path={sample_checkpoint}/checkpoints/last.ckpt",
+        f"images=[{folder / '1.png'},{folder / '2.png'}]",
+        "top_k=1",
+        "--json",
+        f"hydra.run.dir={tmp_path}/run",
+    )
     assert result.returncode == 0, output(result)[-3000:]
     predictions = json.loads(result.stdout)
     assert [Path(p["image"]).name for p in predictions] == ["1.png", "2.png"]

@@ -23,18 +23,33 @@ def timed(*overrides: str):
 def test_a_second_run_in_a_held_run_dir_is_refused_at_once_naming_the_dir_host_and_pid(tmp_path):
     run_dir = tmp_path / "run"
     with ThreadPoolExecutor(2) as pool:  # started together, as a script or a job array would
-        runs = dict(zip((1, 2), pool.map(lambda seed: timed(*FAST, "strategy=ddp", "trainer.devices=2", f"seed={seed}",
-                                                            f"hydra.run.dir={run_dir}"), (1, 2))))
+        runs = dict(
+            zip(
+                (1, 2),
+                pool.map(
+                    lambda seed: timed(
+                        *FAST, "strategy=ddp", "trainer.devices=2", f"seed={seed}", f"hydra.run.dir={run_dir}"
+                    ),
+                    (1, 2),
+                ),
+            )
+        )
     refused = [seed for seed, (result, _) in runs.items() if result.returncode != 0]
     assert len(refused) == 1, {seed: output(result)[-2000:] for seed, (result, _) in runs.items()}
     loser, winner = refused[0], 3 - refused[0]
     result, seconds = runs[loser]
     holder = json.loads((run_dir / ".lock").read_text())
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-    assert result.returncode == 2 and seconds < 30 and errors == [
-        f"error: hydra.run.dir={run_dir} is in use by another run: pid {holder['pid']} on host {socket.gethostname()} "
-        f"holds it (since {holder['started']}); wait for it to end, or pass another hydra.run.dir=DIR (to continue "
-        "that run once it has ended: ckpt_path=last)"], output(result)[-3000:]
+    assert (
+        result.returncode == 2
+        and seconds < 30
+        and errors
+        == [
+            f"error: hydra.run.dir={run_dir} is in use by another run: pid {holder['pid']} on host "
+            f"{socket.gethostname()} holds it (since {holder['started']}); wait for it to end, or pass another "
+            "hydra.run.dir=DIR (to continue that run once it has ended: ckpt_path=last)"
+        ]
+    ), output(result)[-3000:]
     assert "Run:" not in output(result)  # refused before any training
 
     ok, _ = runs[winner]
@@ -56,8 +71,14 @@ time.sleep(float(sys.argv[2]))
 
 
 def hold(path: Path, seconds: float, **kwargs):
-    return subprocess.Popen([sys.executable, "-c", HOLD, str(path), str(seconds)], cwd=ROOT, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kwargs)
+    return subprocess.Popen(
+        [sys.executable, "-c", HOLD, str(path), str(seconds)],
+        cwd=ROOT,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        **kwargs,
+    )
 
 
 def test_the_hold_goes_with_its_process_even_after_kill_9(tmp_path):

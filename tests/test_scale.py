@@ -24,21 +24,32 @@ CIFAR_TRAIN, CIFAR_VAL, CIFAR_TEST = 45_000, 5_000, 10_000
 
 def test_cifar10_at_batch_128_has_a_step_per_epoch_up_to_351_ranks_and_none_past_it():
     check_shards(351, 128, train=CIFAR_TRAIN, val=CIFAR_VAL, test=CIFAR_TEST)  # 129 images each: one step
-    with pytest.raises(UserError, match=r"^45000 training images over 352 processes are 128 per process, fewer "
-                                        r"than data.batch_size=129"):
+    with pytest.raises(
+        UserError,
+        match=r"^45000 training images over 352 processes are 128 per process, fewer "
+        r"than data.batch_size=129",
+    ):
         check_shards(352, 129, train=CIFAR_TRAIN)
-    with pytest.raises(UserError, match=r"over 2048 processes are 22 per process, fewer than data.batch_size=128: "
-                                        r"not one training step per epoch .*use data.batch_size=22 or less"):
+    with pytest.raises(
+        UserError,
+        match=r"over 2048 processes are 22 per process, fewer than data.batch_size=128: "
+        r"not one training step per epoch .*use data.batch_size=22 or less",
+    ):
         check_shards(2048, 128, train=CIFAR_TRAIN, val=CIFAR_VAL, test=CIFAR_TEST)
     check_shards(2048, "auto", train=CIFAR_TRAIN)  # not known yet: data.batch_size=auto checks its own choice
 
 
-@pytest.mark.parametrize("what, counts, key", [("validation", {"val": CIFAR_VAL}, "data.val_size"),
-                                               ("test", {"test": CIFAR_TEST}, "the test set")])
+@pytest.mark.parametrize(
+    "what, counts, key",
+    [("validation", {"val": CIFAR_VAL}, "data.val_size"), ("test", {"test": CIFAR_TEST}, "the test set")],
+)
 def test_a_rank_without_a_validation_or_test_image_is_refused_before_training(what, counts, key):
     check_shards(5_000, 8, **counts)  # one image each at 5,000 ranks
-    with pytest.raises(UserError, match=rf"^\d+ {what} images for 16384 processes: every process needs at least "
-                                        rf"one; enlarge {key} or use fewer processes$"):
+    with pytest.raises(
+        UserError,
+        match=rf"^\d+ {what} images for 16384 processes: every process needs at least "
+        rf"one; enlarge {key} or use fewer processes$",
+    ):
         check_shards(16_384, 8, **counts)
 
 
@@ -64,8 +75,11 @@ def test_a_soft_open_files_limit_is_raised_to_what_the_world_needs_and_a_hard_on
     if hard == resource.RLIM_INFINITY:
         pytest.skip("no hard limit on open files here: nothing past it to refuse")
     world = hard  # rank 0 of a world this large needs five sockets a rank
-    with pytest.raises(UserError, match=rf"^rank 0 of a world of {world} needs about {open_files_needed(0, world)} "
-                                        rf"open files .*ulimit -n allows {hard} at most here: raise the hard limit"):
+    with pytest.raises(
+        UserError,
+        match=rf"^rank 0 of a world of {world} needs about {open_files_needed(0, world)} "
+        rf"open files .*ulimit -n allows {hard} at most here: raise the hard limit",
+    ):
         check_open_files(0, world)
     assert resource.getrlimit(resource.RLIMIT_NOFILE) == (soft, hard)
 
@@ -73,17 +87,20 @@ def test_a_soft_open_files_limit_is_raised_to_what_the_world_needs_and_a_hard_on
 @pytest.mark.parametrize("gpus, warned", [(32, False), (64, True)])
 def test_a_peak_lr_that_linear_scaling_makes_extreme_is_a_warning_with_its_value(gpus, warned, caplog):
     model = ImageClassifier(arch="resnet18")
-    model._trainer = SimpleNamespace(datamodule=SimpleNamespace(batch_size=128), world_size=gpus,
-                                     accumulate_grad_batches=1, is_global_zero=True)  # 64 GPUs: not here
+    model._trainer = SimpleNamespace(
+        datamodule=SimpleNamespace(batch_size=128), world_size=gpus, accumulate_grad_batches=1, is_global_zero=True
+    )  # 64 GPUs: not here
     with caplog.at_level(logging.WARNING, logger="src.models.classifier"):
         assert model.learning_rate() == pytest.approx(0.1 * gpus)
     lines = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert bool(lines) == warned
     if warned:
-        assert lines == ["linear lr scaling gives a peak lr of 6.4 (model.optimizer.lr=0.1 x global batch 8192 / "
-                         "reference_batch_size 128), 64x the reference; past 32x, SGD tends to diverge: consider a "
-                         "lower model.optimizer.lr, model.optimizer.lr_scaling=none, a longer "
-                         "model.scheduler.warmup_epochs, or a smaller data.batch_size"]
+        assert lines == [
+            "linear lr scaling gives a peak lr of 6.4 (model.optimizer.lr=0.1 x global batch 8192 / "
+            "reference_batch_size 128), 64x the reference; past 32x, SGD tends to diverge: consider a "
+            "lower model.optimizer.lr, model.optimizer.lr_scaling=none, a longer "
+            "model.scheduler.warmup_epochs, or a smaller data.batch_size"
+        ]
 
 
 @pytest.fixture(scope="module")
@@ -95,39 +112,61 @@ def cifar_sized(tmp_path_factory):
 DRY = ["data=cifar10", "data.download=false", "dry_run=true"]
 
 
-def test_a_dry_run_of_2048_ranks_on_this_cpu_gives_rank_zeros_and_the_last_ranks_view_and_says_ready(cifar_sized,
-                                                                                                   tmp_path):
-    result = train(*DRY, f"data.root={cifar_sized}", "trainer.num_nodes=256", "trainer.devices=8",
-                   "data.batch_size=16", f"hydra.run.dir={tmp_path}")
+def test_a_dry_run_of_2048_ranks_on_this_cpu_gives_rank_zeros_and_the_last_ranks_view_and_says_ready(
+    cifar_sized, tmp_path
+):
+    result = train(
+        *DRY,
+        f"data.root={cifar_sized}",
+        "trainer.num_nodes=256",
+        "trainer.devices=8",
+        "data.batch_size=16",
+        f"hydra.run.dir={tmp_path}",
+    )
     out = output(result)
     assert result.returncode == 0, out[-3000:]
     lines = result.stdout.splitlines()
-    assert lines[-1] == ("dry run: ready: 2048 processes (256 node(s) x 8), global batch 32768, peak lr 25.6, "
-                         "1 steps per epoch"), out[-3000:]
+    assert lines[-1] == (
+        "dry run: ready: 2048 processes (256 node(s) x 8), global batch 32768, peak lr 25.6, 1 steps per epoch"
+    ), out[-3000:]
     heads = [line for line in lines if line.startswith("dry run: rank ")]
-    assert heads == ["dry run: rank 0 of 2048 (256 node(s) x 8), on torch's fake process group",
-                     "dry run: rank 2047 of 2048 (256 node(s) x 8), on torch's fake process group"]
+    assert heads == [
+        "dry run: rank 0 of 2048 (256 node(s) x 8), on torch's fake process group",
+        "dry run: rank 2047 of 2048 (256 node(s) x 8), on torch's fake process group",
+    ]
     # 45,000 training images: 22 a rank; 5,000 validation images: 3 on rank 0, 2 on rank 2047; 10,000 test: 5 and 4
-    assert "  this rank        22 training images an epoch; 3 validation images (1 batches); 5 test images " \
-           "(1 batches)" in lines
-    assert "  this rank        22 training images an epoch; 2 validation images (1 batches); 4 test images " \
-           "(1 batches)" in lines
+    assert (
+        "  this rank        22 training images an epoch; 3 validation images (1 batches); 5 test images "
+        "(1 batches)" in lines
+    )
+    assert (
+        "  this rank        22 training images an epoch; 2 validation images (1 batches); 4 test images "
+        "(1 batches)" in lines
+    )
     assert f"  open files       about {open_files_needed(0, 2048, 8)} " in out
     assert out.count("warning: linear lr scaling gives a peak lr of 25.6 ") == 1
     assert not list(tmp_path.glob("**/*.ckpt")) and "Traceback" not in out
 
 
 def test_a_dry_run_of_16384_ranks_says_in_its_last_line_what_will_not_work(cifar_sized, tmp_path):
-    result = train(*DRY, f"data.root={cifar_sized}", "trainer.num_nodes=2048", "trainer.devices=8",
-                   "dry_run_rank=16000", f"hydra.run.dir={tmp_path}")
+    result = train(
+        *DRY,
+        f"data.root={cifar_sized}",
+        "trainer.num_nodes=2048",
+        "trainer.devices=8",
+        "dry_run_rank=16000",
+        f"hydra.run.dir={tmp_path}",
+    )
     out = output(result)
     assert result.returncode == 2, out[-3000:]
     assert [line for line in result.stdout.splitlines() if line.startswith("dry run: rank ")] == [
-        "dry run: rank 16000 of 16384 (2048 node(s) x 8), on torch's fake process group"]
+        "dry run: rank 16000 of 16384 (2048 node(s) x 8), on torch's fake process group"
+    ]
     assert result.stderr.splitlines()[-1] == (
         "error: dry run: will not work: 45000 training images over 16384 processes are 3 per process, fewer than "
         "data.batch_size=128: not one training step per epoch (batches are whole); use data.batch_size=3 or less, "
-        "fewer processes, or more training images (and 2 more above)"), out[-3000:]
+        "fewer processes, or more training images (and 2 more above)"
+    ), out[-3000:]
     assert "  will not work:   5000 validation images for 16384 processes: every process needs at least one" in out
 
 
@@ -150,18 +189,41 @@ def test_the_ranks_read_the_stop_agreement_every_period_and_a_signal_to_one_stop
     rank during step 11. Read at every batch, every rank stops after step 12; every 4 batches, after step 16 (sent at
     the 12th batch end, read at the 16th). With a period of 2 that rank 0 alone finds too short (its reads slow),
     every rank switches to 4 at the same batch, and a signal during step 22 stops them all after step 28."""
-    result = run_script("benchmarks/stop_agreement.py", "--ranks=2,4", "--steps=40", "--warmup=0", "--step-ms=5",
-                        "--period=4", "--signal-at=10", f"--out={tmp_path}/a", timeout=240)
+    result = run_script(
+        "benchmarks/stop_agreement.py",
+        "--ranks=2,4",
+        "--steps=40",
+        "--warmup=0",
+        "--step-ms=5",
+        "--period=4",
+        "--signal-at=10",
+        f"--out={tmp_path}/a",
+        timeout=240,
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     stops = [line for line in result.stdout.splitlines() if line.startswith("stop: ")]
-    assert stops == [f"stop: rank {w - 1} of {w} signalled at step 10; every rank stopped after step {s} ({d})"
-                     for w in (2, 4) for s, d in ((12, "every batch, period 1"), (16, "adaptive period, period 4"))]
-    result = run_script("benchmarks/stop_agreement.py", "--ranks=3", "--steps=60", "--warmup=0", "--step-ms=5",
-                        "--period=2", "--ask-longer-at=2", "--signal-at=21", "--designs=adaptive",
-                        f"--out={tmp_path}/b", timeout=240)
+    assert stops == [
+        f"stop: rank {w - 1} of {w} signalled at step 10; every rank stopped after step {s} ({d})"
+        for w in (2, 4)
+        for s, d in ((12, "every batch, period 1"), (16, "adaptive period, period 4"))
+    ]
+    result = run_script(
+        "benchmarks/stop_agreement.py",
+        "--ranks=3",
+        "--steps=60",
+        "--warmup=0",
+        "--step-ms=5",
+        "--period=2",
+        "--ask-longer-at=2",
+        "--signal-at=21",
+        "--designs=adaptive",
+        f"--out={tmp_path}/b",
+        timeout=240,
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert result.stdout.splitlines()[-1] == ("stop: rank 2 of 3 signalled at step 21; every rank stopped after step "
-                                              "28 (adaptive period, period 4)")
+    assert result.stdout.splitlines()[-1] == (
+        "stop: rank 2 of 3 signalled at step 21; every rank stopped after step 28 (adaptive period, period 4)"
+    )
 
 
 def test_a_rank_asks_for_twice_the_period_after_reads_that_waited_and_a_bad_period_is_one_line():
@@ -171,8 +233,11 @@ def test_a_rank_asks_for_twice_the_period_after_reads_that_waited_and_a_bad_peri
     assert gs.wanted_period(4, gs.SLOW_READS - 1) == 4 and gs.wanted_period(4, gs.SLOW_READS) == 8
     assert gs.wanted_period(gs.MAX_PERIOD, gs.SLOW_READS) == gs.MAX_PERIOD
     for bad in (0, 65, 1.5, True):
-        with pytest.raises(UserError, match=rf"^callbacks.graceful_stop.period={bad} must be a whole number of "
-                                            r"batches from 1 to 64$"):
+        with pytest.raises(
+            UserError,
+            match=rf"^callbacks.graceful_stop.period={bad} must be a whole number of "
+            r"batches from 1 to 64$",
+        ):
             gs.GracefulStop(period=bad)
 
 
@@ -180,9 +245,17 @@ def test_under_mpirun_without_mpi4py_the_other_ranks_exit_quietly_with_rank_zero
     """mpirun gathers every process's output: rank 0 prints the one line (tests/test_errors.py), the others none."""
     from tests.test_errors import hide_mpi4py
 
-    result = train("data=synthetic", "trainer.accelerator=cpu", f"hydra.run.dir={tmp_path}/run", timeout=120,
-                   env={"OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_RANK": "3",
-                        "PYTHONPATH": str(hide_mpi4py(tmp_path / "no-mpi4py"))})
+    result = train(
+        "data=synthetic",
+        "trainer.accelerator=cpu",
+        f"hydra.run.dir={tmp_path}/run",
+        timeout=120,
+        env={
+            "OMPI_COMM_WORLD_SIZE": "4",
+            "OMPI_COMM_WORLD_RANK": "3",
+            "PYTHONPATH": str(hide_mpi4py(tmp_path / "no-mpi4py")),
+        },
+    )
     assert result.returncode == 2 and "error:" not in output(result), output(result)[-3000:]
 
 
@@ -211,9 +284,19 @@ def test_the_rank_that_completes_its_node_says_so_once_and_the_folder_goes(tmp_p
 
 
 def test_the_control_plane_simulator_names_a_stuck_rank_stops_all_at_a_dead_one_and_holds_two_connections_a_node(
-        tmp_path):
-    result = run_script("benchmarks/control_plane.py", "--ranks=24", "--seconds=2", "--warmup=0.5",
-                        "--hang-timeout=3", "--fault-hang-timeout=3", "--faults=stuck,dead", f"--out={tmp_path}", timeout=240)
+    tmp_path,
+):
+    result = run_script(
+        "benchmarks/control_plane.py",
+        "--ranks=24",
+        "--seconds=2",
+        "--warmup=0.5",
+        "--hang-timeout=3",
+        "--fault-hang-timeout=3",
+        "--faults=stuck,dead",
+        f"--out={tmp_path}",
+        timeout=240,
+    )
     assert result.returncode == 0, output(result)[-3000:]
     report = json.loads((tmp_path / "results.json").read_text())
     row = report["rows"][0]
@@ -225,7 +308,9 @@ def test_the_control_plane_simulator_names_a_stuck_rank_stops_all_at_a_dead_one_
     stuck, dead = report["faults"]
     assert stuck["named"] == stuck["stuck"] == 13 and 3 <= stuck["seconds"] < 3 + 6
     assert dead["stopped"] == dead["of"] == 23 and dead["max_s"] < 3
-    assert "| 24 | 3 |" in (tmp_path / "table.md").read_text() and (tmp_path / "load.svg").read_text().startswith("<svg")
+    assert "| 24 | 3 |" in (tmp_path / "table.md").read_text() and (tmp_path / "load.svg").read_text().startswith(
+        "<svg"
+    )
 
 
 def test_a_full_board_keeps_the_pulse_and_says_so_once(tmp_path, monkeypatch, caplog):
@@ -241,7 +326,8 @@ def test_a_full_board_keeps_the_pulse_and_says_so_once(tmp_path, monkeypatch, ca
         board.publish({"rank": 0, "step": 3})
     assert [r.getMessage() for r in caplog.records] == [
         f"the node's board {tmp_path / 'node0'} cannot be written (No space left on device): this node's hang reports "
-        f"may be stale; free space in {tmp_path}"]
+        f"may be stale; free space in {tmp_path}"
+    ]
     old = time.time() - 10
     os.utime(tmp_path / "node0" / "r0.json", (old, old))
     board.beat()  # the pulse is the file's time: it still moves

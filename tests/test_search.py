@@ -13,8 +13,14 @@ import torch
 
 from tests.conftest import FAST, descendants, output, running, train
 
-SEARCH = [*FAST, "trainer.max_epochs=2", "trainer.limit_train_batches=3", "test=false",
-          "callbacks.last_checkpoint.every_n_train_steps=0", "data.batch_size=choice(4,8)"]
+SEARCH = [
+    *FAST,
+    "trainer.max_epochs=2",
+    "trainer.limit_train_batches=3",
+    "test=false",
+    "callbacks.last_checkpoint.every_n_train_steps=0",
+    "data.batch_size=choice(4,8)",
+]
 VALUES = re.compile(r"trial (\d+) of study cifar10-ddp: this process trains with (.*)$", re.M)
 
 
@@ -36,8 +42,15 @@ def wait_for(path: Path, proc, timeout: float = 300) -> None:
 
 def test_a_ddp_search_killed_in_its_second_trial_ends_with_exactly_n_trials_whose_ranks_agree(tmp_path):
     sweep_dir = tmp_path / "search"
-    command = ["-m", "hparams_search=optuna", "hydra.sweeper.n_trials=3", "strategy=ddp", "trainer.devices=2",
-               f"hydra.sweep.dir={sweep_dir}", *SEARCH]
+    command = [
+        "-m",
+        "hparams_search=optuna",
+        "hydra.sweeper.n_trials=3",
+        "strategy=ddp",
+        "trainer.devices=2",
+        f"hydra.sweep.dir={sweep_dir}",
+        *SEARCH,
+    ]
     search = train(*command, background=True)
     wait_for(sweep_dir / "1" / "checkpoints" / "last.ckpt", search)  # trial 1 has trained its first epoch
     ranks = descendants(search.pid)
@@ -67,8 +80,10 @@ def test_a_ddp_search_killed_in_its_second_trial_ends_with_exactly_n_trials_whos
         final = torch.load(job / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
         assert final["global_step"] == 6 and final["saved_by"]["world_size"] == 2
         assert json.loads((job / "result.json").read_text())["score"] == trial.value
-    assert f"Restoring states from the checkpoint path at {sweep_dir / '1' / 'checkpoints' / 'last.ckpt'}" in \
-        (sweep_dir / "1" / "train.log").read_text()
+    assert (
+        f"Restoring states from the checkpoint path at {sweep_dir / '1' / 'checkpoints' / 'last.ckpt'}"
+        in (sweep_dir / "1" / "train.log").read_text()
+    )
     best = (sweep_dir / "best.yaml").read_text()
     assert f"trial: {study(sweep_dir).best_trial.number}" in best
     table = (sweep_dir / "trials.md").read_text()
@@ -79,10 +94,18 @@ def test_a_ddp_search_killed_in_its_second_trial_ends_with_exactly_n_trials_whos
 def test_the_pruner_stops_a_bad_trial_at_an_epoch_end_and_the_study_records_it(tmp_path):
     sweep_dir = tmp_path / "search"
     # a pruner that prunes every trial whose val/acc is below 1.1 (all of them), from its second validation on
-    result = train("-m", "hparams_search=optuna", "hydra.sweeper.n_trials=1", f"hydra.sweep.dir={sweep_dir}",
-                   *SEARCH, "trainer.max_epochs=4",
-                   "hydra.sweeper.pruner._target_=optuna.pruners.ThresholdPruner", "+hydra.sweeper.pruner.lower=1.1",
-                   "~hydra.sweeper.pruner.n_startup_trials", "hydra.sweeper.pruner.n_warmup_steps=1")
+    result = train(
+        "-m",
+        "hparams_search=optuna",
+        "hydra.sweeper.n_trials=1",
+        f"hydra.sweep.dir={sweep_dir}",
+        *SEARCH,
+        "trainer.max_epochs=4",
+        "hydra.sweeper.pruner._target_=optuna.pruners.ThresholdPruner",
+        "+hydra.sweeper.pruner.lower=1.1",
+        "~hydra.sweeper.pruner.n_startup_trials",
+        "hydra.sweeper.pruner.n_warmup_steps=1",
+    )
     assert result.returncode == 0, output(result)[-4000:]
     (trial,) = study(sweep_dir).trials
     assert trial.state.name == "PRUNED" and sorted(trial.intermediate_values) == [0, 1]
@@ -96,34 +119,48 @@ def test_the_pruner_stops_a_bad_trial_at_an_epoch_end_and_the_study_records_it(t
 
 def test_a_failing_trial_is_recorded_as_failed_and_the_search_says_why(tmp_path):
     sweep_dir = tmp_path / "search"
-    result = train("-m", "hparams_search=optuna", "hydra.sweeper.n_trials=1", f"hydra.sweep.dir={sweep_dir}",
-                   *SEARCH, "model.arch=choice(resnet7)", timeout=120)
+    result = train(
+        "-m",
+        "hparams_search=optuna",
+        "hydra.sweeper.n_trials=1",
+        f"hydra.sweep.dir={sweep_dir}",
+        *SEARCH,
+        "model.arch=choice(resnet7)",
+        timeout=120,
+    )
     assert result.returncode == 1, output(result)[-4000:]
     assert "error: 1 of 1 trials failed: trial 0: model.arch=resnet7 is not a torchvision ResNet" in result.stderr
     assert [t.state.name for t in study(sweep_dir).trials] == ["FAIL"]
 
 
 def test_a_search_on_several_nodes_or_without_multirun_is_refused_in_one_line(tmp_path):
-    nodes = train("-m", "hparams_search=optuna", f"hydra.sweep.dir={tmp_path}/s", *SEARCH, "trainer.num_nodes=2",
-                  timeout=120)
+    nodes = train(
+        "-m", "hparams_search=optuna", f"hydra.sweep.dir={tmp_path}/s", *SEARCH, "trainer.num_nodes=2", timeout=120
+    )
     assert nodes.returncode == 2
-    assert nodes.stderr.startswith("error: hparams_search=optuna runs its trials from one process, which starts each "
-                                   "trial's ranks: start it once, without srun or torchrun, on one node")
+    assert nodes.stderr.startswith(
+        "error: hparams_search=optuna runs its trials from one process, which starts each "
+        "trial's ranks: start it once, without srun or torchrun, on one node"
+    )
     once = train("hparams_search=optuna", f"hydra.run.dir={tmp_path}/r", *FAST, timeout=120)
     assert once.returncode == 2
-    assert once.stderr.strip() == ("error: hparams_search=optuna searches as a multirun: add -m "
-                                   "(python -m src.train -m hparams_search=optuna ...)")
+    assert once.stderr.strip() == (
+        "error: hparams_search=optuna searches as a multirun: add -m (python -m src.train -m hparams_search=optuna ...)"
+    )
 
 
 def test_a_study_run_again_with_other_fixed_overrides_is_refused(tmp_path):
     sweep_dir = tmp_path / "search"
     sweep_dir.mkdir()
-    earlier = optuna.create_study(study_name="cifar10-ddp", storage=f"sqlite:///{sweep_dir}/optuna.db",
-                                  direction="maximize")  # as a search with other epochs left it
+    earlier = optuna.create_study(
+        study_name="cifar10-ddp", storage=f"sqlite:///{sweep_dir}/optuna.db", direction="maximize"
+    )  # as a search with other epochs left it
     earlier.set_user_attr("fixed_overrides", ["hparams_search=optuna", "trainer.max_epochs=5"])
     result = train("-m", "hparams_search=optuna", "trainer.max_epochs=2", f"hydra.sweep.dir={sweep_dir}", timeout=120)
     assert result.returncode == 2, output(result)[-3000:]
-    assert result.stderr.strip() == (f"error: hydra.sweep.dir={sweep_dir} holds the study of another search: its "
-                                     "trials ran with trainer.max_epochs=5 where this search has trainer.max_epochs=2; "
-                                     "pass a new hydra.sweep.dir to start another search, or the same overrides to go "
-                                     "on with that one")
+    assert result.stderr.strip() == (
+        f"error: hydra.sweep.dir={sweep_dir} holds the study of another search: its "
+        "trials ran with trainer.max_epochs=5 where this search has trainer.max_epochs=2; "
+        "pass a new hydra.sweep.dir to start another search, or the same overrides to go "
+        "on with that one"
+    )

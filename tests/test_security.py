@@ -81,8 +81,9 @@ def test_every_locked_file_has_a_hash_and_every_dependency_is_locked_within_its_
 
 
 def test_make_install_installs_the_lock_with_hash_checking_and_the_project_without_dependencies(tmp_path):
-    result = subprocess.run(["make", "-n", "install", f"VENV={tmp_path / 'venv'}"], cwd=ROOT, capture_output=True,
-                            text=True, timeout=60)
+    result = subprocess.run(
+        ["make", "-n", "install", f"VENV={tmp_path / 'venv'}"], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
     assert result.returncode == 0, output(result)
     commands = [line for line in result.stdout.splitlines() if "pip install" in line]
     assert len(commands) == 2 and "--require-hashes -r requirements.lock" in commands[0]
@@ -92,19 +93,33 @@ def test_make_install_installs_the_lock_with_hash_checking_and_the_project_witho
 def test_a_lock_for_another_python_stops_make_install_in_one_line(tmp_path):
     lock = tmp_path / "requirements.lock"
     lock.write_text(re.sub(r"with Python \S+", "with Python 3.99", LOCK.read_text(), count=1))
-    result = subprocess.run(["make", "-s", "install", f"LOCK={lock}", f"VENV={tmp_path / 'venv'}"], cwd=ROOT,
-                            capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        ["make", "-s", "install", f"LOCK={lock}", f"VENV={tmp_path / 'venv'}"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 2
-    assert re.fullmatch(rf"error: {lock} is for Python 3\.99 on \S+, but python3 is Python "
-                        r"\d+\.\d+ on \S+: run make lock to lock for this machine, .*", result.stderr.splitlines()[0])
+    assert re.fullmatch(
+        rf"error: {lock} is for Python 3\.99 on \S+, but python3 is Python "
+        r"\d+\.\d+ on \S+: run make lock to lock for this machine, .*",
+        result.stderr.splitlines()[0],
+    )
     assert not (tmp_path / "venv").exists()
 
 
 def test_make_audit_that_cannot_reach_its_advisory_service_fails_in_one_line(tmp_path):
     closed = f"http://127.0.0.1:{free_port()}"
     env = {**os.environ, "https_proxy": closed, "HTTPS_PROXY": closed}
-    result = subprocess.run(["make", "-s", "audit", f"TOOLS={tmp_path / 'tools'}"], cwd=ROOT, env=env,
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        ["make", "-s", "audit", f"TOOLS={tmp_path / 'tools'}"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 2, output(result)
     assert result.stderr.startswith("error: make audit cannot read the advisory data of pypi (https://pypi.org/pypi/")
     assert "nothing was audited" in result.stderr.splitlines()[0]
@@ -112,6 +127,7 @@ def test_make_audit_that_cannot_reach_its_advisory_service_fails_in_one_line(tmp
 
 
 # -- what a run listens on ----------------------------------------------------------------------------------------
+
 
 def listened(port: int) -> set[str]:
     return {address for address, listening, _ in listeners_of([os.getpid()]) if listening == port}
@@ -132,8 +148,9 @@ def non_loopback_ipv4() -> str | None:
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
         for _, name in socket.if_nameindex():
             try:
-                address = socket.inet_ntoa(fcntl.ioctl(probe.fileno(), 0x8915, struct.pack("256s", name[:15].encode()))
-                                           [20:24])  # SIOCGIFADDR
+                address = socket.inet_ntoa(
+                    fcntl.ioctl(probe.fileno(), 0x8915, struct.pack("256s", name[:15].encode()))[20:24]
+                )  # SIOCGIFADDR
             except OSError:
                 continue
             if not address.startswith("127."):
@@ -153,10 +170,13 @@ def test_the_rendezvous_store_across_nodes_listens_on_master_addr_only(monkeypat
     del store
 
 
-@pytest.mark.parametrize("host, why", [
-    ("203.0.113.1", "(203.0.113.1) is not an address of this node"),  # TEST-NET-3: no address of this machine
-    ("localhost", "(127.0.0.1) resolves to loopback on this node"),  # as a node's name in /etc/hosts often does
-])
+@pytest.mark.parametrize(
+    "host, why",
+    [
+        ("203.0.113.1", "(203.0.113.1) is not an address of this node"),  # TEST-NET-3: no address of this machine
+        ("localhost", "(127.0.0.1) resolves to loopback on this node"),  # as a node's name in /etc/hosts often does
+    ],
+)
 def test_a_master_addr_other_nodes_cannot_reach_here_leaves_the_store_on_every_interface_and_says_so(caplog, host, why):
     with caplog.at_level(logging.WARNING, logger="src.distributed.strategy"):
         assert _bound_listener(host, free_port()) is None
@@ -190,36 +210,52 @@ def assert_loopback_only(listeners: set[tuple[str, int, int]], what: str) -> Non
 
 # -- checkpoint metadata is data ---------------------------------------------------------------------------------
 
+
 def crafted(path: Path, **hparams) -> Path:
     """A checkpoint that loads under weights_only=True, with this project's hyperparameters changed by ``hparams``."""
     from src.models.classifier import ImageClassifier
 
     saved = {**dict(ImageClassifier(arch="resnet18").hparams), **hparams}
-    torch.save({"state_dict": {}, "hyper_parameters": saved, "pytorch-lightning_version": "2.6.6", "epoch": 0,
-                "global_step": 0}, path)
+    torch.save(
+        {
+            "state_dict": {},
+            "hyper_parameters": saved,
+            "pytorch-lightning_version": "2.6.6",
+            "epoch": 0,
+            "global_step": 0,
+        },
+        path,
+    )
     return path
 
 
 MODEL = {"arch": "resnet18", "stem": "cifar", "num_classes": 10}
 
 
-@pytest.mark.parametrize("hparams, named", [
-    ({"_instantiator": "os.system"}, "hyperparameter '_instantiator' which this project's model does not have"),
-    ({"_target_": "builtins.exec"}, "hyperparameter '_target_' which"),
-    ({"arch": "os.system"}, "hyperparameter arch='os.system' that is no torchvision ResNet"),
-    ({"optimizer": {"lr": 0.1, "_target_": "os.system"}}, "hyperparameter optimizer.'_target_' which model.optimizer"),
-    ({"scheduler": {"decay": ["os.system"]}}, "hyperparameter scheduler.decay = list, not a number"),
-    ({"stem": "../../etc"}, "hyperparameter stem='../../etc' that is not one of cifar, imagenet"),
-    ({"num_classes": -1}, "hyperparameter num_classes='-1' that is not a class count"),
-])
+@pytest.mark.parametrize(
+    "hparams, named",
+    [
+        ({"_instantiator": "os.system"}, "hyperparameter '_instantiator' which this project's model does not have"),
+        ({"_target_": "builtins.exec"}, "hyperparameter '_target_' which"),
+        ({"arch": "os.system"}, "hyperparameter arch='os.system' that is no torchvision ResNet"),
+        (
+            {"optimizer": {"lr": 0.1, "_target_": "os.system"}},
+            "hyperparameter optimizer.'_target_' which model.optimizer",
+        ),
+        ({"scheduler": {"decay": ["os.system"]}}, "hyperparameter scheduler.decay = list, not a number"),
+        ({"stem": "../../etc"}, "hyperparameter stem='../../etc' that is not one of cifar, imagenet"),
+        ({"num_classes": -1}, "hyperparameter num_classes='-1' that is not a class count"),
+    ],
+)
 def test_a_crafted_checkpoint_that_loads_weights_only_is_refused_by_its_hyperparameters(tmp_path, hparams, named):
     path = crafted(tmp_path / "crafted.ckpt", **hparams)
     checkpoint = read_checkpoint(path)  # weights_only=True loads it: the values are plain data
     with pytest.raises(UserError) as refused:
         check_compatible(checkpoint, path, MODEL)
     assert named in str(refused.value) and "\n" not in str(refused.value)
-    assert str(refused.value).endswith("it is not a checkpoint src.train wrote, or was altered; pass another "
-                                       "checkpoint")
+    assert str(refused.value).endswith(
+        "it is not a checkpoint src.train wrote, or was altered; pass another checkpoint"
+    )
 
 
 def test_the_hyperparameters_the_model_saves_pass_the_check(tmp_path):
@@ -232,14 +268,22 @@ def test_the_hyperparameters_the_model_saves_pass_the_check(tmp_path):
 @pytest.mark.parametrize("entry", ["src.eval", "src.train"])
 def test_eval_and_resume_refuse_an_instantiator_in_one_line_before_loading_anything(tmp_path, entry):
     path = crafted(tmp_path / "crafted.ckpt", _instantiator="os.system")
-    result = run_module(entry, f"ckpt_path={path}", "data=synthetic", "trainer.accelerator=cpu",
-                        f"hydra.run.dir={tmp_path / 'run'}", timeout=120)
+    result = run_module(
+        entry,
+        f"ckpt_path={path}",
+        "data=synthetic",
+        "trainer.accelerator=cpu",
+        f"hydra.run.dir={tmp_path / 'run'}",
+        timeout=120,
+    )
     assert result.returncode == 2, output(result)[-3000:]
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-    assert errors == [f"error: ckpt_path={path} holds hyperparameter '_instantiator' which this project's model does "
-                      "not have (it has arch, channels_last, compile, label_smoothing, num_classes, optimizer, "
-                      "scheduler, stem): it is not a checkpoint src.train wrote, or was altered; pass another "
-                      "checkpoint"], output(result)[-3000:]
+    assert errors == [
+        f"error: ckpt_path={path} holds hyperparameter '_instantiator' which this project's model does "
+        "not have (it has arch, channels_last, compile, label_smoothing, num_classes, optimizer, "
+        "scheduler, stem): it is not a checkpoint src.train wrote, or was altered; pass another "
+        "checkpoint"
+    ], output(result)[-3000:]
     assert "Traceback" not in output(result)
 
 
@@ -249,4 +293,3 @@ def test_nothing_here_imports_a_module_named_by_a_checkpoint():
         text = path.read_text()
         for call in re.findall(r"(?:instantiate|import_module|__import__|locate)\(([^)]*)\)", text):
             assert "hyper_parameters" not in call and "checkpoint" not in call, (path, call)
-

@@ -26,7 +26,7 @@ def listening_sockets() -> list[tuple[str, int, int]]:
                 if len(raw) == 4:
                     text = socket.inet_ntop(socket.AF_INET, raw[::-1])
                 else:  # /proc writes IPv6 as four little-endian 32-bit words
-                    text = socket.inet_ntop(socket.AF_INET6, b"".join(raw[i:i + 4][::-1] for i in range(0, 16, 4)))
+                    text = socket.inet_ntop(socket.AF_INET6, b"".join(raw[i : i + 4][::-1] for i in range(0, 16, 4)))
                 found.append((text, int(hex_port, 16), int(fields[9])))
     return found
 
@@ -74,8 +74,13 @@ WILDCARD = {"0.0.0.0", "::"}  # every interface
 
 def test_make_tensorboard_listens_on_localhost_only():
     port = free_port()
-    proc = subprocess.Popen(["make", "-s", "tensorboard", f"TB_PORT={port}"], cwd=ROOT, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(
+        ["make", "-s", "tensorboard", f"TB_PORT={port}"],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 90
         while not listening_addresses(port):

@@ -16,21 +16,29 @@ import torch
 from tests.conftest import FAST, cmdline, descendants, free_port, running, train
 
 # Long enough that a signal always lands mid-training: 2,000 images, batch 4 per rank.
-LONG = [*FAST, "data.num_train=2000", "trainer.limit_train_batches=null", "callbacks.last_checkpoint.every_n_train_steps=2",
-        "callbacks.progress_bar=null", "test=false"]
+LONG = [
+    *FAST,
+    "data.num_train=2000",
+    "trainer.limit_train_batches=null",
+    "callbacks.last_checkpoint.every_n_train_steps=2",
+    "callbacks.progress_bar=null",
+    "test=false",
+]
 
 
 def last_step(run_dir: Path) -> int:
     """global_step of ``run_dir``'s last.ckpt, or -1 while there is none."""
     try:
-        return torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True,
-                          mmap=True)["global_step"]
+        return torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True, mmap=True)[
+            "global_step"
+        ]
     except (OSError, RuntimeError, EOFError):
         return -1
 
 
-def start_and_wait_for_step(run_dir: Path, step: int, *overrides: str, ranks: int = 1,
-                            env: dict[str, str] | None = None) -> subprocess.Popen:
+def start_and_wait_for_step(
+    run_dir: Path, step: int, *overrides: str, ranks: int = 1, env: dict[str, str] | None = None
+) -> subprocess.Popen:
     """Start a training run in the background; return once it has checkpointed ``step`` and all ranks are up."""
     proc = train(*overrides, f"hydra.run.dir={run_dir}", background=True, env=env)
     deadline = time.monotonic() + 180
@@ -70,7 +78,8 @@ def test_a_rank_killed_mid_training_stops_every_process_with_one_line_naming_it(
     errors = [line for line in out.splitlines() if line.startswith("error:")]
     rank = "1" if strategy == "ddp" else "[01]"
     assert len(errors) == 1 and re.fullmatch(
-        rf"error: rank {rank} \(pid {victim}\) died: killed by SIGKILL; stopped the other ranks", errors[0]), out[-3000:]
+        rf"error: rank {rank} \(pid {victim}\) died: killed by SIGKILL; stopped the other ranks", errors[0]
+    ), out[-3000:]
     assert "Traceback" not in out
 
 
@@ -86,11 +95,13 @@ def test_a_killed_launcher_takes_its_ranks_with_it(strategy, tmp_path):
     assert "Traceback" not in out
 
 
-@pytest.mark.parametrize("strategy, devices, to", [("auto", 1, "main"), ("ddp", 2, "main"), ("ddp", 2, "rank 1"),
-                                                   ("ddp_spawn", 2, "main")])
+@pytest.mark.parametrize(
+    "strategy, devices, to", [("auto", 1, "main"), ("ddp", 2, "main"), ("ddp", 2, "rank 1"), ("ddp_spawn", 2, "main")]
+)
 def test_sigterm_stops_every_rank_at_one_step_with_a_checkpoint_and_exit_code_143(strategy, devices, to, tmp_path):
-    proc = start_and_wait_for_step(tmp_path, 2, *LONG, f"strategy={strategy}", f"trainer.devices={devices}",
-                                   ranks=devices)
+    proc = start_and_wait_for_step(
+        tmp_path, 2, *LONG, f"strategy={strategy}", f"trainer.devices={devices}", ranks=devices
+    )
     everyone = [proc.pid, *descendants(proc.pid)]
     os.kill(proc.pid if to == "main" else rank_pids(proc.pid)[1], signal.SIGTERM)
     out, seconds = finish(proc, everyone, limit_s=60)
@@ -101,7 +112,10 @@ def test_sigterm_stops_every_rank_at_one_step_with_a_checkpoint_and_exit_code_14
     step = int(stopped[0].split("after step ")[1].split(":")[0])
     last = torch.load(tmp_path / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
     assert last["global_step"] == step > 2  # the step every rank stopped at, mid-epoch
-    assert last["epoch"] == 0 and last["SyntheticDataModule"]["train_position"].items() >= {"epoch": 0, "consumed": step}.items()
+    assert (
+        last["epoch"] == 0
+        and last["SyntheticDataModule"]["train_position"].items() >= {"epoch": 0, "consumed": step}.items()
+    )
     assert f"resume with ckpt_path={tmp_path}/checkpoints/last.ckpt" in stopped[0]
     assert "Traceback" not in out
 
@@ -117,15 +131,24 @@ def error_lines(out: str) -> list[str]:
 @pytest.mark.parametrize("strategy, rank", [("ddp", 0), ("ddp", 1), ("ddp_spawn", 1)])
 def test_an_exception_on_any_rank_stops_every_process_within_seconds_with_one_line_naming_it(strategy, rank, tmp_path):
     # last.ckpt at step 2, the failure at step 3
-    proc = start_and_wait_for_step(tmp_path, 2, *LONG, *RAISE, f"+callbacks.fault.rank={rank}", f"strategy={strategy}",
-                                   "trainer.devices=2", ranks=2)
+    proc = start_and_wait_for_step(
+        tmp_path,
+        2,
+        *LONG,
+        *RAISE,
+        f"+callbacks.fault.rank={rank}",
+        f"strategy={strategy}",
+        "trainer.devices=2",
+        ranks=2,
+    )
     everyone = [proc.pid, *descendants(proc.pid)]
     out, seconds = finish(proc, everyone, limit_s=60)
     assert proc.returncode == 1 and seconds < 30, out[-3000:]
     assert not [p for p in everyone if running(p)], "processes were left behind"
     errors = error_lines(out)
     assert len(errors) == 1 and re.fullmatch(
-        rf"error: rank {rank}: RuntimeError: injected failure at step 3 \(traceback in \S+\.log\)", errors[0]), out[-3000:]
+        rf"error: rank {rank}: RuntimeError: injected failure at step 3 \(traceback in \S+\.log\)", errors[0]
+    ), out[-3000:]
     logged = Path(errors[0].rsplit("traceback in ", 1)[1].rstrip(")"))
     assert "tests/faults.py" in logged.read_text()  # the traceback went to that rank's log, not the console
     assert "Traceback" not in out and "Callback" not in out  # nor a Hydra callback's complaint

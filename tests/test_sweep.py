@@ -26,9 +26,13 @@ def outputs_snapshot() -> set[Path]:
     """What is under the project's outputs/, but for what make test's other workers write there meanwhile (Slurm
     jobs, torchrun's run dirs)."""
     runs = ROOT / "outputs" / "runs"
-    return {p for p in (ROOT / "outputs").rglob("*")
-            if not p.is_relative_to(ROOT / "outputs" / "slurm") and "torchrun-" not in str(p)
-            and p not in (runs, *runs.glob("*"))}  # the date folder a torchrun run dir goes in (what it holds counts)
+    return {
+        p
+        for p in (ROOT / "outputs").rglob("*")
+        if not p.is_relative_to(ROOT / "outputs" / "slurm")
+        and "torchrun-" not in str(p)
+        and p not in (runs, *runs.glob("*"))
+    }  # the date folder a torchrun run dir goes in (what it holds counts)
 
 
 def assert_no_process_mentions(text: str) -> None:
@@ -85,8 +89,11 @@ def test_a_failing_job_is_reported_and_the_sweep_goes_on(tmp_path):
 
 def test_sweeping_the_strategy_reports_one_series_per_strategy(tmp_path):
     sweep_dir = tmp_path / "sweep"
-    result, listeners = watch_listeners(train("-m", *SWEEP, "trainer.devices=2", "strategy=ddp,ddp_spawn",
-                                              f"hydra.sweep.dir={sweep_dir}", background=True))
+    result, listeners = watch_listeners(
+        train(
+            "-m", *SWEEP, "trainer.devices=2", "strategy=ddp,ddp_spawn", f"hydra.sweep.dir={sweep_dir}", background=True
+        )
+    )
     assert result.returncode == 0, output(result)[-4000:]
     assert_loopback_only(listeners, "a sweep's ddp and ddp_spawn jobs")  # rendezvous and gloo: tests/test_security.py
     report = (sweep_dir / "scaling.md").read_text()
@@ -103,11 +110,26 @@ def fake_job(sweep: Path, num: int, overrides: list[str], world: int, per_device
     job = sweep / str(num)
     (job / ".hydra").mkdir(parents=True)
     (job / ".hydra" / "overrides.yaml").write_text("".join(f"- {o}\n" for o in overrides))
-    record = {"num_nodes": 1, "devices": world, "world_size": world, "strategy": "ddp", "backend": "nccl",
-              "precision": "bf16-mixed", "device_name": "GPU", "accelerator": "cuda", "arch": "resnet50", "hosts": ["n1"], "per_device_batch_size": per_device,
-              "global_batch_size": per_device * world, "samples_per_second": rate,
-              "samples_per_second_per_device": rate / world, "step_time_s": 0.1, "epoch_time_s": 1.0,
-              "peak_memory_mb": 1.0, "pids": list(range(world))}
+    record = {
+        "num_nodes": 1,
+        "devices": world,
+        "world_size": world,
+        "strategy": "ddp",
+        "backend": "nccl",
+        "precision": "bf16-mixed",
+        "device_name": "GPU",
+        "accelerator": "cuda",
+        "arch": "resnet50",
+        "hosts": ["n1"],
+        "per_device_batch_size": per_device,
+        "global_batch_size": per_device * world,
+        "samples_per_second": rate,
+        "samples_per_second_per_device": rate / world,
+        "step_time_s": 0.1,
+        "epoch_time_s": 1.0,
+        "peak_memory_mb": 1.0,
+        "pids": list(range(world)),
+    }
     (job / "throughput.json").write_text(json.dumps(record))
 
 
@@ -122,11 +144,15 @@ def test_report_computes_speedup_and_efficiency_per_series_and_names_the_scaling
     assert float(rows["3"]["speedup"]) == pytest.approx(4.0) and float(rows["3"]["efficiency"]) == pytest.approx(1.0)
     assert rows["1"]["series"] == "data.batch_size=64"
     md = (tmp_path / "scaling.md").read_text()
-    assert "## data.batch_size=64: weak scaling" in md and "| 1 | 1 | 4 | 4 | 256 | 3,000.0 | 750.0 | 3.00x | 75% |" in md
+    assert (
+        "## data.batch_size=64: weak scaling" in md and "| 1 | 1 | 4 | 4 | 256 | 3,000.0 | 750.0 | 3.00x | 75% |" in md
+    )
     picture = Image.open(tmp_path / "scaling.png").text
     assert picture["Title"] == "resnet50 · 1–4 x GPU · nccl · bf16-mixed"  # the batch differs: the legend names it
-    assert picture["Description"] == ("series: data.batch_size=64; ideal linear (data.batch_size=64); "
-                                      "data.batch_size=128; ideal linear (data.batch_size=128)")
+    assert picture["Description"] == (
+        "series: data.batch_size=64; ideal linear (data.batch_size=64); "
+        "data.batch_size=128; ideal linear (data.batch_size=128)"
+    )
 
 
 def test_report_recognises_strong_scaling(tmp_path):
@@ -143,9 +169,16 @@ def test_report_of_a_folder_that_is_no_sweep_says_so(tmp_path):
 
 def test_a_sweep_killed_in_its_second_job_resumes_it_and_skips_the_first_when_run_again(tmp_path):
     sweep_dir = tmp_path / "sweep"
-    command = ["-m", *FAST, "trainer.max_epochs=2", "trainer.limit_train_batches=3", "test=false",
-               "callbacks.last_checkpoint.every_n_train_steps=0", "model.optimizer.lr=0.1,0.05",
-               f"hydra.sweep.dir={sweep_dir}"]
+    command = [
+        "-m",
+        *FAST,
+        "trainer.max_epochs=2",
+        "trainer.limit_train_batches=3",
+        "test=false",
+        "callbacks.last_checkpoint.every_n_train_steps=0",
+        "model.optimizer.lr=0.1,0.05",
+        f"hydra.sweep.dir={sweep_dir}",
+    ]
     sweep = run_module("src.train", *command, background=True)
     second = sweep_dir / "1" / "checkpoints" / "last.ckpt"
     deadline = time.monotonic() + 300
@@ -171,9 +204,11 @@ def test_a_sweep_killed_in_its_second_job_resumes_it_and_skips_the_first_when_ru
 
     other = run_module("src.train", *command[:-2], "model.optimizer.lr=0.1,0.02", f"hydra.sweep.dir={sweep_dir}")
     assert other.returncode == 2
-    assert other.stderr.strip().startswith(f"error: hydra.sweep.dir={sweep_dir} holds another sweep: its job 1 ran "
-                                           "with model.optimizer.lr=0.05 where this sweep's job 1 has "
-                                           "model.optimizer.lr=0.02")
+    assert other.stderr.strip().startswith(
+        f"error: hydra.sweep.dir={sweep_dir} holds another sweep: its job 1 ran "
+        "with model.optimizer.lr=0.05 where this sweep's job 1 has "
+        "model.optimizer.lr=0.02"
+    )
 
 
 def test_slurm_sweep_refuses_a_sweep_dir_of_another_sweep_before_submitting(tmp_path):
@@ -182,11 +217,14 @@ def test_slurm_sweep_refuses_a_sweep_dir_of_another_sweep_before_submitting(tmp_
     sweep_dir.mkdir()
     jobs = sweep_dir / "jobs.json"
     jobs.write_text(json.dumps({"jobs": [{"num": 0, "overrides": ["trainer.devices=4"], "slurm_job": "17"}]}))
-    result = run_module("src.slurm_sweep", "--", "trainer.devices=1,2", env={"SWEEP_DIR": str(sweep_dir),
-                                                                          "PATH": "/nonexistent"})
+    result = run_module(
+        "src.slurm_sweep", "--", "trainer.devices=1,2", env={"SWEEP_DIR": str(sweep_dir), "PATH": "/nonexistent"}
+    )
     assert result.returncode == 2, output(result)
-    assert result.stderr.strip() == (f"error: SWEEP_DIR={sweep_dir} holds another sweep ({jobs} lists other jobs): pass "
-                                     "a new SWEEP_DIR to start another sweep, or the same overrides to go on with that one")
+    assert result.stderr.strip() == (
+        f"error: SWEEP_DIR={sweep_dir} holds another sweep ({jobs} lists other jobs): pass "
+        "a new SWEEP_DIR to start another sweep, or the same overrides to go on with that one"
+    )
     assert json.loads(jobs.read_text())["jobs"][0]["overrides"] == ["trainer.devices=4"]  # left as it was
 
 
@@ -195,10 +233,17 @@ def test_the_next_job_of_a_sweep_starts_without_the_previous_jobs_model(tmp_path
     # failed job's traceback to all of them: the first job's model (on a GPU, its memory) lived on into the second
     # until the sweep freed it at the job's end. Job 0 fails at its first step; job 1 counts the models alive.
     sweep_dir = tmp_path / "sweep"
-    result = train("-m", *SWEEP, "+callbacks.alive._target_=tests.faults.CountAlive",
-                   "+callbacks.alive.path=${paths.output_dir}/alive.json",
-                   "+callbacks.fault._target_=tests.faults.RaiseAt", "+callbacks.fault.step=1",
-                   "+callbacks.fault.rank=0,1", f"hydra.sweep.dir={sweep_dir}")  # rank 1 never exists: job 1 runs
-    assert result.returncode == 1 and "error: 1 of 2 jobs failed: job 0: RuntimeError" in result.stderr, \
-        output(result)[-4000:]
+    result = train(
+        "-m",
+        *SWEEP,
+        "+callbacks.alive._target_=tests.faults.CountAlive",
+        "+callbacks.alive.path=${paths.output_dir}/alive.json",
+        "+callbacks.fault._target_=tests.faults.RaiseAt",
+        "+callbacks.fault.step=1",
+        "+callbacks.fault.rank=0,1",
+        f"hydra.sweep.dir={sweep_dir}",
+    )  # rank 1 never exists: job 1 runs
+    assert result.returncode == 1 and "error: 1 of 2 jobs failed: job 0: RuntimeError" in result.stderr, output(result)[
+        -4000:
+    ]
     assert json.loads((sweep_dir / "1" / "alive.json").read_text()) == {"alive": 1}

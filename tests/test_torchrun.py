@@ -30,8 +30,15 @@ def torchrun(*args: str, background: bool = False, timeout: float = 300, env: di
         full_env.pop(key, None)
     cmd = [sys.executable, "-m", "torch.distributed.run", *args]
     if background:
-        return subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, start_new_session=True)
+        return subprocess.Popen(
+            cmd,
+            cwd=ROOT,
+            env=full_env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
     return subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -82,9 +89,18 @@ def test_two_workers_of_torchrun_train_one_ddp_world_with_the_launchers_counts(n
     # NCCL's environment is set before the group forms (torchrun's is formed first, on its attempt's keys), and a
     # user's dump path under torch's older name is the one both names carry; the probe records it as the group forms
     mine = tmp_path / "my-traces" / "rank_"
-    agent = torchrun("--standalone", "--nproc-per-node=2", "-m", "src.train", *FAST, "test=false",
-                     "+callbacks.probe._target_=tests.faults.RecordGroupEnv", f"+callbacks.probe.folder={tmp_path}",
-                     background=True, env={"TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(mine)})
+    agent = torchrun(
+        "--standalone",
+        "--nproc-per-node=2",
+        "-m",
+        "src.train",
+        *FAST,
+        "test=false",
+        "+callbacks.probe._target_=tests.faults.RecordGroupEnv",
+        f"+callbacks.probe.folder={tmp_path}",
+        background=True,
+        env={"TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(mine)},
+    )
     result, listeners = watch_listeners(agent)
     assert result.returncode == 0, output(result)[-3000:]
     assert "world size 2 | strategy ddp | backend gloo" in result.stdout
@@ -110,21 +126,33 @@ def test_a_count_that_disagrees_with_torchrun_is_one_line_naming_both(new_run_di
     result = torchrun("--standalone", "--nproc-per-node=2", "-m", "src.train", *FAST, "trainer.devices=3")
     assert result.returncode != 0
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-    assert errors and set(errors) == {"error: trainer.devices=3 but torchrun started 2 process(es) on this node "
-                                      "(--nproc-per-node=2): leave trainer.devices out under torchrun, or make them "
-                                      "equal"}, result.stderr[-3000:]
+    assert errors and set(errors) == {
+        "error: trainer.devices=3 but torchrun started 2 process(es) on this node "
+        "(--nproc-per-node=2): leave trainer.devices out under torchrun, or make them "
+        "equal"
+    }, result.stderr[-3000:]
     assert str(ROOT / "src") not in output(result)  # no worker's traceback (torchrun adds its own report)
 
 
 def test_a_restart_resumes_in_the_same_run_dir_and_ends_at_the_uninterrupted_step(new_run_dirs):
     """docs/torchrun.md's restart run, a third of its length (3 epochs of 20 steps, not 60: the suite's time): a worker
     SIGKILLed after the first last.ckpt; torchrun restarts the group once."""
-    args = ["data=synthetic", "trainer.accelerator=cpu", "backend=gloo", "model.arch=resnet18", "data.batch_size=4",
-            "trainer.max_epochs=3", "trainer.limit_train_batches=20", "trainer.limit_val_batches=1", "test=false",
-            "callbacks.last_checkpoint.every_n_train_steps=5"]
+    args = [
+        "data=synthetic",
+        "trainer.accelerator=cpu",
+        "backend=gloo",
+        "model.arch=resnet18",
+        "data.batch_size=4",
+        "trainer.max_epochs=3",
+        "trainer.limit_train_batches=20",
+        "trainer.limit_val_batches=1",
+        "test=false",
+        "callbacks.last_checkpoint.every_n_train_steps=5",
+    ]
     started = time.monotonic()
-    agent = torchrun("--standalone", "--nproc-per-node=2", "--max-restarts=1", "-m", "src.train", *args,
-                     background=True)
+    agent = torchrun(
+        "--standalone", "--nproc-per-node=2", "--max-restarts=1", "-m", "src.train", *args, background=True
+    )
     try:
         run_dir = wait_for(lambda: next(iter(new_run_dirs()), None), 120, "run dir", agent)
         wait_for(lambda: (run_dir / "checkpoints" / "last.ckpt").exists(), 180, "last.ckpt", agent)
@@ -147,13 +175,25 @@ def test_a_restart_resumes_in_the_same_run_dir_and_ends_at_the_uninterrupted_ste
 def test_a_node_lost_leaves_the_other_to_finish_alone_with_the_same_global_batch(new_run_dirs, tmp_path):
     """Two agents, --nnodes=1:2; the second is SIGKILLed mid-run: its worker stops, the first finishes alone."""
     port, run_id = free_port(), f"elastic{os.getpid()}"
-    args = ["--nnodes=1:2", "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
-            f"--rdzv-id={run_id}", "--max-restarts=3",
-            # last call: the first agent waits 10 s for a second before it starts alone (a second agent joining later
-            # would be a scale-up, another test); keep-alive: a lost agent is noticed within 3 s
-            "--rdzv-conf=last_call_timeout=10,keep_alive_interval=1,keep_alive_max_attempt=3",
-            "-m", "src.train", *FAST, "data.num_train=400", "trainer.limit_train_batches=30", "trainer.max_epochs=2",
-            "callbacks.last_checkpoint.every_n_train_steps=3", "test=false"]
+    args = [
+        "--nnodes=1:2",
+        "--nproc-per-node=1",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{port}",
+        f"--rdzv-id={run_id}",
+        "--max-restarts=3",
+        # last call: the first agent waits 10 s for a second before it starts alone (a second agent joining later
+        # would be a scale-up, another test); keep-alive: a lost agent is noticed within 3 s
+        "--rdzv-conf=last_call_timeout=10,keep_alive_interval=1,keep_alive_max_attempt=3",
+        "-m",
+        "src.train",
+        *FAST,
+        "data.num_train=400",
+        "trainer.limit_train_batches=30",
+        "trainer.max_epochs=2",
+        "callbacks.last_checkpoint.every_n_train_steps=3",
+        "test=false",
+    ]
     first = torchrun(*args, background=True)
     # the agent that binds --rdzv-endpoint hosts the rendezvous, and the rendezvous must stay: the first, which stays
     wait_for(lambda: listening(port), 60, "the first agent's rendezvous", first)
@@ -183,11 +223,25 @@ def test_a_node_that_joins_scales_the_run_up_keeping_the_global_batch(new_run_di
     which resumes from last.ckpt with half the per-process batch. (torch 2.14's agents deadlock on a scale-up
     that shares the rendezvous store with the workers: TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: docs/torchrun.md.)"""
     port, run_id = free_port(), f"scaleup{os.getpid()}"
-    args = ["--nnodes=1:2", "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
-            f"--rdzv-id={run_id}", "--max-restarts=3", "--monitor-interval=1",
-            "--rdzv-conf=last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=3",
-            "-m", "src.train", *FAST, "data.num_train=400", "data.batch_size=8", "trainer.limit_train_batches=30",
-            "trainer.max_epochs=2", "callbacks.last_checkpoint.every_n_train_steps=3", "test=false"]
+    args = [
+        "--nnodes=1:2",
+        "--nproc-per-node=1",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{port}",
+        f"--rdzv-id={run_id}",
+        "--max-restarts=3",
+        "--monitor-interval=1",
+        "--rdzv-conf=last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=3",
+        "-m",
+        "src.train",
+        *FAST,
+        "data.num_train=400",
+        "data.batch_size=8",
+        "trainer.limit_train_batches=30",
+        "trainer.max_epochs=2",
+        "callbacks.last_checkpoint.every_n_train_steps=3",
+        "test=false",
+    ]
     env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     first = torchrun(*args, background=True, env=env)
     second = None
@@ -210,12 +264,25 @@ def test_a_node_that_joins_scales_the_run_up_keeping_the_global_batch(new_run_di
 
 
 def test_workers_do_not_outlive_a_torchrun_agent_killed_with_sigkill(new_run_dirs):
-    agent = torchrun("--standalone", "--nproc-per-node=2", "-m", "src.train", *FAST, "data.num_train=2000",
-                     "trainer.limit_train_batches=null", "test=false", background=True)
+    agent = torchrun(
+        "--standalone",
+        "--nproc-per-node=2",
+        "-m",
+        "src.train",
+        *FAST,
+        "data.num_train=2000",
+        "trainer.limit_train_batches=null",
+        "test=false",
+        background=True,
+    )
     try:
         run_dir = wait_for(lambda: next(iter(new_run_dirs()), None), 120, "run dir", agent)
-        wait_for(lambda: (run_dir / "train.log").exists() and "Run:" in (run_dir / "train.log").read_text(), 120,
-                 "training", agent)
+        wait_for(
+            lambda: (run_dir / "train.log").exists() and "Run:" in (run_dir / "train.log").read_text(),
+            120,
+            "training",
+            agent,
+        )
         pids = list(workers(agent.pid).values())
         assert len(pids) == 2
         agent.kill()
@@ -238,15 +305,22 @@ def under_torchrun(monkeypatch):
     """This process as worker RANK of a torchrun run: ``world`` processes, ``local`` of them per node."""
 
     def set_env(world: int, local: int, rank: int = 0) -> None:
-        for key, value in {"TORCHELASTIC_RUN_ID": "unit", "WORLD_SIZE": world, "LOCAL_WORLD_SIZE": local,
-                           "RANK": rank, "TORCHELASTIC_RESTART_COUNT": 0, "TORCHELASTIC_MAX_RESTARTS": 3}.items():
+        for key, value in {
+            "TORCHELASTIC_RUN_ID": "unit",
+            "WORLD_SIZE": world,
+            "LOCAL_WORLD_SIZE": local,
+            "RANK": rank,
+            "TORCHELASTIC_RESTART_COUNT": 0,
+            "TORCHELASTIC_MAX_RESTARTS": 3,
+        }.items():
             monkeypatch.setenv(key, str(value))
 
     return set_env
 
 
 def adopted(tmp_path, *overrides: str):
-    """The config as a torchrun worker's task sees it (src/cli/entry.py: the agent's counts, then every attempt resumes)."""
+    """The config as a torchrun worker's task sees it (src/cli/entry.py: the agent's counts, then every attempt
+    resumes)."""
     from src.launch.run_dir import resume_own_run_dir
     from src.launch.torchrun import adopt
     from tests.test_config import make_cfg
@@ -268,12 +342,18 @@ def test_counts_left_out_become_torchruns_and_a_run_resumes_from_its_dir(under_t
     assert adopted(tmp_path, "ckpt_path=/from/here.ckpt").ckpt_path == "auto"  # the run's own last.ckpt now
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["trainer.num_nodes=1"], "trainer.num_nodes=1 but torchrun formed a group of 2 node(s) (WORLD_SIZE=8 / "
-                              "LOCAL_WORLD_SIZE=4): leave trainer.num_nodes out under torchrun"),
-    (["trainer.devices='0,1'"], "trainer.devices=0,1 but torchrun started 4 process(es) on this node"),
-    (["strategy=ddp_spawn"], "strategy=ddp_spawn starts processes of its own, but torchrun has started them"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            ["trainer.num_nodes=1"],
+            "trainer.num_nodes=1 but torchrun formed a group of 2 node(s) (WORLD_SIZE=8 / "
+            "LOCAL_WORLD_SIZE=4): leave trainer.num_nodes out under torchrun",
+        ),
+        (["trainer.devices='0,1'"], "trainer.devices=0,1 but torchrun started 4 process(es) on this node"),
+        (["strategy=ddp_spawn"], "strategy=ddp_spawn starts processes of its own, but torchrun has started them"),
+    ],
+)
 def test_a_config_that_disagrees_with_torchrun_is_one_error(under_torchrun, tmp_path, overrides, message):
     from src.core.errors import UserError
 
@@ -289,9 +369,11 @@ def test_a_global_batch_the_new_world_cannot_divide_becomes_the_nearest_and_says
 
     data = SimpleNamespace(batch_size=5)
     saved = {"saved_by": {"world_size": 2, "batch_size": 5, "accumulate": 1}}
-    assert keep_global_batch(saved, data, 3, 1) == ("world size 2 -> 3: global batch 10 cannot be split over 3 "
-                                                    "process(es): it is now 9 (data.batch_size 5 -> 3 per process); "
-                                                    "the learning rate and its schedule follow the global batch")
+    assert keep_global_batch(saved, data, 3, 1) == (
+        "world size 2 -> 3: global batch 10 cannot be split over 3 "
+        "process(es): it is now 9 (data.batch_size 5 -> 3 per process); "
+        "the learning rate and its schedule follow the global batch"
+    )
     assert data.batch_size == 3
     same = SimpleNamespace(batch_size=5)
     assert keep_global_batch(saved, same, 2, 1) is None and same.batch_size == 5  # the same world: nothing to do

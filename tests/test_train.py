@@ -51,15 +51,23 @@ def only_last_ckpt(run_dir: Path) -> Path:
 @pytest.fixture(scope="module")
 def single_run(tmp_path_factory) -> Path:
     run_dir = tmp_path_factory.mktemp("single") / "run"
-    result = train(*FAST, "trainer.limit_train_batches=12", "trainer.max_epochs=2", "model.scheduler.warmup_epochs=1",
-                   f"hydra.run.dir={run_dir}")
+    result = train(
+        *FAST,
+        "trainer.limit_train_batches=12",
+        "trainer.max_epochs=2",
+        "model.scheduler.warmup_epochs=1",
+        f"hydra.run.dir={run_dir}",
+    )
     assert_ok(result)
     assert "Run: 1 node(s) x 1 device(s) = world size 1 | strategy single-device" in output(result)
     chosen = fast_path("cpu", "resnet18")  # what auto resolves to on this machine's CPU, and the run line says why
     assert f"| precision {chosen.label} (auto: {chosen.why}) |" in output(result)
     record = json.loads((run_dir / "throughput.json").read_text())
-    assert (record["precision"], record["channels_last"], record["arch"]) == (chosen.precision, chosen.channels_last,
-                                                                               "resnet18")
+    assert (record["precision"], record["channels_last"], record["arch"]) == (
+        chosen.precision,
+        chosen.channels_last,
+        "resnet18",
+    )
     return run_dir
 
 
@@ -89,20 +97,39 @@ def test_throughput_is_timed_in_windows_synchronised_only_at_their_edges(monkeyp
     """20 steps in 2 epochs, 2 warm-up steps, log every 4: the windows hold the 17 steps after the warm-up and
     after each epoch's first, no validation, and the device waits only where a window opens or closes."""
     syncs: list[tuple[str, int]] = []
-    monkeypatch.setattr(throughput, "synchronize", lambda device: syncs.append(
-        (inspect.stack()[2].function, trainer.global_step)))  # the hook that asked, and the step
+    monkeypatch.setattr(
+        throughput, "synchronize", lambda device: syncs.append((inspect.stack()[2].function, trainer.global_step))
+    )  # the hook that asked, and the step
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(20, 4)), batch_size=2)
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=2, log_every_n_steps=4, limit_val_batches=1,
-                        logger=L.pytorch.loggers.CSVLogger(tmp_path, name="", version=""), enable_progress_bar=False,
-                        enable_model_summary=False, plugins=[AtomicCheckpointIO()], default_root_dir=tmp_path,
-                        callbacks=[ThroughputRecorder(warmup_steps=2), LastCheckpoint(tmp_path, every_n_minutes=0)])
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=2,
+        log_every_n_steps=4,
+        limit_val_batches=1,
+        logger=L.pytorch.loggers.CSVLogger(tmp_path, name="", version=""),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        plugins=[AtomicCheckpointIO()],
+        default_root_dir=tmp_path,
+        callbacks=[ThroughputRecorder(warmup_steps=2), LastCheckpoint(tmp_path, every_n_minutes=0)],
+    )
     trainer.fit(Sleepy(), train_dataloaders=data, val_dataloaders=data)
 
-    edges = [("on_train_batch_end", 2), ("on_train_batch_end", 4), ("on_train_batch_end", 8),
-             ("on_validation_start", 10), ("on_train_epoch_end", 10),
-             ("on_train_batch_end", 11), ("on_train_batch_end", 12), ("on_train_batch_end", 16),
-             ("on_train_batch_end", 20), ("on_validation_start", 20), ("on_train_epoch_end", 20),
-             ("on_train_end", 20)]
+    edges = [
+        ("on_train_batch_end", 2),
+        ("on_train_batch_end", 4),
+        ("on_train_batch_end", 8),
+        ("on_validation_start", 10),
+        ("on_train_epoch_end", 10),
+        ("on_train_batch_end", 11),
+        ("on_train_batch_end", 12),
+        ("on_train_batch_end", 16),
+        ("on_train_batch_end", 20),
+        ("on_validation_start", 20),
+        ("on_train_epoch_end", 20),
+        ("on_train_end", 20),
+    ]
     assert syncs == edges  # no step between them waits
     record = json.loads((tmp_path / "throughput.json").read_text())
     assert record["steps_measured"] == 17 and record["steps"] == 20 and record["epochs"] == 2
@@ -118,13 +145,19 @@ def test_throughput_is_timed_in_windows_synchronised_only_at_their_edges(monkeyp
 def test_the_device_waited_for_is_the_ranks_own_cuda_device_and_never_a_cpu(monkeypatch):
     waited: list[torch.device] = []
     monkeypatch.setattr(torch.cuda, "synchronize", waited.append)
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: type("Props", (), {
-        "uuid": f"GPU-0000000{index}-aaaa-bbbb-cccc-dddddddddddd"}))
+    monkeypatch.setattr(
+        torch.cuda,
+        "get_device_properties",
+        lambda index: type("Props", (), {"uuid": f"GPU-0000000{index}-aaaa-bbbb-cccc-dddddddddddd"}),
+    )
     throughput.synchronize(torch.device("cpu"))
     throughput.synchronize(torch.device("cuda", 1))
     assert waited == [torch.device("cuda", 1)]
     assert throughput.device_identity(torch.device("cuda", 1)) == {
-        "device": "cuda", "index": 1, "uuid": "GPU-00000001-aaaa-bbbb-cccc-dddddddddddd"}
+        "device": "cuda",
+        "index": 1,
+        "uuid": "GPU-00000001-aaaa-bbbb-cccc-dddddddddddd",
+    }
     assert throughput.device_identity(torch.device("cpu")) == {"device": "cpu"}
 
 
@@ -157,8 +190,13 @@ def test_tensorboard_holds_step_and_epoch_scalars_lr_throughput_and_hyperparamet
 
 
 def test_resume_from_last_continues_the_global_step(single_run, tmp_path):
-    result = train(*FAST, "trainer.limit_train_batches=12", "trainer.max_epochs=3",
-                   f"ckpt_path={single_run}/checkpoints/last.ckpt", f"hydra.run.dir={tmp_path}")
+    result = train(
+        *FAST,
+        "trainer.limit_train_batches=12",
+        "trainer.max_epochs=3",
+        f"ckpt_path={single_run}/checkpoints/last.ckpt",
+        f"hydra.run.dir={tmp_path}",
+    )
     assert_ok(result)
     assert "Restoring states from the checkpoint" in output(result)
     resumed = checkpoint(tmp_path / "checkpoints" / "last.ckpt")
@@ -167,8 +205,14 @@ def test_resume_from_last_continues_the_global_step(single_run, tmp_path):
 
 
 def test_eval_reports_test_loss_and_accuracy_of_a_checkpoint(single_run, tmp_path):
-    result = run_module("src.eval", "data=synthetic", "data.num_test=16", "trainer.accelerator=cpu",
-                        f"ckpt_path={single_run}/checkpoints/last.ckpt", f"hydra.run.dir={tmp_path}")
+    result = run_module(
+        "src.eval",
+        "data=synthetic",
+        "data.num_test=16",
+        "trainer.accelerator=cpu",
+        f"ckpt_path={single_run}/checkpoints/last.ckpt",
+        f"hydra.run.dir={tmp_path}",
+    )
     assert_ok(result)
     assert "test loss" in output(result) and "test accuracy" in output(result) and "resnet18" in output(result)
     metrics = json.loads((tmp_path / "test_metrics.json").read_text())
@@ -180,12 +224,24 @@ def test_two_processes_train_into_one_run_dir_and_rank_zero_writes_the_one_check
     run_dir = tmp_path / "run"
     # an epoch shorter than log_every_n_steps (Lightning's 50): no value per step, yet the epoch's loss is there
     logger = "many" if strategy == "ddp" else "tensorboard"  # many: TensorBoard and metrics.csv
-    result = train(*FAST, f"strategy={strategy}", "trainer.devices=2", "trainer.log_every_n_steps=50",
-                   f"logger={logger}", f"hydra.run.dir={run_dir}")
+    result = train(
+        *FAST,
+        f"strategy={strategy}",
+        "trainer.devices=2",
+        "trainer.log_every_n_steps=50",
+        f"logger={logger}",
+        f"hydra.run.dir={run_dir}",
+    )
     assert_ok(result)
     assert f"world size 2 | strategy {strategy} | backend gloo" in output(result)
-    for noise in ("`weights_only` was not set", "The `srun` command is available", "LeafSpec", "GPU available",
-                  "Initializing distributed", "Seed set to"):  # nothing a user can act on reaches the console
+    for noise in (
+        "`weights_only` was not set",
+        "The `srun` command is available",
+        "LeafSpec",
+        "GPU available",
+        "Initializing distributed",
+        "Seed set to",
+    ):  # nothing a user can act on reaches the console
         assert noise not in output(result), output(result)[-4000:]
     assert "Seed set to 42" in (run_dir / "train.log").read_text()  # ... the log file keeps Lightning's lines
     assert "global batch 8 (4 per process)" in output(result)
@@ -200,19 +256,32 @@ def test_two_processes_train_into_one_run_dir_and_rank_zero_writes_the_one_check
         assert (run_dir / "train_node0_local1.log").is_file()
         rows = list(csv.DictReader((run_dir / "metrics.csv").open()))  # only rank zero wrote it
         assert [float(r["train/loss_epoch"]) for r in rows if r.get("train/loss_epoch")] == pytest.approx(
-            [found["train/loss_epoch"][0].value])
+            [found["train/loss_epoch"][0].value]
+        )
 
 
 def test_the_port_the_launcher_picks_is_held_until_rank_zeros_store_listens_on_it(tmp_path):
     """From the moment local rank 1 is started with MASTER_PORT, no other process can bind that port (torch's own
     store binds with SO_REUSEADDR, as this probe does): picked and released, it stayed free while the ranks started."""
     # cold: a warm start's ranks are forks, whose /proc/PID/environ does not show what they were given
-    proc = train(*FAST, "strategy=ddp", "trainer.devices=2", f"hydra.run.dir={tmp_path}/run", background=True,
-                 env={"CIFAR10_DDP_COLD": "1"})
+    proc = train(
+        *FAST,
+        "strategy=ddp",
+        "trainer.devices=2",
+        f"hydra.run.dir={tmp_path}/run",
+        background=True,
+        env={"CIFAR10_DDP_COLD": "1"},
+    )
     port, deadline = None, time.monotonic() + 60
     while port is None and proc.poll() is None and time.monotonic() < deadline:
-        port = next((int(env["MASTER_PORT"]) for pid in descendants(proc.pid)
-                     if "MASTER_PORT" in (env := process_environ(pid) or {})), None)
+        port = next(
+            (
+                int(env["MASTER_PORT"])
+                for pid in descendants(proc.pid)
+                if "MASTER_PORT" in (env := process_environ(pid) or {})
+            ),
+            None,
+        )
     assert port is not None, "local rank 1 never started"
     with socket.socket() as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -247,8 +316,9 @@ def test_two_nodes_of_one_process_each_over_loopback(tmp_path):
 
 
 def test_the_real_cifar10_sample_trains(sample_root, tmp_path):
-    result = train(*FAST_RUN, "data=cifar10", f"data.root={sample_root}",
-                   "data.download=false", f"hydra.run.dir={tmp_path}")
+    result = train(
+        *FAST_RUN, "data=cifar10", f"data.root={sample_root}", "data.download=false", f"hydra.run.dir={tmp_path}"
+    )
     assert_ok(result)
     assert "not the canonical release" in output(result)
     only_last_ckpt(tmp_path)
@@ -265,11 +335,25 @@ def assert_user_error(result, *words: str, seconds: float | None = None) -> None
 def test_a_rank_whose_peers_never_arrive_fails_after_the_timeout_naming_the_rendezvous(tmp_path):
     port = free_port()
     start = time.monotonic()
-    result = train(*FAST, "strategy=ddp", "trainer.devices=1", "trainer.num_nodes=2", "strategy.timeout_s=5",
-                   f"hydra.run.dir={tmp_path}", env={"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                                                     "NODE_RANK": "0"}, timeout=120)
-    assert_user_error(result, f"MASTER_ADDR:MASTER_PORT=127.0.0.1:{port}", "NODE_RANK=0", "world size 2", "within 5 s",
-                      f"node 0's store listened on 127.0.0.1:{port}", "strategy.store_bind=all")
+    result = train(
+        *FAST,
+        "strategy=ddp",
+        "trainer.devices=1",
+        "trainer.num_nodes=2",
+        "strategy.timeout_s=5",
+        f"hydra.run.dir={tmp_path}",
+        env={"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "NODE_RANK": "0"},
+        timeout=120,
+    )
+    assert_user_error(
+        result,
+        f"MASTER_ADDR:MASTER_PORT=127.0.0.1:{port}",
+        "NODE_RANK=0",
+        "world size 2",
+        "within 5 s",
+        f"node 0's store listened on 127.0.0.1:{port}",
+        "strategy.store_bind=all",
+    )
     assert time.monotonic() - start < 60
 
 
@@ -298,8 +382,14 @@ def test_resume_with_ckpt_path_last_in_the_same_run_dir(single_run, tmp_path):
 
     run_dir = tmp_path / "run"
     shutil.copytree(single_run / "checkpoints", run_dir / "checkpoints")
-    result = train(*FAST, "trainer.limit_train_batches=12", "trainer.max_epochs=3", "ckpt_path=last", "test=false",
-                   f"hydra.run.dir={run_dir}")
+    result = train(
+        *FAST,
+        "trainer.limit_train_batches=12",
+        "trainer.max_epochs=3",
+        "ckpt_path=last",
+        "test=false",
+        f"hydra.run.dir={run_dir}",
+    )
     assert_ok(result)
     assert checkpoint(run_dir / "checkpoints" / "last.ckpt")["global_step"] == 36
 
@@ -307,7 +397,16 @@ def test_resume_with_ckpt_path_last_in_the_same_run_dir(single_run, tmp_path):
 def test_ddp_without_a_best_checkpoint_reads_the_epochs_values_on_every_rank_and_ends(tmp_path):
     # Only rank zero's progress bar shows the epoch's values; reading them reduces them across ranks. Nothing else
     # read them first once callbacks.model_checkpoint=null: rank zero waited in a collective the others never joined.
-    result = train(*FAST, "strategy=ddp", "trainer.devices=2", "trainer.max_epochs=2", "callbacks.model_checkpoint=null",
-                   "strategy.timeout_s=60", "test=false", f"hydra.run.dir={tmp_path}", timeout=240)
+    result = train(
+        *FAST,
+        "strategy=ddp",
+        "trainer.devices=2",
+        "trainer.max_epochs=2",
+        "callbacks.model_checkpoint=null",
+        "strategy.timeout_s=60",
+        "test=false",
+        f"hydra.run.dir={tmp_path}",
+        timeout=240,
+    )
     assert result.returncode == 0, output(result)[-3000:]
     assert "fit: 2 epochs" in output(result)

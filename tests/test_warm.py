@@ -27,8 +27,7 @@ def test_a_warm_start_prints_and_exits_as_the_cold_start_does():
 
 
 def test_a_warm_run_is_a_process_of_its_own_in_the_tests_process_group_and_its_ranks_are_its_children(tmp_path):
-    proc = train(*FAST, "strategy=ddp", "trainer.devices=2", "test=false", f"hydra.run.dir={tmp_path}",
-                 background=True)
+    proc = train(*FAST, "strategy=ddp", "trainer.devices=2", "test=false", f"hydra.run.dir={tmp_path}", background=True)
     assert isinstance(proc, warm.WarmProcess) and proc.pid != os.getpid()
     assert os.getpgid(proc.pid) == os.getpgrp()
     ranks = []

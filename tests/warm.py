@@ -33,11 +33,32 @@ from pathlib import Path
 from typing import Any, Sequence
 
 ROOT = Path(__file__).resolve().parents[1]
-HEAVY = ("numpy", "torch", "torchvision", "lightning.pytorch", "torchmetrics", "hydra", "omegaconf",
-         "torch.utils.tensorboard", "tensorboard.backend.event_processing.event_accumulator")
+HEAVY = (
+    "numpy",
+    "torch",
+    "torchvision",
+    "lightning.pytorch",
+    "torchmetrics",
+    "hydra",
+    "omegaconf",
+    "torch.utils.tensorboard",
+    "tensorboard.backend.event_processing.event_accumulator",
+)
 # read when Python, torch or its libraries load: a run that sets them differently must start cold
-IMPORT_TIME = ("OMP_", "MKL_", "KMP_", "GOMP_", "OPENBLAS_", "TORCH", "PYTORCH_", "LD_", "MALLOC_", "CUDA_",
-               "TRITON_", "PYTHON")
+IMPORT_TIME = (
+    "OMP_",
+    "MKL_",
+    "KMP_",
+    "GOMP_",
+    "OPENBLAS_",
+    "TORCH",
+    "PYTORCH_",
+    "LD_",
+    "MALLOC_",
+    "CUDA_",
+    "TRITON_",
+    "PYTHON",
+)
 # the parent runs unbuffered, as every test's run does; torch and Lightning set the others in the tests' own process
 # (a CUDA count, inductor's config) and read them when they run, not when they load
 KEEP = ("PYTHONUNBUFFERED", "PYTORCH_NVML_BASED_CUDA_CHECK", "TORCHINDUCTOR_CACHE_DIR")
@@ -49,6 +70,7 @@ def _import_time_env(env: dict[str, str]) -> dict[str, str]:
 
 
 # ---------------------------------------------------------------------------------------------------------- parent
+
 
 def serve(path: str) -> dict[str, Any]:
     """Import, listen, fork a child per request and report each child's exit status on its connection. Returns
@@ -234,9 +256,16 @@ class _SparePopen(subprocess.Popen):
         command = list(a["args"]) if not isinstance(a["args"], (str, bytes)) else None
         pipes = [a[k] for k in ("p2cread", "p2cwrite", "c2pread", "c2pwrite", "errread", "errwrite")]
         env = dict(a["env"] if a["env"] is not None else os.environ)
-        usable = (_SPARES and command and command[:2] == [sys.executable, "-m"] and command[2].startswith("src.")
-                  and all(p == -1 for p in pipes) and not a["start_new_session"] and a["preexec_fn"] is None
-                  and _import_time_env(env) == _import_time_env(dict(os.environ)))
+        usable = (
+            _SPARES
+            and command
+            and command[:2] == [sys.executable, "-m"]
+            and command[2].startswith("src.")
+            and all(p == -1 for p in pipes)
+            and not a["start_new_session"]
+            and a["preexec_fn"] is None
+            and _import_time_env(env) == _import_time_env(dict(os.environ))
+        )
         if not usable:
             return super()._execute_child(*args)
         pid, write = _SPARES.pop(0)
@@ -283,18 +312,27 @@ class _ParentPopen(subprocess.Popen):
         a = dict(zip(_EXECUTE_CHILD, args))
         command = list(a["args"]) if not isinstance(a["args"], (str, bytes)) else []
         env = dict(a["env"] if a["env"] is not None else os.environ)
-        usable = (_SOCKET and len(command) > 2 and command[:2] == [sys.executable, "-m"]
-                  and command[2].startswith("src.") and a["executable"] is None and not a["shell"]
-                  and a["preexec_fn"] is None and not a["pass_fds"]
-                  and _comparable(env) == _comparable(dict(os.environ)))
+        usable = (
+            _SOCKET
+            and len(command) > 2
+            and command[:2] == [sys.executable, "-m"]
+            and command[2].startswith("src.")
+            and a["executable"] is None
+            and not a["shell"]
+            and a["preexec_fn"] is None
+            and not a["pass_fds"]
+            and _comparable(env) == _comparable(dict(os.environ))
+        )
         if not usable:
             return super()._execute_child(*args)
         group = a.get("process_group", -1)
         pgid = os.getpgrp() if group is None or group < 0 else group  # 0: a group of its own, as Popen makes it
-        fds = [a["p2cread"] if a["p2cread"] != -1 else 0, a["c2pwrite"] if a["c2pwrite"] != -1 else 1,
-               a["errwrite"] if a["errwrite"] != -1 else 2]
-        self._conn = _request(command, env, a["cwd"] or os.getcwd(), bool(a["start_new_session"]), pgid, fds,
-                              _SOCKET)
+        fds = [
+            a["p2cread"] if a["p2cread"] != -1 else 0,
+            a["c2pwrite"] if a["c2pwrite"] != -1 else 1,
+            a["errwrite"] if a["errwrite"] != -1 else 2,
+        ]
+        self._conn = _request(command, env, a["cwd"] or os.getcwd(), bool(a["start_new_session"]), pgid, fds, _SOCKET)
         self._status = b""
         self._close_pipe_fds(*(a[k] for k in ("p2cread", "p2cwrite", "c2pread", "c2pwrite", "errread", "errwrite")))
         while not self._status.endswith(b"\n"):
@@ -338,11 +376,13 @@ def _socket_path() -> str:
     if "path" not in _parent:
         folder = tempfile.mkdtemp(prefix="warm-")
         path = os.path.join(folder, "parent.sock")
-        env = {k: v for k, v in _SESSION_ENV.items()
-               if k not in ("RANK", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+        env = {
+            k: v
+            for k, v in _SESSION_ENV.items()
+            if k not in ("RANK", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+        }
         env["PYTHONUNBUFFERED"] = "1"
-        proc = subprocess.Popen([sys.executable, "-m", "tests.warm", path], cwd=ROOT, env=env,
-                                stdin=subprocess.DEVNULL)
+        proc = subprocess.Popen([sys.executable, "-m", "tests.warm", path], cwd=ROOT, env=env, stdin=subprocess.DEVNULL)
         _parent.update(path=path, proc=proc, env=env, folder=folder)
         atexit.register(_stop_parent)
     path, proc = _parent["path"], _parent["proc"]
@@ -385,12 +425,19 @@ def startable(cmd: Sequence[str]) -> bool:
     return cmd[1].endswith(".py") and Path(ROOT, cmd[1]).resolve().parent == ROOT / "benchmarks"
 
 
-def _request(cmd: Sequence[str], env: dict[str, str], cwd: Any, new_session: bool, pgid: int, fds: list[int],
-             path: str) -> socket.socket:
+def _request(
+    cmd: Sequence[str], env: dict[str, str], cwd: Any, new_session: bool, pgid: int, fds: list[int], path: str
+) -> socket.socket:
     """Ask the parent at ``path`` to start ``cmd`` with stdio ``fds``; the connection its pid and status come on."""
     module = cmd[2] if cmd[1] == "-m" else ""
-    request = {"argv": list(cmd[1:]), "env": env, "cwd": str(cwd), "new_session": new_session, "pgid": pgid,
-               "spares": local_ranks(cmd[3:]) if module in ("src.train", "src.eval") else 0}
+    request = {
+        "argv": list(cmd[1:]),
+        "env": env,
+        "cwd": str(cwd),
+        "new_session": new_session,
+        "pgid": pgid,
+        "spares": local_ranks(cmd[3:]) if module in ("src.train", "src.eval") else 0,
+    }
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     conn.connect(path)
     socket.send_fds(conn, [json.dumps(request).encode()], fds)
@@ -419,8 +466,16 @@ class WarmProcess:
     """What ``subprocess.Popen`` gives, for a child of the warm parent: pid, pipes, poll, wait, communicate,
     signals. Its exit status comes from the parent, which reaps it."""
 
-    def __init__(self, cmd: Sequence[str], env: dict[str, str], cwd: str | os.PathLike, stdout: Any, stderr: Any,
-                 text: bool, start_new_session: bool) -> None:
+    def __init__(
+        self,
+        cmd: Sequence[str],
+        env: dict[str, str],
+        cwd: str | os.PathLike,
+        stdout: Any,
+        stderr: Any,
+        text: bool,
+        start_new_session: bool,
+    ) -> None:
         self.args = list(cmd)
         self.returncode: int | None = None
         self.stdin = None
@@ -434,8 +489,7 @@ class WarmProcess:
             err_fd = out_fd
         else:
             err_fd = w_err if w_err is not None else (stderr.fileno() if hasattr(stderr, "fileno") else 2)
-        self._conn = _request(self.args, env, cwd, start_new_session, os.getpgrp(), [0, out_fd, err_fd],
-                              _socket_path())
+        self._conn = _request(self.args, env, cwd, start_new_session, os.getpgrp(), [0, out_fd, err_fd], _socket_path())
         for fd in (w_out, w_err):
             if fd is not None:
                 os.close(fd)
@@ -481,8 +535,11 @@ class WarmProcess:
         deadline = None if timeout is None else time.monotonic() + timeout
         if not hasattr(self, "_read"):
             self._read = {"out": [], "err": []}
-        streams = {s.fileno(): (key, s) for key, s in (("out", self.stdout), ("err", self.stderr))
-                   if s is not None and not s.closed}
+        streams = {
+            s.fileno(): (key, s)
+            for key, s in (("out", self.stdout), ("err", self.stderr))
+            if s is not None and not s.closed
+        }
         while streams:
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
@@ -532,17 +589,27 @@ class WarmProcess:
         self.wait()
 
 
-def popen(cmd: Sequence[str], *, env: dict[str, str], cwd: str | os.PathLike, stdout: Any = None,
-          stderr: Any = None, text: bool = True, start_new_session: bool = False) -> Any:
+def popen(
+    cmd: Sequence[str],
+    *,
+    env: dict[str, str],
+    cwd: str | os.PathLike,
+    stdout: Any = None,
+    stderr: Any = None,
+    text: bool = True,
+    start_new_session: bool = False,
+) -> Any:
     """``subprocess.Popen(cmd, ...)``, warm where that cannot differ (see the module's docstring)."""
     if warm_possible(cmd, env):
         return WarmProcess(cmd, env, cwd, stdout, stderr, text, start_new_session)
-    return subprocess.Popen(list(cmd), cwd=cwd, env=env, stdout=stdout, stderr=stderr, text=text,
-                            start_new_session=start_new_session)
+    return subprocess.Popen(
+        list(cmd), cwd=cwd, env=env, stdout=stdout, stderr=stderr, text=text, start_new_session=start_new_session
+    )
 
 
-def run(cmd: Sequence[str], *, env: dict[str, str], cwd: str | os.PathLike, timeout: float | None = None
-        ) -> subprocess.CompletedProcess:
+def run(
+    cmd: Sequence[str], *, env: dict[str, str], cwd: str | os.PathLike, timeout: float | None = None
+) -> subprocess.CompletedProcess:
     """``subprocess.run(cmd, capture_output=True, text=True, timeout=...)``, warm where possible. At the timeout
     the process is killed and TimeoutExpired raised, as subprocess.run does."""
     proc = popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)

@@ -64,8 +64,9 @@ class GracefulStop(L.Callback):
 
     def __init__(self, period: int = 1) -> None:
         if isinstance(period, bool) or not isinstance(period, int) or not 1 <= period <= MAX_PERIOD:
-            raise UserError(f"callbacks.graceful_stop.period={period} must be a whole number of batches from 1 to "
-                            f"{MAX_PERIOD}")
+            raise UserError(
+                f"callbacks.graceful_stop.period={period} must be a whole number of batches from 1 to {MAX_PERIOD}"
+            )
         self._signum: int | None = None
         self._group: Any = None
         self._pending: tuple[torch.Tensor, Any, int] | None = None  # flags, their all-reduce, saves when sent
@@ -146,13 +147,18 @@ class GracefulStop(L.Callback):
                 said = f"{path} is the previous one (step {step})"
             else:
                 said = f"{path}, if there is one, is the previous one"
-            print(f"interrupted again (Ctrl-C): quit at once; {said}; resume with hydra.run.dir={path.parent.parent} "
-                  "ckpt_path=last", file=sys.stderr, flush=True)
+            print(
+                f"interrupted again (Ctrl-C): quit at once; {said}; resume with hydra.run.dir={path.parent.parent} "
+                "ckpt_path=last",
+                file=sys.stderr,
+                flush=True,
+            )
         supervision.stop_processes(supervision.STARTED, grace_s=2.0)
         os._exit(128 + signal.SIGINT)
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         if not self._agreement_batch():
             return
         stop, due = self._agreed(self._last)
@@ -167,16 +173,28 @@ class GracefulStop(L.Callback):
         path = self._save(trainer)
         self._saved_stop = True
         if self._signal_or_sigterm() == signal.SIGINT:
-            raise Terminated(signal.SIGINT, f"interrupted (Ctrl-C) at step {trainer.global_step} of epoch "
-                             f"{trainer.current_epoch}; {path} written; resume with hydra.run.dir={path.parent.parent} "
-                             "ckpt_path=last")
-        then = ("torchrun's next attempt resumes from there" if torchrun.active()
-                else f"resume with ckpt_path={path}")
-        raise Terminated(self._signal_or_sigterm(), f"{self._name()} after step {trainer.global_step}: every rank stopped "
-                         f"there and {path} holds that step; {then}")
+            raise Terminated(
+                signal.SIGINT,
+                f"interrupted (Ctrl-C) at step {trainer.global_step} of epoch "
+                f"{trainer.current_epoch}; {path} written; resume with hydra.run.dir={path.parent.parent} "
+                "ckpt_path=last",
+            )
+        then = "torchrun's next attempt resumes from there" if torchrun.active() else f"resume with ckpt_path={path}"
+        raise Terminated(
+            self._signal_or_sigterm(),
+            f"{self._name()} after step {trainer.global_step}: every rank stopped "
+            f"there and {path} holds that step; {then}",
+        )
 
-    def on_test_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
-                          batch_idx: int, dataloader_idx: int = 0) -> None:
+    def on_test_batch_end(
+        self,
+        trainer: L.Trainer,
+        pl_module: L.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
         if batch_idx + 1 < self._shared_batches and not self._agreement_batch():
             return
         stop, _ = self._agreed(None)
@@ -185,8 +203,10 @@ class GracefulStop(L.Callback):
         if stop:
             self._saved_stop = True
             what = "interrupted (Ctrl-C)" if self._signal_or_sigterm() == signal.SIGINT else self._name()
-            raise Terminated(self._signal_or_sigterm(), f"{what} during the test pass; "
-                             "training had finished and its checkpoints are complete")
+            raise Terminated(
+                self._signal_or_sigterm(),
+                f"{what} during the test pass; training had finished and its checkpoints are complete",
+            )
 
     def _agreement_batch(self) -> bool:
         """Whether this batch end reads the last agreement and sends the next: every ``_period``-th one (every one

@@ -21,15 +21,18 @@ class ProgressBar(RichProgressBar):
     them anyway: at the log steps (``trainer.log_every_n_steps``) and at the epoch's end.
     """
 
-    def __init__(self, min_interval_s: float = 0.5, step_values: Sequence[str] = ("train/loss",), **kwargs: Any) -> None:
+    def __init__(
+        self, min_interval_s: float = 0.5, step_values: Sequence[str] = ("train/loss",), **kwargs: Any
+    ) -> None:
         super().__init__(**kwargs)
         self.min_interval_s, self.step_values = min_interval_s, tuple(step_values)
         self._drawn_at = 0.0
         # a line another thread prints while the bar is drawn (a failure's error: line) starts on a line of its own
         # (a weak reference: the bar refers to its trainer, and a sweep's next job must not keep the last one's)
         bar = weakref.ref(self)
-        supervision.OPEN_LINES[:] = [lambda: (b := bar()) is not None and b.progress is not None
-                                     and not b._progress_stopped]
+        supervision.OPEN_LINES[:] = [
+            lambda: (b := bar()) is not None and b.progress is not None and not b._progress_stopped
+        ]
 
     def get_metrics(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, Any]:
         """Lightning's values (logged with prog_bar=True), and ``step_values``: per-step values logged without it,
@@ -49,8 +52,9 @@ class ProgressBar(RichProgressBar):
         _ = trainer.progress_bar_metrics
         super().on_train_epoch_end(trainer, pl_module)
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         now = time.monotonic()
         if now - self._drawn_at < self.min_interval_s and batch_idx + 1 < self.total_train_batches:
             return

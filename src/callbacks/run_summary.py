@@ -71,6 +71,9 @@ class RunSummary(L.Callback):
             f"{f' x {accumulate} accumulated' if accumulate > 1 else ''}"
             f"{f'; {why}' if (why := getattr(trainer.datamodule, 'batch_size_why', None)) else ''})"
             + (f" | peak lr {peak_lr(trainer):.4g}" if trainer.optimizers else "")
-            + (f" | {workers}" if (describe := getattr(trainer.datamodule, "describe_workers", None))
-               and (workers := describe()) else "")
+            + (
+                f" | {workers}"
+                if (describe := getattr(trainer.datamodule, "describe_workers", None)) and (workers := describe())
+                else ""
+            )
         )

@@ -66,17 +66,22 @@ def _gather(obj: Any) -> list[Any]:
 
 def closing_line(record: dict[str, Any]) -> str:
     """'fit: 30 epochs, 10,530 steps in 812 s (16,620 img/s); checkpoints: 31 saved in 9.8 s, 1.2% of the time'."""
+
     def seconds(s: float) -> str:
         return f"{s:.1f} s" if s < 10 else f"{s:,.0f} s"
 
     rate = record["samples_per_second"]
-    line = (f"fit: {record['epochs']} epoch{'s' * (record['epochs'] != 1)}, {record['steps']:,} "
-            f"step{'s' * (record['steps'] != 1)} in {seconds(record['fit_time_s'])}")
+    line = (
+        f"fit: {record['epochs']} epoch{'s' * (record['epochs'] != 1)}, {record['steps']:,} "
+        f"step{'s' * (record['steps'] != 1)} in {seconds(record['fit_time_s'])}"
+    )
     if not math.isnan(rate):
         line += f" ({rate:,.0f} img/s)" if rate >= 100 else f" ({rate:.1f} img/s)"
     if record["checkpoints_saved"] is not None:
-        line += (f"; checkpoints: {record['checkpoints_saved']} saved in {seconds(record['checkpoint_save_s'])}, "
-                 f"{record['checkpoint_share']:.1%} of the time")
+        line += (
+            f"; checkpoints: {record['checkpoints_saved']} saved in {seconds(record['checkpoint_save_s'])}, "
+            f"{record['checkpoint_share']:.1%} of the time"
+        )
     return line
 
 
@@ -119,13 +124,15 @@ class ThroughputRecorder(L.Callback):
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._epoch_start = time.perf_counter()
 
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
-                             batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         if self._first_step_at is None:
             self._first_step_at = time.time()  # wall clock: launch overhead is measured from the command's start
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         self._batches += 1
         self._batch_size = batch[0].size(0)
         if self._batches < self._warmup:
@@ -151,8 +158,14 @@ class ThroughputRecorder(L.Callback):
         now = self._synchronised_now()
         if self._window is not None:
             self._close(trainer, now)
-        self._ranks = _gather({"pid": os.getpid(), "host": socket.gethostname(),
-                               "peak_memory_mb": _peak_memory_mb(self._device), **device_identity(self._device)})
+        self._ranks = _gather(
+            {
+                "pid": os.getpid(),
+                "host": socket.gethostname(),
+                "peak_memory_mb": _peak_memory_mb(self._device),
+                **device_identity(self._device),
+            }
+        )
 
     def _synchronised_now(self) -> float:
         synchronize(self._device)
@@ -170,8 +183,13 @@ class ThroughputRecorder(L.Callback):
         if log_rate:
             per_device = batches * self._batch_size / seconds
             for logger in trainer.loggers:  # plain floats, straight to the loggers: no device tensor, no sync
-                logger.log_metrics({"train/device/samples_per_sec": per_device,
-                                    "train/samples_per_sec": per_device * trainer.world_size}, step=trainer.global_step)
+                logger.log_metrics(
+                    {
+                        "train/device/samples_per_sec": per_device,
+                        "train/samples_per_sec": per_device * trainer.world_size,
+                    },
+                    step=trainer.global_step,
+                )
 
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # here, not at the end of training: LastCheckpoint may write last.ckpt in on_train_end, after this callback

@@ -25,8 +25,14 @@ class TrialPruning(L.Callback):
     run ends as failed, and it needs a Trial object on every rank.)
     """
 
-    def __init__(self, storage: str | None, study_name: str | None, trial: int | None, pruner: Any = None,
-                 monitor: str = "val/acc") -> None:
+    def __init__(
+        self,
+        storage: str | None,
+        study_name: str | None,
+        trial: int | None,
+        pruner: Any = None,
+        monitor: str = "val/acc",
+    ) -> None:
         self.storage, self.study_name, self.trial, self.monitor = storage, study_name, trial, monitor
         self.pruner = pruner  # an optuna pruner: a study loaded from storage would otherwise get the default one
         self.pruned_at: int | None = None
@@ -48,8 +54,13 @@ class TrialPruning(L.Callback):
             trainer.should_stop = True
             self.pruned_at = trainer.current_epoch
             if trainer.is_global_zero:
-                log.info("trial %s pruned after epoch %d (%s %.4f): the study's pruner stopped it", self.trial,
-                         trainer.current_epoch, self.monitor, float(trainer.callback_metrics[self.monitor]))
+                log.info(
+                    "trial %s pruned after epoch %d (%s %.4f): the study's pruner stopped it",
+                    self.trial,
+                    trainer.current_epoch,
+                    self.monitor,
+                    float(trainer.callback_metrics[self.monitor]),
+                )
 
     def _study_trial(self) -> Any:
         if self._trial is None:

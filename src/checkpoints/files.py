@@ -34,13 +34,13 @@ _TMP_MARK = ".tmp-"
 class AtomicCheckpointIO(TorchCheckpointIO):
     """Writes ``name.ckpt`` as a hidden temp file beside it, fsyncs, then renames it over the final name.
 
-    Lightning's own save goes through a temp file in the system temp dir, then a move: across filesystems
-    (node-local /tmp, tmpfs) that move is a copy into the final name, which a kill leaves half written.
-    A rename within one directory is atomic: the final name holds the old file or the new, never a part.
-    ``last.ckpt``'s previous generation becomes ``last.prev.ckpt``, deleted just before the next ``last.ckpt``
-    is written: between writes it takes one checkpoint's worth of disk more. A write the filesystem refuses (full, read-only, a
-    folder removed under the run) leaves no temp file and raises one StorageError saying what is intact.
-    ``saved`` and ``save_s`` count this process's writes (rank zero's: only it writes) and the seconds they took.
+    Lightning's own save goes through a temp file in the system temp dir, then a move: across filesystems (node-local
+    /tmp, tmpfs) that move is a copy into the final name, which a kill leaves half written. A rename within one
+    directory is atomic: the final name holds the old file or the new, never a part. ``last.ckpt``'s previous generation
+    becomes ``last.prev.ckpt``, deleted just before the next ``last.ckpt`` is written: between writes it takes one
+    checkpoint's worth of disk more. A write the filesystem refuses (full, read-only, a folder removed under the run)
+    leaves no temp file and raises one StorageError saying what is intact. ``saved`` and ``save_s`` count this process's
+    writes (rank zero's: only it writes) and the seconds they took.
     """
 
     def __init__(self) -> None:
@@ -112,16 +112,19 @@ def refused_write(err: OSError, target: Path | None, checkpoints: Path | None, n
         gone = folder
         while not gone.parent.is_dir() and gone.parent != gone:
             gone = gone.parent
-        return (f"{gone} vanished during the run (it was removed while the run was writing {target.name}): "
-                "its checkpoints and logs went with it; restore it and resume with ckpt_path=last, or start again")
+        return (
+            f"{gone} vanished during the run (it was removed while the run was writing {target.name}): "
+            "its checkpoints and logs went with it; restore it and resume with ckpt_path=last, or start again"
+        )
     step = _step_of(checkpoints / LAST) if checkpoints is not None else None
     previous = "the previous " if target.name == LAST else ""
     intact = f"{previous}{LAST} (step {step}) is intact" if step is not None else f"there is no intact {LAST} yet"
     if err.errno in (errno.ENOSPC, errno.EDQUOT):
         free = _megabytes(shutil.disk_usage(folder).free) if folder.is_dir() else "?"
         sizes = f"{_megabytes(needed)} MB needed, {free} MB free" if needed else f"{free} MB free"
-        return (f"no space left on device writing {target} ({sizes}): {intact}; free space and resume with "
-                "ckpt_path=last")
+        return (
+            f"no space left on device writing {target} ({sizes}): {intact}; free space and resume with ckpt_path=last"
+        )
     return f"cannot write {target} ({err.strerror}): {intact}; make {folder} writable and resume with ckpt_path=last"
 
 
@@ -180,11 +183,14 @@ def read_checkpoint(path: str | Path, key: str = "ckpt_path", trusted: bool = Fa
         with open(path, "rb") as f:
             intact = zipfile.is_zipfile(f)  # torch.save writes a zip archive: a cut-off one lacks its directory
     except OSError as err:
-        raise UnreadableCheckpoint(f"{key}={path} cannot be read ({err.strerror}): fix its permissions, or pass "
-                                   "another checkpoint") from err
+        raise UnreadableCheckpoint(
+            f"{key}={path} cannot be read ({err.strerror}): fix its permissions, or pass another checkpoint"
+        ) from err
     if not intact:
-        raise UnreadableCheckpoint(f"{key}={path} is not a checkpoint: truncated, corrupt or in another format (not "
-                                   "the zip archive torch.save writes); pass an intact .ckpt written by src.train")
+        raise UnreadableCheckpoint(
+            f"{key}={path} is not a checkpoint: truncated, corrupt or in another format (not "
+            "the zip archive torch.save writes); pass an intact .ckpt written by src.train"
+        )
     try:
         return torch.load(path, map_location="cpu", weights_only=not trusted, mmap=True)  # mmap: no tensor is read yet
     except pickle.UnpicklingError as err:
@@ -195,6 +201,7 @@ def read_checkpoint(path: str | Path, key: str = "ckpt_path", trusted: bool = Fa
             ) from err
         raise UnreadableCheckpoint(f"{key}={path} is not a readable checkpoint (corrupt or truncated: {err})") from err
     except (RuntimeError, EOFError, OSError, zipfile.BadZipFile, ValueError) as err:
-        raise UnreadableCheckpoint(f"{key}={path} is not a readable checkpoint (corrupt or truncated: "
-                                   f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})") from err
-
+        raise UnreadableCheckpoint(
+            f"{key}={path} is not a readable checkpoint (corrupt or truncated: "
+            f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})"
+        ) from err

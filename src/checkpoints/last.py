@@ -34,12 +34,16 @@ class LastCheckpoint(Checkpoint):
 
     def __init__(self, dirpath: str, every_n_minutes: float = 10, every_n_train_steps: int = 0) -> None:
         if not isinstance(every_n_train_steps, int) or isinstance(every_n_train_steps, bool) or every_n_train_steps < 0:
-            raise UserError(f"callbacks.last_checkpoint.every_n_train_steps={every_n_train_steps} must be a whole "
-                            "number >= 0 (0: by time only)")
+            raise UserError(
+                f"callbacks.last_checkpoint.every_n_train_steps={every_n_train_steps} must be a whole "
+                "number >= 0 (0: by time only)"
+            )
         minutes = every_n_minutes
         if isinstance(minutes, bool) or not isinstance(minutes, (int, float)) or not minutes >= 0:  # NaN too
-            raise UserError(f"callbacks.last_checkpoint.every_n_minutes={every_n_minutes} must be a number >= 0 "
-                            "(0: at every epoch end)")
+            raise UserError(
+                f"callbacks.last_checkpoint.every_n_minutes={every_n_minutes} must be a number >= 0 "
+                "(0: at every epoch end)"
+            )
         self.dirpath, self.every_n_minutes = Path(dirpath), every_n_minutes
         self.every_n_train_steps = every_n_train_steps
         self.saves = 0  # this fit's; the same on every rank, as every save is
@@ -61,8 +65,9 @@ class LastCheckpoint(Checkpoint):
         """Whether ``every_n_minutes`` have passed on this rank's clock since the last save (or the start)."""
         return self.every_n_minutes > 0 and time.monotonic() - self._since >= self.every_n_minutes * 60
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         n = self.every_n_train_steps
         if (n and trainer.global_step % n == 0) or (trainer.world_size == 1 and self.due()):
             self.save(trainer)
@@ -95,13 +100,18 @@ class LastCheckpoint(Checkpoint):
         self._since = time.monotonic()
 
     def state_dict(self) -> dict[str, Any]:
-        return {"dirpath": str(self.dirpath), "every_n_minutes": self.every_n_minutes,
-                "every_n_train_steps": self.every_n_train_steps}
+        return {
+            "dirpath": str(self.dirpath),
+            "every_n_minutes": self.every_n_minutes,
+            "every_n_train_steps": self.every_n_train_steps,
+        }
 
 
 def _last_epoch(trainer: L.Trainer) -> bool:
     """Whether fit stops after this epoch (its limits, or a stop asked for: early stopping, a pruned trial)."""
     loop = trainer.fit_loop
-    return (trainer.should_stop or _is_max_limit_reached(trainer.global_step, loop.max_steps)
-            or _is_max_limit_reached(loop.epoch_progress.current.processed, loop.max_epochs))
-
+    return (
+        trainer.should_stop
+        or _is_max_limit_reached(trainer.global_step, loop.max_steps)
+        or _is_max_limit_reached(loop.epoch_progress.current.processed, loop.max_epochs)
+    )

@@ -48,20 +48,24 @@ def resume_from(ckpt_path: str | None, run_dir: str, trusted: bool = False) -> t
     if intact:
         path, checkpoint = max(intact, key=lambda found: found[1].get("global_step", -1))
         if last.exists():
-            _warn(f"{last} cannot be read ({_reason(unreadable)}): resuming from {path} (step "
-                  f"{checkpoint.get('global_step')}), the newest intact checkpoint of the run dir")
+            _warn(
+                f"{last} cannot be read ({_reason(unreadable)}): resuming from {path} (step "
+                f"{checkpoint.get('global_step')}), the newest intact checkpoint of the run dir"
+            )
         return str(path), checkpoint
     if ckpt_path == "auto" and not last.exists():
         return None, None
     if not last.exists():
-        raise UserError(f"ckpt_path=last but {last} does not exist: pass the run dir that holds it "
-                        "(hydra.run.dir=DIR) or the checkpoint's path (ckpt_path=PATH)")
+        raise UserError(
+            f"ckpt_path=last but {last} does not exist: pass the run dir that holds it "
+            "(hydra.run.dir=DIR) or the checkpoint's path (ckpt_path=PATH)"
+        )
     raise unreadable
 
 
 def _reason(err: UserError) -> str:
     text = str(err)
-    return text[text.find("(") + 1:text.find(")")] if "(" in text and ")" in text else "corrupt"
+    return text[text.find("(") + 1 : text.find(")")] if "(" in text and ")" in text else "corrupt"
 
 
 def _warn(message: str) -> None:
@@ -73,12 +77,15 @@ def _warn(message: str) -> None:
         print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
-def check_compatible(checkpoint: dict[str, Any], path: str | Path, model_hparams: dict[str, Any],
-                     key: str = "ckpt_path") -> None:
+def check_compatible(
+    checkpoint: dict[str, Any], path: str | Path, model_hparams: dict[str, Any], key: str = "ckpt_path"
+) -> None:
     """A checkpoint of another network (arch, stem, classes) cannot be resumed: say which key differs."""
     if "state_dict" not in checkpoint or "pytorch-lightning_version" not in checkpoint:
-        raise UserError(f"{key}={path} is not a checkpoint of this project's model (no hyper_parameters, state_dict "
-                        "or pytorch-lightning_version): pass a .ckpt written by src.train")
+        raise UserError(
+            f"{key}={path} is not a checkpoint of this project's model (no hyper_parameters, state_dict "
+            "or pytorch-lightning_version): pass a .ckpt written by src.train"
+        )
     saved = model_hparams_of(checkpoint, path, key)
     for name in ("arch", "stem", "num_classes"):
         if name in saved and saved[name] != model_hparams.get(name):
@@ -95,8 +102,16 @@ _SCALARS = (bool, int, float, str)
 
 
 _NESTED = {
-    "optimizer": {"lr", "momentum", "nesterov", "weight_decay", "decay_norm_and_bias", "lr_scaling",
-                  "reference_batch_size", "fused"},
+    "optimizer": {
+        "lr",
+        "momentum",
+        "nesterov",
+        "weight_decay",
+        "decay_norm_and_bias",
+        "lr_scaling",
+        "reference_batch_size",
+        "fused",
+    },
     "scheduler": {"warmup_epochs", "warmup_start_factor", "decay", "min_lr_factor"},
 }
 
@@ -111,8 +126,10 @@ def model_from(checkpoint: dict[str, Any], path: str | Path):  # noqa: ANN201 - 
         model = ImageClassifier(**{**model_hparams_of(checkpoint, path), "compile": False})
         model.load_state_dict(checkpoint["state_dict"])
     except (KeyError, TypeError, RuntimeError) as err:
-        raise UserError(f"ckpt_path={path} is not a checkpoint of this project's model "
-                        f"({type(err).__name__}: {str(err).splitlines()[0]})") from err
+        raise UserError(
+            f"ckpt_path={path} is not a checkpoint of this project's model "
+            f"({type(err).__name__}: {str(err).splitlines()[0]})"
+        ) from err
     return model
 
 
@@ -126,18 +143,23 @@ def model_hparams_of(checkpoint: dict[str, Any], path: str | Path, key: str = "c
 
     saved = checkpoint.get("hyper_parameters")
     if not isinstance(saved, dict):
-        raise UserError(f"{key}={path} is not a checkpoint of this project's model (no hyper_parameters, state_dict "
-                        "or pytorch-lightning_version): pass a .ckpt written by src.train")
+        raise UserError(
+            f"{key}={path} is not a checkpoint of this project's model (no hyper_parameters, state_dict "
+            "or pytorch-lightning_version): pass a .ckpt written by src.train"
+        )
     known = set(inspect.signature(ImageClassifier.__init__).parameters) - {"self"}
 
     def refuse(name: str, why: str) -> UserError:
-        return UserError(f"{key}={path} holds hyperparameter {name} {why}: it is not a checkpoint src.train wrote, "
-                         "or was altered; pass another checkpoint")
+        return UserError(
+            f"{key}={path} holds hyperparameter {name} {why}: it is not a checkpoint src.train wrote, "
+            "or was altered; pass another checkpoint"
+        )
 
     for name, value in saved.items():
         if name not in known:
-            raise refuse(repr(name)[:80], f"which this project's model does not have (it has "
-                                          f"{', '.join(sorted(known))})")
+            raise refuse(
+                repr(name)[:80], f"which this project's model does not have (it has {', '.join(sorted(known))})"
+            )
         if name in _NESTED:
             if not isinstance(value, dict):
                 raise refuse(name, f"= {type(value).__name__}, not a mapping")
@@ -157,4 +179,3 @@ def model_hparams_of(checkpoint: dict[str, Any], path: str | Path, key: str = "c
     if isinstance(num_classes, bool) or not isinstance(num_classes, int) or not 1 <= num_classes <= 1_000_000:
         raise refuse(f"num_classes={str(num_classes)[:80]!r}", "that is not a class count")
     return saved
-

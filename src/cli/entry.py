@@ -120,8 +120,9 @@ def check_group_choices() -> None:
             continue
         options = loader.get_group_options(group)
         if option not in options:
-            raise UserError(f"{group}={option} is not an option of config group {group}: "
-                            f"choose one of {', '.join(options)}")
+            raise UserError(
+                f"{group}={option} is not an option of config group {group}: choose one of {', '.join(options)}"
+            )
 
 
 def check_extras(cfg: Any) -> None:
@@ -132,8 +133,10 @@ def check_extras(cfg: Any) -> None:
     if cfg.get("search") is not None:  # conf/hparams_search/optuna.yaml
         needs.append(("hparams_search=optuna", "optuna"))
         if cfg.search.get("trial") is None:  # not a trial the sweeper started: the -m is missing
-            raise UserError("hparams_search=optuna searches as a multirun: add -m "
-                            "(python -m src.train -m hparams_search=optuna ...)")
+            raise UserError(
+                "hparams_search=optuna searches as a multirun: add -m "
+                "(python -m src.train -m hparams_search=optuna ...)"
+            )
     for what, package in needs:
         require(package, package, what)
     if ranks.is_launch_rank_zero():  # only rank zero logs: only its way to the servers matters
@@ -158,5 +161,3 @@ def _resolve_all(cfg: Any) -> None:
 
     if isinstance(cfg, DictConfig):
         OmegaConf.to_container(cfg, resolve=True)
-
-

@@ -44,14 +44,19 @@ class _NoAdvertising(logging.Filter):
 
 
 def _is_console(handler: logging.Handler) -> bool:
-    return (isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler)
-            and getattr(handler, "stream", None) in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__))
+    return (
+        isinstance(handler, logging.StreamHandler)
+        and not isinstance(handler, logging.FileHandler)
+        and getattr(handler, "stream", None) in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__)
+    )
 
 
 def quiet_console() -> None:
     """Put ``ConsoleFilter`` on every console handler (Hydra's, or Lightning's own in a process without Hydra)."""
-    loggers = [logging.getLogger(), *(logging.getLogger(n) for n in ("lightning", "lightning.pytorch",
-                                                                      "lightning.fabric"))]
+    loggers = [
+        logging.getLogger(),
+        *(logging.getLogger(n) for n in ("lightning", "lightning.pytorch", "lightning.fabric")),
+    ]
     for handler in (h for lg in loggers for h in lg.handlers if _is_console(h)):
         if not any(isinstance(f, ConsoleFilter) for f in handler.filters):
             handler.addFilter(ConsoleFilter())
@@ -76,7 +81,9 @@ def quiet_resume(ckpt_path: str | None, resumable_position: bool) -> None:
         return
     warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
     if resumable_position:
-        warnings.filterwarnings("ignore", message=r"You're resuming from a checkpoint that ended before the epoch ended")
+        warnings.filterwarnings(
+            "ignore", message=r"You're resuming from a checkpoint that ended before the epoch ended"
+        )
 
 
 def spawned_rank_console() -> None:
@@ -92,4 +99,3 @@ def spawned_rank_console() -> None:
             project.addHandler(handler)
             project.setLevel(logging.INFO)
     quiet_console()
-

@@ -1,7 +1,7 @@
 """Errors a user can cause, and the words that tell them what to change: the bottom of the project's imports.
 
-This module imports nothing of the project. How an entry point ends on an error (one line, the other ranks
-stopped, the exit status) is src/cli/entry.py's; how the processes of a run stop together is src/resilience/supervision.py's.
+This module imports nothing of the project. How a run ends on an error (one line, the other ranks stopped, the exit
+status) is src/resilience/failure.py's; how the processes of a run stop together is src/resilience/supervision.py's.
 """
 
 from __future__ import annotations
@@ -56,8 +56,10 @@ def storage_error_in(err: BaseException | None) -> OSError | None:
 
 def unwritable_run_dir(err: OSError) -> str:
     """What to say when the run dir cannot be created or written before the run starts."""
-    return (f"cannot write the run dir: {err.filename}: {err.strerror}: pass hydra.run.dir=DIR "
-            "(hydra.sweep.dir=DIR with -m) somewhere you can write, or fix its permissions")
+    return (
+        f"cannot write the run dir: {err.filename}: {err.strerror}: pass hydra.run.dir=DIR "
+        "(hydra.sweep.dir=DIR with -m) somewhere you can write, or fix its permissions"
+    )
 
 
 def require(package: str, extra: str, what: str) -> None:
@@ -69,8 +71,10 @@ def require(package: str, extra: str, what: str) -> None:
     except (ImportError, ValueError):  # a broken or half-removed install
         found = False
     if not found:
-        raise UserError(f'{what} needs the {package} package, which is not installed: pip install -e ".[{extra}]" '
-                        f"(or pip install {package})")
+        raise UserError(
+            f'{what} needs the {package} package, which is not installed: pip install -e ".[{extra}]" '
+            f"(or pip install {package})"
+        )
 
 
 def user_error_in(err: BaseException | None) -> BaseException | None:
@@ -83,24 +87,31 @@ def user_error_in(err: BaseException | None) -> BaseException | None:
             return err
         if _is_interpolation_error(err):  # data.batch_size='${nope}', or a resolver that fails
             key = getattr(err, "full_key", None) or "an interpolation"
-            return UserError(f"{key}: {str(err).splitlines()[0]}: fix or remove the ${{...}} in its value "
-                             f"(`python -m {_entry_module()} --cfg job --resolve` shows every resolved value)")
+            return UserError(
+                f"{key}: {str(err).splitlines()[0]}: fix or remove the ${{...}} in its value "
+                f"(`python -m {_entry_module()} --cfg job --resolve` shows every resolved value)"
+            )
         op = _NOT_DETERMINISTIC.match(str(err)) if isinstance(err, RuntimeError) else None
         if op:
-            return UserError(f"{op.group(1)} has no deterministic implementation, and trainer.deterministic=true "
-                             "allows no other: pass trainer.deterministic=warn to run it anyway with a warning "
-                             "(Lightning's mode), or trainer.deterministic=false")
+            return UserError(
+                f"{op.group(1)} has no deterministic implementation, and trainer.deterministic=true "
+                "allows no other: pass trainer.deterministic=warn to run it anyway with a warning "
+                "(Lightning's mode), or trainer.deterministic=false"
+            )
         call = _TARGET_CALL.search(str(err))
         if call:
             target, kind, detail, node = call.groups()
             unknown = re.search(r"unexpected keyword argument '(\w+)'", detail)
             if kind.endswith("Error") and unknown:  # +model.foo=1: the class the node builds has no such argument
-                return UserError(f"{node}.{unknown.group(1)} is not an argument of {target}: remove it, or check its "
-                                 f"spelling (`python -m {_entry_module()} --cfg job` lists the keys)")
+                return UserError(
+                    f"{node}.{unknown.group(1)} is not an argument of {target}: remove it, or check its "
+                    f"spelling (`python -m {_entry_module()} --cfg job` lists the keys)"
+                )
             quoted = len(detail) >= 2 and detail[0] in "'\"" and detail[-1] in "'\""
             if kind == "ValueError" and quoted:  # trainer.precision=15: the class rejected one of the node's values
-                return UserError(f"{node}: {detail[1:-1].strip()} (raised by {target}): "
-                                 f"change the offending {node}.* value")
+                return UserError(
+                    f"{node}: {detail[1:-1].strip()} (raised by {target}): change the offending {node}.* value"
+                )
         seen.add(id(err))
         err = err.__cause__ or err.__context__
     return None
@@ -112,11 +123,17 @@ _TARGET_CALL = re.compile(r"^Error in call to target '([^']+)':\n(\w+)\((.*)\)\n
 
 
 # torch's words for an op without a deterministic kernel under torch.use_deterministic_algorithms(True)
-_NOT_DETERMINISTIC = re.compile(r"^(\S+) does not have a deterministic implementation, but you set "
-                                r"'torch\.use_deterministic_algorithms\(True\)'")
+_NOT_DETERMINISTIC = re.compile(
+    r"^(\S+) does not have a deterministic implementation, but you set "
+    r"'torch\.use_deterministic_algorithms\(True\)'"
+)
 # what cuBLAS and cuDNN say when their workspace cannot be allocated: out of memory as much as the allocator's error
-_OUT_OF_MEMORY_WORDS = ("CUDA out of memory", "CUDA error: out of memory", "CUBLAS_STATUS_ALLOC_FAILED",
-                        "CUDNN_STATUS_ALLOC_FAILED")
+_OUT_OF_MEMORY_WORDS = (
+    "CUDA out of memory",
+    "CUDA error: out of memory",
+    "CUBLAS_STATUS_ALLOC_FAILED",
+    "CUDNN_STATUS_ALLOC_FAILED",
+)
 
 
 def out_of_memory_in(err: BaseException | None) -> BaseException | None:
@@ -126,7 +143,8 @@ def out_of_memory_in(err: BaseException | None) -> BaseException | None:
     seen = set()
     while torch is not None and err is not None and id(err) not in seen:
         if isinstance(err, torch.OutOfMemoryError) or (
-                isinstance(err, RuntimeError) and any(words in str(err) for words in _OUT_OF_MEMORY_WORDS)):
+            isinstance(err, RuntimeError) and any(words in str(err) for words in _OUT_OF_MEMORY_WORDS)
+        ):
             return err
         seen.add(id(err))
         err = err.__cause__ or err.__context__
@@ -163,9 +181,11 @@ def hydra_error_message(err: Exception, task_started: bool = False) -> str | Non
     if cause is not None:
         return str(cause)
     if isinstance(err, OverrideParseException):
-        return (f"cannot parse the override {err.override}: {err.message.splitlines()[0]}; write key=value, and quote a "
-                "value with brackets, commas or spaces (key='[1,2]'); grammar: "
-                "https://hydra.cc/docs/advanced/override_grammar/basic/")
+        return (
+            f"cannot parse the override {err.override}: {err.message.splitlines()[0]}; write key=value, and quote a "
+            "value with brackets, commas or spaces (key='[1,2]'); grammar: "
+            "https://hydra.cc/docs/advanced/override_grammar/basic/"
+        )
     if isinstance(err, MissingConfigException) and err.options is not None and err.missing_cfg_file:
         group, _, option = err.missing_cfg_file.rpartition("/")
         return f"{group}={option} is not an option of config group {group}: choose one of {', '.join(err.options)}"
@@ -189,14 +209,18 @@ def _unknown_key_message(err: Exception) -> str | None:
     if not isinstance(parent, DictConfig) or not isinstance(key, str) or not full_key or suggested is None:
         return None
     override = suggested.group(1)
-    prefix, rest = full_key[: -len(key)], override.split("=", 1)[0][len(full_key):]
+    prefix, rest = full_key[: -len(key)], override.split("=", 1)[0][len(full_key) :]
     close = [prefix + name + rest for name in difflib.get_close_matches(key, [str(k) for k in parent.keys()], n=2)]
     name = override.split("=", 1)[0]
     if close:
-        return (f"{name} is not a key of the config: did you mean {' or '.join(close)}? "
-                f"(a key the config lacks on purpose is added with +{override})")
-    return (f"{name} is not a key of the config (`python -m {_entry_module()} --cfg job` lists them); "
-            f"a key the config lacks on purpose is added with +{override}")
+        return (
+            f"{name} is not a key of the config: did you mean {' or '.join(close)}? "
+            f"(a key the config lacks on purpose is added with +{override})"
+        )
+    return (
+        f"{name} is not a key of the config (`python -m {_entry_module()} --cfg job` lists them); "
+        f"a key the config lacks on purpose is added with +{override}"
+    )
 
 
 def _entry_module() -> str:

@@ -46,9 +46,13 @@ class _NumpyOnlyUnpickler(pickle.Unpickler):
     """The batches are pickles; load only what a numpy array needs, never arbitrary code."""
 
     ALLOWED = {
-        ("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
-        ("numpy.core.multiarray", "scalar"), ("numpy._core.multiarray", "scalar"),
-        ("numpy", "ndarray"), ("numpy", "dtype"), ("_codecs", "encode"),
+        ("numpy.core.multiarray", "_reconstruct"),
+        ("numpy._core.multiarray", "_reconstruct"),
+        ("numpy.core.multiarray", "scalar"),
+        ("numpy._core.multiarray", "scalar"),
+        ("numpy", "ndarray"),
+        ("numpy", "dtype"),
+        ("_codecs", "encode"),
     }
 
     def find_class(self, module: str, name: str):  # noqa: ANN201 - pickle's signature
@@ -70,7 +74,9 @@ def read_batch(path: Path) -> tuple[torch.Tensor, torch.Tensor]:
         if labels.min() < 0 or labels.max() > 9:
             raise ValueError("labels outside 0-9")
     except PermissionError as err:
-        raise UserError(f"cannot read {path}: {err.strerror}; fix its permissions or point data.root elsewhere") from err
+        raise UserError(
+            f"cannot read {path}: {err.strerror}; fix its permissions or point data.root elsewhere"
+        ) from err
     except (OSError, EOFError, pickle.UnpicklingError, ValueError, KeyError, TypeError, AttributeError) as err:
         raise UserError(
             f"{path} is truncated or corrupt ({type(err).__name__}: {err}); delete {path.parent} and let "
@@ -127,8 +133,10 @@ class CIFAR10DataModule(InMemoryImageDataModule):
             if is_launch_rank_zero():  # one process checks the files: the others could only repeat what it says
                 self._verify()
         except PermissionError as err:
-            raise UserError(f"data.root={self.root} cannot be read ({err.strerror}: {err.filename}): fix its "
-                            "permissions (chmod -R a+rX), or point data.root at a copy you can read") from err
+            raise UserError(
+                f"data.root={self.root} cannot be read ({err.strerror}: {err.filename}): fix its "
+                "permissions (chmod -R a+rX), or point data.root at a copy you can read"
+            ) from err
         self._checked = True
 
     def _download_once(self) -> None:
@@ -143,11 +151,16 @@ class CIFAR10DataModule(InMemoryImageDataModule):
                 alone = True
             except OSError as err:
                 if err.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
-                    raise UserError(f"CIFAR-10 is not under data.root={self.root}, which is not writable "
-                                    f"({err.strerror}): choose another data.root, or put the release's {FOLDER} "
-                                    "folder there") from err
-                log.warning("cannot lock %s (%s): downloading without it (other processes may download too)",
-                            self.root / DOWNLOAD_LOCK, err.strerror)  # a filesystem without locks
+                    raise UserError(
+                        f"CIFAR-10 is not under data.root={self.root}, which is not writable "
+                        f"({err.strerror}): choose another data.root, or put the release's {FOLDER} "
+                        "folder there"
+                    ) from err
+                log.warning(
+                    "cannot lock %s (%s): downloading without it (other processes may download too)",
+                    self.root / DOWNLOAD_LOCK,
+                    err.strerror,
+                )  # a filesystem without locks
                 alone = False
             if self.folder.is_dir():
                 return  # another process downloaded it
@@ -159,8 +172,16 @@ class CIFAR10DataModule(InMemoryImageDataModule):
             try:
                 self._download()
             except UserError as err:
-                write_json(record, {"line": str(err), "host": socket.gethostname(), "pid": os.getpid(),
-                                    "run": _this_run(), "at": time.time()})
+                write_json(
+                    record,
+                    {
+                        "line": str(err),
+                        "host": socket.gethostname(),
+                        "pid": os.getpid(),
+                        "run": _this_run(),
+                        "at": time.time(),
+                    },
+                )
                 raise
             record.unlink(missing_ok=True)
 
@@ -175,9 +196,11 @@ class CIFAR10DataModule(InMemoryImageDataModule):
             download_url(self.download_url, str(staging), CIFAR10.filename)
             md5 = md5sum(staging / CIFAR10.filename)
             if md5 != ARCHIVE_MD5:
-                raise UserError(f"the file downloaded from {self.download_url} is not CIFAR-10's release (MD5 {md5}, "
-                                f"the release's is {ARCHIVE_MD5}): point data.download_url at the release or a "
-                                f"mirror of it, or put the release's {FOLDER} folder under data.root={self.root}")
+                raise UserError(
+                    f"the file downloaded from {self.download_url} is not CIFAR-10's release (MD5 {md5}, "
+                    f"the release's is {ARCHIVE_MD5}): point data.download_url at the release or a "
+                    f"mirror of it, or put the release's {FOLDER} folder under data.root={self.root}"
+                )
             extract_archive(str(staging / CIFAR10.filename), str(staging))
             try:
                 os.replace(staging / FOLDER, self.folder)
@@ -185,8 +208,9 @@ class CIFAR10DataModule(InMemoryImageDataModule):
                 if not self.folder.is_dir():  # else another process's download, without a lock, was first: the same
                     raise
         except PermissionError as err:
-            raise UserError(f"data.root={self.root} is not writable ({err.strerror}): choose another data.root"
-                            ) from err
+            raise UserError(
+                f"data.root={self.root} is not writable ({err.strerror}): choose another data.root"
+            ) from err
         except UserError:
             raise
         except Exception as err:  # noqa: BLE001 - any failure to fetch means the same thing to the user
@@ -202,16 +226,21 @@ class CIFAR10DataModule(InMemoryImageDataModule):
     def _verify(self) -> None:
         missing = [name for name in RELEASE_MD5 if not (self.folder / name).is_file()]
         if missing:
-            raise UserError(f"{self.folder} lacks {', '.join(missing)}: restore them, or delete the folder and "
-                            "let data.download=true fetch the release again")
+            raise UserError(
+                f"{self.folder} lacks {', '.join(missing)}: restore them, or delete the folder and "
+                "let data.download=true fetch the release again"
+            )
         differing = [name for name, md5 in RELEASE_MD5.items() if md5sum(self.folder / name) != md5]
         for name in differing:  # not the release's bytes: read them now, so a truncated file fails before DDP starts
             if name != CIFAR10.meta["filename"]:
                 read_batch(self.folder / name)
         if differing:
-            log.warning("data.root=%s is in the CIFAR-10 format but is not the canonical release (%s differ from "
-                        "its checksums): loading it anyway; figures from it are not CIFAR-10 results",
-                        self.root, ", ".join(differing))
+            log.warning(
+                "data.root=%s is in the CIFAR-10 format but is not the canonical release (%s differ from "
+                "its checksums): loading it anyway; figures from it are not CIFAR-10 results",
+                self.root,
+                ", ".join(differing),
+            )
         else:
             log.info("CIFAR-10 release verified under %s", self.folder)
 

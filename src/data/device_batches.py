@@ -21,8 +21,9 @@ import torch
 import torch.nn.functional as F
 
 
-def shard_indices(n: int, rank: int, world_size: int, epoch: int, seed: int, shuffle: bool, skip: int = 0,
-                  pad: bool = True) -> torch.Tensor:
+def shard_indices(
+    n: int, rank: int, world_size: int, epoch: int, seed: int, shuffle: bool, skip: int = 0, pad: bool = True
+) -> torch.Tensor:
     """The indices ``DistributedSampler(n, world_size, rank, shuffle, seed)`` yields in ``epoch``, as a tensor;
     with ``pad=False`` those of ``UnrepeatedDistributedSampler``: no image repeated to even out the shards.
 
@@ -34,7 +35,7 @@ def shard_indices(n: int, rank: int, world_size: int, epoch: int, seed: int, shu
         order = torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch))
     else:
         order = torch.arange(n)
-    order = order[min(skip, n):]
+    order = order[min(skip, n) :]
     if len(order) == 0:
         return order
     if not pad:
@@ -66,10 +67,25 @@ class DeviceBatches:
     a prefix of the order (the shards interleave it), so a world of another size goes on with the rest.
     """
 
-    def __init__(self, images: torch.Tensor, labels: torch.Tensor, batch_size: int, *, device: torch.device,
-                 rank: int = 0, world_size: int = 1, seed: int = 0, shuffle: bool = False, drop_last: bool = False,
-                 augment: bool = False, pad_shards: bool = True, padding: int = 4, mean: tuple[float, ...] = (0.0, 0.0, 0.0),
-                 std: tuple[float, ...] = (1.0, 1.0, 1.0), epoch_of: Callable[[], int] = lambda: 0) -> None:
+    def __init__(
+        self,
+        images: torch.Tensor,
+        labels: torch.Tensor,
+        batch_size: int,
+        *,
+        device: torch.device,
+        rank: int = 0,
+        world_size: int = 1,
+        seed: int = 0,
+        shuffle: bool = False,
+        drop_last: bool = False,
+        augment: bool = False,
+        pad_shards: bool = True,
+        padding: int = 4,
+        mean: tuple[float, ...] = (0.0, 0.0, 0.0),
+        std: tuple[float, ...] = (1.0, 1.0, 1.0),
+        epoch_of: Callable[[], int] = lambda: 0,
+    ) -> None:
         self.batch_size, self.rank, self.world_size, self.seed = batch_size, rank, world_size, seed
         self.shuffle, self.drop_last, self.augment, self.padding = shuffle, drop_last, augment, padding
         self.epoch_of, self.device, self.pad_shards = epoch_of, device, pad_shards
@@ -83,8 +99,9 @@ class DeviceBatches:
         mean, std = torch.tensor(mean), torch.tensor(std)
         self.scale = (1.0 / (255.0 * std)).to(device)  # (x / 255 - mean) / std == x * scale + shift
         self.shift = (-mean / std).to(device)
-        self.per_rank = (math.ceil(self.num_images / world_size) if pad_shards
-                         else len(range(rank, self.num_images, world_size)))
+        self.per_rank = (
+            math.ceil(self.num_images / world_size) if pad_shards else len(range(rank, self.num_images, world_size))
+        )
         self.epoch, self.consumed, self.base = -1, 0, 0
         self._resume_at: dict[str, int] | None = None
 
@@ -101,21 +118,26 @@ class DeviceBatches:
         if at is not None and at["epoch"] == epoch:
             base, start = self._continue_from(at)
         self.epoch, self.consumed, self.base = epoch, start, base
-        indices = shard_indices(self.num_images, self.rank, self.world_size, epoch, self.seed, self.shuffle,
-                                skip=base, pad=self.pad_shards).to(self.device)
+        indices = shard_indices(
+            self.num_images, self.rank, self.world_size, epoch, self.seed, self.shuffle, skip=base, pad=self.pad_shards
+        ).to(self.device)
         params = None
         if self.augment:
             params = crop_and_flip_params(self.num_images, epoch, self.seed, self.padding).to(self.device)
         took_over_at = base // (self.batch_size * self.world_size)  # the trainer's count when this world took over
         # this world's own batches of the rest of the order, numbered from 0, up to the epoch's length in batches
         for b in range(start - took_over_at, min(self._batches(len(indices)), len(self) - took_over_at)):
-            batch = indices[b * self.batch_size:(b + 1) * self.batch_size]
+            batch = indices[b * self.batch_size : (b + 1) * self.batch_size]
             yield self._gather(batch, params), self.labels[batch]
 
     def _continue_from(self, at: dict[str, int]) -> tuple[int, int]:
         """(base, first batch count) for resuming at ``at``: the same batches at the same world size and batch;
         else the images not yet trained on, split over this world (the global batch count goes on)."""
-        world, batch, base = at.get("world_size", self.world_size), at.get("batch_size", self.batch_size), at.get("base", 0)
+        world, batch, base = (
+            at.get("world_size", self.world_size),
+            at.get("batch_size", self.batch_size),
+            at.get("base", 0),
+        )
         if (world, batch) == (self.world_size, self.batch_size):
             return base, at["consumed"]
         trained = base + (at["consumed"] - base // (batch * world)) * batch * world  # the class's invariant
@@ -142,8 +164,13 @@ class DeviceBatches:
     def position(self) -> dict[str, int]:
         """Epoch, batches trained on in it (the trainer's count), and what they mean: the world size and batch
         they were cut for, and the images trained on before this world took over (``base``)."""
-        return {"epoch": self.epoch, "consumed": self.consumed, "world_size": self.world_size,
-                "batch_size": self.batch_size, "base": self.base}
+        return {
+            "epoch": self.epoch,
+            "consumed": self.consumed,
+            "world_size": self.world_size,
+            "batch_size": self.batch_size,
+            "base": self.base,
+        }
 
     def resume_from(self, position: dict[str, int]) -> None:
         """Make the next pass over ``position["epoch"]`` continue after what ``position`` says was trained on."""

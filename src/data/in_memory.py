@@ -47,8 +47,11 @@ class FirstEpochOrder(L.Callback):
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         loop = trainer.fit_loop
         loaders = loop._combined_loader.flattened if loop._combined_loader is not None else []
-        if any(isinstance(getattr(dl, "sampler", None), EpochOfTrainer)
-               and dl.sampler.epoch != loop.epoch_progress.current.processed for dl in loaders):
+        if any(
+            isinstance(getattr(dl, "sampler", None), EpochOfTrainer)
+            and dl.sampler.epoch != loop.epoch_progress.current.processed
+            for dl in loaders
+        ):
             iter(loop._data_fetcher)  # draws again, the epoch read now
 
 
@@ -76,26 +79,32 @@ def eval_transform() -> v2.Compose:
     return v2.Compose([v2.ToDtype(torch.float32, scale=True), v2.Normalize(CIFAR10_MEAN, CIFAR10_STD)])
 
 
-def shard_problems(world: int, batch_size: Any, train: int | None = None, val: int | None = None,
-                   test: int | None = None) -> list[str]:
+def shard_problems(
+    world: int, batch_size: Any, train: int | None = None, val: int | None = None, test: int | None = None
+) -> list[str]:
     """What ``world`` processes cannot do with the split (the counts given): at least one training step per epoch
     (batches are whole; shards padded to equal length), and at least one validation and one test image per process
     (those shards are not padded: a rank without a batch would skip the metrics' reduction)."""
     problems = []
     per_rank = None if train is None else -(-train // world)
     if per_rank is not None and isinstance(batch_size, int) and per_rank < batch_size:
-        problems.append(f"{train} training images over {world} processes are {per_rank} per process, fewer than "
-                        f"data.batch_size={batch_size}: not one training step per epoch (batches are whole); use "
-                        f"data.batch_size={per_rank} or less, fewer processes, or more training images")
+        problems.append(
+            f"{train} training images over {world} processes are {per_rank} per process, fewer than "
+            f"data.batch_size={batch_size}: not one training step per epoch (batches are whole); use "
+            f"data.batch_size={per_rank} or less, fewer processes, or more training images"
+        )
     for count, what, key in ((val, "validation", "data.val_size"), (test, "test", "the test set")):
         if count is not None and count < world:
-            problems.append(f"{count} {what} images for {world} processes: every process needs at least one; "
-                            f"enlarge {key} or use fewer processes")
+            problems.append(
+                f"{count} {what} images for {world} processes: every process needs at least one; "
+                f"enlarge {key} or use fewer processes"
+            )
     return problems
 
 
-def check_shards(world: int, batch_size: Any, train: int | None = None, val: int | None = None,
-                 test: int | None = None) -> None:
+def check_shards(
+    world: int, batch_size: Any, train: int | None = None, val: int | None = None, test: int | None = None
+) -> None:
     """:func:`shard_problems`' first, as a UserError: every rank checks before any trains."""
     problems = shard_problems(world, batch_size, train, val, test)
     if problems:
@@ -112,13 +121,24 @@ class InMemoryImageDataModule(L.LightningDataModule):
     their shards are not padded with repeated images, so ranks may differ by one batch.
     """
 
-    def __init__(self, batch_size: int | str = 128, num_workers: int | str = "auto", val_size: float = 0.1,
-                 augment: bool = True, seed: int = 0, pin_memory: bool | str = "auto", num_classes: int = 10,
-                 pipeline: str = "auto", max_batch_size: int = 1024) -> None:
+    def __init__(
+        self,
+        batch_size: int | str = 128,
+        num_workers: int | str = "auto",
+        val_size: float = 0.1,
+        augment: bool = True,
+        seed: int = 0,
+        pin_memory: bool | str = "auto",
+        num_classes: int = 10,
+        pipeline: str = "auto",
+        max_batch_size: int = 1024,
+    ) -> None:
         super().__init__()
         if batch_size != "auto" and (isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1):
-            raise UserError(f"data.batch_size={batch_size} must be a whole number >= 1 (it is per process), or auto "
-                            "(the largest that fits the GPU)")
+            raise UserError(
+                f"data.batch_size={batch_size} must be a whole number >= 1 (it is per process), or auto "
+                "(the largest that fits the GPU)"
+            )
         if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise UserError(f"data.max_batch_size={max_batch_size} must be a whole number >= 1")
         if num_workers != "auto" and (not isinstance(num_workers, int) or num_workers < 0):
@@ -128,8 +148,10 @@ class InMemoryImageDataModule(L.LightningDataModule):
         fraction = isinstance(val_size, float) and 0 < val_size < 1
         count = isinstance(val_size, int) and not isinstance(val_size, bool) and val_size >= 1
         if not (fraction or count):
-            raise UserError(f"data.val_size={val_size} must be a fraction in (0, 1) or a whole number of images >= 1 "
-                            "(e.g. 0.1 or 5000)")
+            raise UserError(
+                f"data.val_size={val_size} must be a fraction in (0, 1) or a whole number of images >= 1 "
+                "(e.g. 0.1 or 5000)"
+            )
         # auto becomes a number once the trainer has its device (src/models/batch_size.py, from the model's setup)
         self.batch_size, self.num_workers, self.val_size = batch_size, num_workers, val_size
         self.max_batch_size = max_batch_size
@@ -156,9 +178,13 @@ class InMemoryImageDataModule(L.LightningDataModule):
             self.trainer.callbacks.append(FirstEpochOrder())
         world = self.trainer.world_size
         fit = stage in ("fit", None)
-        check_shards(world, self.batch_size, train=len(self.train_set) if fit else None,
-                     val=len(self.val_set) if fit or stage == "validate" else None,
-                     test=len(self.test_set) if stage == "test" or (fit and self.test_after_fit) else None)
+        check_shards(
+            world,
+            self.batch_size,
+            train=len(self.train_set) if fit else None,
+            val=len(self.val_set) if fit or stage == "validate" else None,
+            test=len(self.test_set) if stage == "test" or (fit and self.test_after_fit) else None,
+        )
 
     def _split(self) -> None:
         train_x, train_y, test_x, test_y = self.load()
@@ -183,8 +209,9 @@ class InMemoryImageDataModule(L.LightningDataModule):
         # drop_last: a last batch of one image breaks BatchNorm and skews the step time.
         shuffle = not (self.trainer is not None and self.trainer.overfit_batches > 0)  # overfit: the same batches
         if self.pipeline == "device":
-            self._train_batches = self._device_batches(self.train_set, shuffle=shuffle, drop_last=True,
-                                                       augment=self.augment)
+            self._train_batches = self._device_batches(
+                self.train_set, shuffle=shuffle, drop_last=True, augment=self.augment
+            )
             if self._resume_position is not None:
                 self._train_batches.resume_from(self._resume_position)
             return self._train_batches
@@ -200,9 +227,14 @@ class InMemoryImageDataModule(L.LightningDataModule):
         """
         trainer = self.trainer
         world = trainer.world_size if trainer is not None else 1
-        return EpochOfTrainer(self.train_set, num_replicas=world, rank=trainer.global_rank if world > 1 else 0,
-                              shuffle=shuffle, seed=self.seed,
-                              epoch_of=lambda: trainer.fit_loop.epoch_progress.current.processed if trainer else 0)
+        return EpochOfTrainer(
+            self.train_set,
+            num_replicas=world,
+            rank=trainer.global_rank if world > 1 else 0,
+            shuffle=shuffle,
+            seed=self.seed,
+            epoch_of=lambda: trainer.fit_loop.epoch_progress.current.processed if trainer else 0,
+        )
 
     @property
     def class_names(self) -> list[str]:
@@ -223,8 +255,9 @@ class InMemoryImageDataModule(L.LightningDataModule):
             return self._device_batches(dataset, pad_shards=False)
         sampler = None
         if world > 1:  # a DistributedSampler of its own: Lightning leaves it in place
-            sampler = UnrepeatedDistributedSampler(dataset, num_replicas=world, rank=self.trainer.global_rank,
-                                                   shuffle=False)
+            sampler = UnrepeatedDistributedSampler(
+                dataset, num_replicas=world, rank=self.trainer.global_rank, shuffle=False
+            )
         return self._loader(dataset, sampler=sampler)
 
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
@@ -245,28 +278,54 @@ class InMemoryImageDataModule(L.LightningDataModule):
         if self._train_batches is not None and self._resume_position is not None:
             self._train_batches.resume_from(self._resume_position)
 
-    def _device_batches(self, dataset: ImageTensors | None, shuffle: bool = False, drop_last: bool = False,
-                        augment: bool = False, pad_shards: bool = True) -> DeviceBatches:
+    def _device_batches(
+        self,
+        dataset: ImageTensors | None,
+        shuffle: bool = False,
+        drop_last: bool = False,
+        augment: bool = False,
+        pad_shards: bool = True,
+    ) -> DeviceBatches:
         if dataset is None:
             raise RuntimeError("setup() must run before the dataloaders are asked for")
         trainer = self.trainer
         return DeviceBatches(
-            dataset.images, dataset.labels, self.batch_size,
+            dataset.images,
+            dataset.labels,
+            self.batch_size,
             device=trainer.strategy.root_device if trainer is not None else torch.device("cpu"),
             rank=trainer.global_rank if trainer is not None else 0,
             world_size=trainer.world_size if trainer is not None else 1,
-            seed=self.seed, shuffle=shuffle, drop_last=drop_last, augment=augment, pad_shards=pad_shards,
-            mean=CIFAR10_MEAN, std=CIFAR10_STD,
+            seed=self.seed,
+            shuffle=shuffle,
+            drop_last=drop_last,
+            augment=augment,
+            pad_shards=pad_shards,
+            mean=CIFAR10_MEAN,
+            std=CIFAR10_STD,
             epoch_of=(lambda: trainer.current_epoch) if trainer is not None else (lambda: 0),
         )
 
-    def _loader(self, dataset: ImageTensors | None, shuffle: bool = False, drop_last: bool = False,
-                sampler: DistributedSampler | None = None) -> DataLoader:
+    def _loader(
+        self,
+        dataset: ImageTensors | None,
+        shuffle: bool = False,
+        drop_last: bool = False,
+        sampler: DistributedSampler | None = None,
+    ) -> DataLoader:
         if dataset is None:
             raise RuntimeError("setup() must run before the dataloaders are asked for")
         workers = self._workers()
-        return DataLoader(dataset, batch_size=self.batch_size, shuffle=shuffle, drop_last=drop_last, sampler=sampler,
-                          num_workers=workers, persistent_workers=workers > 0, pin_memory=self._pin())
+        return DataLoader(
+            dataset,
+            batch_size=self.batch_size,
+            shuffle=shuffle,
+            drop_last=drop_last,
+            sampler=sampler,
+            num_workers=workers,
+            persistent_workers=workers > 0,
+            pin_memory=self._pin(),
+        )
 
     def _on_gpu(self) -> bool:
         trainer = self.trainer

@@ -9,12 +9,15 @@ from src.core.errors import UserError
 from src.data.in_memory import InMemoryImageDataModule
 
 
-def make_images(count: int, num_classes: int, image_size: int, seed: int, split_seed: int,
-                noise: float) -> tuple[torch.Tensor, torch.Tensor]:
+def make_images(
+    count: int, num_classes: int, image_size: int, seed: int, split_seed: int, noise: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``count`` uint8 images: each class a smooth colour pattern (fixed by ``seed``), plus per-image noise."""
     prototypes = F.interpolate(
         torch.rand(num_classes, 3, 4, 4, generator=torch.Generator().manual_seed(seed)),
-        size=(image_size, image_size), mode="bilinear", align_corners=False,
+        size=(image_size, image_size),
+        mode="bilinear",
+        align_corners=False,
     )
     g = torch.Generator().manual_seed(split_seed)
     labels = torch.arange(count) % num_classes
@@ -26,8 +29,9 @@ def make_images(count: int, num_classes: int, image_size: int, seed: int, split_
 class SyntheticDataModule(InMemoryImageDataModule):
     """``data=synthetic``: CIFAR-shaped (by default) images for tests, demos and benchmarks offline."""
 
-    def __init__(self, num_train: int = 2560, num_test: int = 512, image_size: int = 32, noise: float = 0.4,
-                 **kwargs) -> None:
+    def __init__(
+        self, num_train: int = 2560, num_test: int = 512, image_size: int = 32, noise: float = 0.4, **kwargs
+    ) -> None:
         super().__init__(**kwargs)
         if num_train < 2 or num_test < 1 or image_size < 8:
             raise UserError("data.num_train >= 2, data.num_test >= 1 and data.image_size >= 8 are needed")

@@ -29,8 +29,9 @@ def world_of(cfg: DictConfig) -> tuple[int, int]:
     try:
         per_node = int(devices)
     except (TypeError, ValueError):
-        raise UserError(f"dry_run=true needs trainer.devices as a count (the devices of each node), not "
-                        f"trainer.devices={devices}") from None
+        raise UserError(
+            f"dry_run=true needs trainer.devices as a count (the devices of each node), not trainer.devices={devices}"
+        ) from None
     if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1 or per_node < 1:
         raise UserError(f"dry_run=true needs trainer.num_nodes and trainer.devices >= 1 (given {nodes} and {devices})")
     return nodes, per_node
@@ -75,16 +76,27 @@ def plan(cfg: DictConfig, rank: int, datamodule: Any, model: Any, world: int) ->
     warning = extreme_lr_warning(opt, global_batch)
     hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
     return {
-        "rank": rank, "world_size": world, "batch_size": batch, "batch_note": batch_note, "accumulate": accumulate,
-        "global_batch": global_batch, "peak_lr": lr, "steps_per_epoch": steps,
-        "max_epochs": cfg.trainer.max_epochs, "train_images": train_images,
-        "val_images": val, "val_batches": math.ceil(val / batch), "test_images": test,
+        "rank": rank,
+        "world_size": world,
+        "batch_size": batch,
+        "batch_note": batch_note,
+        "accumulate": accumulate,
+        "global_batch": global_batch,
+        "peak_lr": lr,
+        "steps_per_epoch": steps,
+        "max_epochs": cfg.trainer.max_epochs,
+        "train_images": train_images,
+        "val_images": val,
+        "val_batches": math.ceil(val / batch),
+        "test_images": test,
         "test_batches": math.ceil(test / batch),
         "last_checkpoint": ", ".join(cadence) or "at the first and last epoch's end",
-        "open_files": open_files_needed(rank, world, cfg.trainer.devices if isinstance(cfg.trainer.devices, int)
-                                        else 1),
+        "open_files": open_files_needed(
+            rank, world, cfg.trainer.devices if isinstance(cfg.trainer.devices, int) else 1
+        ),
         "open_files_here": "unlimited" if hard == resource.RLIM_INFINITY else hard,
-        "problems": problems, "warnings": [] if warning is None else [warning],
+        "problems": problems,
+        "warnings": [] if warning is None else [warning],
     }
 
 
@@ -115,7 +127,8 @@ def report(p: dict[str, Any], nodes: int, per_node: int, gpu_gib: float | None) 
     lines = [
         f"dry run: rank {p['rank']} of {p['world_size']} ({nodes} node(s) x {per_node}), on torch's fake process group",
         f"  global batch     {p['global_batch']} = {p['batch_size']} per process x {p['world_size']} processes"
-        + (f" x {p['accumulate']} accumulated" if p["accumulate"] > 1 else "") + p["batch_note"],
+        + (f" x {p['accumulate']} accumulated" if p["accumulate"] > 1 else "")
+        + p["batch_note"],
         f"  peak lr          {p['peak_lr']:.4g}",
         f"  steps per epoch  {p['steps_per_epoch']} (x {p['max_epochs']} epochs)",
         f"  this rank        {p['train_images']} training images an epoch; {p['val_images']} validation images "
@@ -161,7 +174,12 @@ def run(cfg: DictConfig) -> None:
         print("\n".join(line for line in lines if rank == ranks[0] or not line.startswith("warning: ")), flush=True)
         problems += [x for x in p["problems"] if x not in problems]
     if problems:  # the last line, as error: ..., and exit status 2
-        raise UserError(f"dry run: will not work: {problems[0]}"
-                        + (f" (and {len(problems) - 1} more above)" if len(problems) > 1 else ""))
-    print(f"dry run: ready: {world} processes ({nodes} node(s) x {per_node}), global batch {p['global_batch']}, "
-          f"peak lr {p['peak_lr']:.4g}, {p['steps_per_epoch']} steps per epoch", flush=True)
+        raise UserError(
+            f"dry run: will not work: {problems[0]}"
+            + (f" (and {len(problems) - 1} more above)" if len(problems) > 1 else "")
+        )
+    print(
+        f"dry run: ready: {world} processes ({nodes} node(s) x {per_node}), global batch {p['global_batch']}, "
+        f"peak lr {p['peak_lr']:.4g}, {p['steps_per_epoch']} steps per epoch",
+        flush=True,
+    )

@@ -52,8 +52,10 @@ def build_strategy(
     hang_timeout_s = ddp_kwargs.pop("hang_timeout_s", None)
     store_bind = ddp_kwargs.pop("store_bind", "master_addr")
     if store_bind not in STORE_BINDS:
-        raise UserError(f"strategy.store_bind={store_bind} is not known: choose one of {', '.join(STORE_BINDS)} (where "
-                        "rank 0's rendezvous store listens across nodes)")
+        raise UserError(
+            f"strategy.store_bind={store_bind} is not known: choose one of {', '.join(STORE_BINDS)} (where "
+            "rank 0's rendezvous store listens across nodes)"
+        )
     if resolved == "auto":
         return "auto"  # Lightning picks SingleDeviceStrategy: no process group, no DDP wrapper
     hang_timeout_s = check_hang_timeout(hang_timeout_s, timeout_s)
@@ -85,11 +87,15 @@ def check_hang_timeout(hang_timeout_s: Any, timeout_s: float) -> float | None:
     if hang_timeout_s == "auto":
         return min(HANG_TIMEOUT_AUTO_S, timeout_s / 2)
     if isinstance(hang_timeout_s, bool) or not isinstance(hang_timeout_s, (int, float)) or not hang_timeout_s > 0:
-        raise UserError(f"strategy.hang_timeout_s={hang_timeout_s} must be a number of seconds > 0, auto, or null to "
-                        "never stop a run whose rank hangs before strategy.timeout_s")
+        raise UserError(
+            f"strategy.hang_timeout_s={hang_timeout_s} must be a number of seconds > 0, auto, or null to "
+            "never stop a run whose rank hangs before strategy.timeout_s"
+        )
     if hang_timeout_s >= timeout_s:
-        raise UserError(f"strategy.hang_timeout_s={hang_timeout_s} must be below strategy.timeout_s={timeout_s}: "
-                        "a collective would give up first, without naming the stuck rank")
+        raise UserError(
+            f"strategy.hang_timeout_s={hang_timeout_s} must be below strategy.timeout_s={timeout_s}: "
+            "a collective would give up first, without naming the stuck rank"
+        )
     return float(hang_timeout_s)
 
 
@@ -102,9 +108,11 @@ def check_slurm_allocation(devices: int, num_nodes: int) -> None:
         # the ranks (src/launch/torchrun.py matched the counts to them)
     if ranks.ranks_started_here_under_slurm():  # a sweep in the batch script starts each job's ranks on this node
         if num_nodes > 1:
-            raise UserError(f"a -m sweep in a Slurm batch script runs its jobs on this one node, but trainer.num_nodes="
-                            f"{num_nodes}: sweep multi-node jobs with python -m src.slurm_sweep, which submits each "
-                            "job to Slurm")
+            raise UserError(
+                f"a -m sweep in a Slurm batch script runs its jobs on this one node, but trainer.num_nodes="
+                f"{num_nodes}: sweep multi-node jobs with python -m src.slurm_sweep, which submits each "
+                "job to Slurm"
+            )
         return
     if ranks.in_slurm_batch_script() and (int(os.environ.get("SLURM_NTASKS", "1")) > 1 or devices * num_nodes > 1):
         raise UserError(
@@ -145,8 +153,9 @@ class HydraDDPStrategy(DDPStrategy):
     """DDP whose local ranks join this Hydra job, watch their launcher, and whose rendezvous failure says what is
     missing; a rank that hangs is found within ``hang_timeout_s`` (src/resilience/supervision.py's HangWatch)."""
 
-    def __init__(self, *args: Any, hang_timeout_s: float | None = None, store_bind: str = "master_addr",
-                 **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, hang_timeout_s: float | None = None, store_bind: str = "master_addr", **kwargs: Any
+    ) -> None:
         super().__init__(*args, **kwargs)
         self.hang_timeout_s = hang_timeout_s
         self.store_bind = store_bind
@@ -184,9 +193,16 @@ class HydraDDPStrategy(DDPStrategy):
                     self._init_bound_group()
             super().setup_distributed()
             self._report_progress()
-            supervision.watch_failures(self.global_rank, self.node_rank, self.local_rank, self.world_size,
-                                       in_sweep=ranks.in_sweep(), hang_timeout_s=self.hang_timeout_s, run_dir=run_dir,
-                                       local_world=self.num_processes)
+            supervision.watch_failures(
+                self.global_rank,
+                self.node_rank,
+                self.local_rank,
+                self.world_size,
+                in_sweep=ranks.in_sweep(),
+                hang_timeout_s=self.hang_timeout_s,
+                run_dir=run_dir,
+                local_world=self.num_processes,
+            )
         except torch.distributed.DistError as err:
             env = self.cluster_environment
             where = f"{self._store_where}; " if self._store_where else ""
@@ -212,8 +228,11 @@ class HydraDDPStrategy(DDPStrategy):
     def _report_progress(self) -> None:
         """Mark where this rank is, first of the callbacks, so a hook that hangs has its place marked already."""
         trainer = getattr(self._lightning_module, "_trainer", None)
-        if self.hang_timeout_s and trainer is not None and not any(
-                type(cb).__name__ == "ProgressReport" for cb in trainer.callbacks):
+        if (
+            self.hang_timeout_s
+            and trainer is not None
+            and not any(type(cb).__name__ == "ProgressReport" for cb in trainer.callbacks)
+        ):
             trainer.callbacks.insert(0, heartbeat.progress_callback())
 
     def _init_bound_group(self) -> None:
@@ -225,9 +244,14 @@ class HydraDDPStrategy(DDPStrategy):
         bind = self.store_bind if self.num_nodes > 1 else "master_addr"  # one node: loopback only, always
         self._store_where = store_where(self.global_rank, bind)
         store = rendezvous_store(self.global_rank, self.world_size, self._timeout, bind=bind)
-        torch.distributed.init_process_group(self._get_process_group_backend(), rank=self.global_rank,
-                                             world_size=self.world_size, store=store, timeout=self._timeout,
-                                             device_id=self.root_device if self.root_device.type != "cpu" else None)
+        torch.distributed.init_process_group(
+            self._get_process_group_backend(),
+            rank=self.global_rank,
+            world_size=self.world_size,
+            store=store,
+            timeout=self._timeout,
+            device_id=self.root_device if self.root_device.type != "cpu" else None,
+        )
 
     def _init_attempt_group(self) -> bool:
         """Under torchrun: form the process group on this attempt's own keys (src/launch/torchrun.py says why); False
@@ -236,9 +260,14 @@ class HydraDDPStrategy(DDPStrategy):
         store = torchrun.attempt_store(self.global_rank, self.world_size, self._timeout)
         if store is None:
             return False
-        torch.distributed.init_process_group(self._get_process_group_backend(), rank=self.global_rank,
-                                             world_size=self.world_size, store=store, timeout=self._timeout,
-                                             device_id=self.root_device if self.root_device.type != "cpu" else None)
+        torch.distributed.init_process_group(
+            self._get_process_group_backend(),
+            rank=self.global_rank,
+            world_size=self.world_size,
+            store=store,
+            timeout=self._timeout,
+            device_id=self.root_device if self.root_device.type != "cpu" else None,
+        )
         torchrun.group_formed()
         return True
 
@@ -253,10 +282,10 @@ OPEN_FILES_SPARE = 256  # what a rank opens besides its sockets: libraries, logs
 
 
 def open_files_needed(rank: int, world_size: int, local_world: int = 1) -> int:
-    """The descriptors a rank of ``world_size`` (``local_world`` ranks a node) holds at most: a socket to every
-    other rank (gloo's full mesh: the stop agreement's group, and the process group's on the CPU), its own store
-    connections (the process group's, and as its node's reporter two more and one to write a failure), and on
-    rank 0, the store's host, every rank's process-group connection and three per node (src/resilience/supervision.py)."""
+    """The descriptors a rank of ``world_size`` (``local_world`` ranks a node) holds at most: a socket to every other
+    rank (gloo's full mesh: the stop agreement's group, and the process group's on the CPU), its own store connections
+    (the process group's, and as its node's reporter two more and one to write a failure), and on rank 0, the store's
+    host, every rank's process-group connection and three per node (src/resilience/supervision.py)."""
     nodes = -(-world_size // max(1, local_world))
     sockets = 2 * (world_size - 1) + 4 + (world_size + 3 * nodes if rank == 0 else 0)
     return sockets + OPEN_FILES_SPARE
@@ -275,10 +304,12 @@ def check_open_files(rank: int, world_size: int, local_world: int = 1) -> None:
     if hard == resource.RLIM_INFINITY or hard >= needed:
         resource.setrlimit(resource.RLIMIT_NOFILE, (needed, hard))
         return
-    raise UserError(f"rank {rank} of a world of {world_size} needs about {needed} open files (a socket to every rank"
-                    f"{', and the store of every rank' if rank == 0 else ''}), but ulimit -n allows {hard} at most "
-                    f"here: raise the hard limit to {needed} or more (limits.conf, the container's --ulimit "
-                    "nofile=, or srun --propagate=NOFILE after ulimit -n in the batch script)")
+    raise UserError(
+        f"rank {rank} of a world of {world_size} needs about {needed} open files (a socket to every rank"
+        f"{', and the store of every rank' if rank == 0 else ''}), but ulimit -n allows {hard} at most "
+        f"here: raise the hard limit to {needed} or more (limits.conf, the container's --ulimit "
+        "nofile=, or srun --propagate=NOFILE after ulimit -n in the batch script)"
+    )
 
 
 def keep_to_loopback() -> None:
@@ -291,8 +322,9 @@ def keep_to_loopback() -> None:
         os.environ.setdefault("NCCL_SOCKET_IFNAME", loopback)
 
 
-def rendezvous_store(rank: int, world_size: int, timeout: timedelta, bind: str = "master_addr"
-                     ) -> torch.distributed.TCPStore:
+def rendezvous_store(
+    rank: int, world_size: int, timeout: timedelta, bind: str = "master_addr"
+) -> torch.distributed.TCPStore:
     """The run's rendezvous store at MASTER_ADDR:MASTER_PORT; rank 0 hosts it on MASTER_ADDR's own address only, or
     with ``bind="all"`` (``strategy.store_bind``) on every interface.
 
@@ -307,9 +339,15 @@ def rendezvous_store(rank: int, world_size: int, timeout: timedelta, bind: str =
     if rank == 0 and bind == "master_addr":
         listener = ranks.held_port(host, port) or _bound_listener(host, port)
     try:
-        return torch.distributed.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout,
-                                          multi_tenant=True,
-                                          master_listen_fd=None if listener is None else listener.detach())
+        return torch.distributed.TCPStore(
+            host,
+            port,
+            world_size,
+            is_master=rank == 0,
+            timeout=timeout,
+            multi_tenant=True,
+            master_listen_fd=None if listener is None else listener.detach(),
+        )
     finally:
         if listener is not None and listener.fileno() != -1:
             listener.close()
@@ -325,11 +363,15 @@ def store_where(rank: int, bind: str) -> str:
     except (socket.gaierror, ValueError):
         return ""  # said elsewhere: MASTER_ADDR that does not resolve is its own error
     if rank == 0:
-        return (f"node 0's store listened on {address}:{port}, {host} as node 0 resolves it; a node that resolves "
-                f"{host} to another address dials where nothing listens: strategy.store_bind=all listens on every "
-                "interface")
-    return (f"this node dialled {address}:{port}, {host} as this node resolves it; node 0 listens where its own "
-            f"resolution of {host} points: where the nodes resolve it differently, set strategy.store_bind=all")
+        return (
+            f"node 0's store listened on {address}:{port}, {host} as node 0 resolves it; a node that resolves "
+            f"{host} to another address dials where nothing listens: strategy.store_bind=all listens on every "
+            "interface"
+        )
+    return (
+        f"this node dialled {address}:{port}, {host} as this node resolves it; node 0 listens where its own "
+        f"resolution of {host} points: where the nodes resolve it differently, set strategy.store_bind=all"
+    )
 
 
 def _bound_listener(host: str, port: int) -> socket.socket | None:
@@ -341,8 +383,10 @@ def _bound_listener(host: str, port: int) -> socket.socket | None:
     try:
         family, address = _resolve(host, port)
     except socket.gaierror as err:
-        raise UserError(f"MASTER_ADDR={host} does not resolve to an address ({err.strerror}): set it to node 0's "
-                        "address or hostname") from err
+        raise UserError(
+            f"MASTER_ADDR={host} does not resolve to an address ({err.strerror}): set it to node 0's "
+            "address or hostname"
+        ) from err
     why = None
     if _is_hostname(host) and ipaddress.ip_address(address[0].split("%")[0]).is_loopback:
         why = "resolves to loopback on this node (/etc/hosts' 127.0.1.1, often), which other nodes cannot reach"
@@ -355,19 +399,27 @@ def _bound_listener(host: str, port: int) -> socket.socket | None:
     except OSError as err:
         if err.errno != errno.EADDRNOTAVAIL:
             listener.close()
-            raise UserError(f"MASTER_PORT={port} cannot be used on {host} ({err.strerror}): pick a free port, or "
-                            "unset MASTER_PORT and Lightning picks a free one") from err
+            raise UserError(
+                f"MASTER_PORT={port} cannot be used on {host} ({err.strerror}): pick a free port, or "
+                "unset MASTER_PORT and Lightning picks a free one"
+            ) from err
         why = "is not an address of this node"
     listener.close()
-    logging.getLogger(__name__).warning("MASTER_ADDR=%s (%s) %s: the rendezvous store listens on every interface at "
-                                        "port %s", host, address[0], why, port)
+    logging.getLogger(__name__).warning(
+        "MASTER_ADDR=%s (%s) %s: the rendezvous store listens on every interface at port %s",
+        host,
+        address[0],
+        why,
+        port,
+    )
     return None
 
 
 def _resolve(host: str, port: int) -> tuple[int, tuple]:
     """``host``'s address family and socket address as this node resolves it, an IPv4 address first."""
-    family, _, _, _, address = min(socket.getaddrinfo(host, port, type=socket.SOCK_STREAM),
-                                   key=lambda info: info[0] != socket.AF_INET)
+    family, _, _, _, address = min(
+        socket.getaddrinfo(host, port, type=socket.SOCK_STREAM), key=lambda info: info[0] != socket.AF_INET
+    )
     return family, address
 
 
@@ -409,13 +461,15 @@ class HydraSpawnLauncher(_MultiProcessingLauncher):
         # failed rank (or, for a death, src/resilience/supervision.py) has said what happened
         logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
         heartbeat.register_stack_dump("ddp_spawn's parent process")  # kill -USR2: the ranks say their own
-        # a rank that kills a stuck one (src/resilience/supervision.py) notes its pid here: that death was the run's own doing
+        # a rank that kills a stuck one (src/resilience/supervision.py) notes its pid here: the run's own doing
         self._killed = multiprocessing.get_context("spawn").Value("i", 0)
         if threading.current_thread() is not threading.main_thread():
             return self._launch(function, *args, trainer=trainer, **kwargs)
         # Ctrl-C reaches the ranks from the terminal too; they take a second one within a second for the same
-        previous = {signum: signal.signal(signum, lambda signum, frame: self.kill(signum))
-                    for signum in (signal.SIGTERM, signal.SIGINT)}
+        previous = {
+            signum: signal.signal(signum, lambda signum, frame: self.kill(signum))
+            for signum in (signal.SIGTERM, signal.SIGINT)
+        }
         try:
             return self._launch(function, *args, trainer=trainer, **kwargs)
         finally:
@@ -460,9 +514,11 @@ def backend_flags() -> dict[str, Any]:
     Lightning's spawn launcher carries cuDNN autotuning, deterministic algorithms and the random states into the
     ranks (its _GlobalStateSnapshot), not these: a spawned rank would start with torch's defaults (no TF32 matmuls).
     """
-    return {"float32_matmul_precision": torch.get_float32_matmul_precision(),
-            "cudnn_allow_tf32": torch.backends.cudnn.allow_tf32,
-            "cudnn_deterministic": torch.backends.cudnn.deterministic}
+    return {
+        "float32_matmul_precision": torch.get_float32_matmul_precision(),
+        "cudnn_allow_tf32": torch.backends.cudnn.allow_tf32,
+        "cudnn_deterministic": torch.backends.cudnn.deterministic,
+    }
 
 
 def set_backend_flags(flags: dict[str, Any]) -> None:
@@ -476,5 +532,3 @@ def _clear_parent_death_signal() -> None:
     """Undo torch's prctl(PR_SET_PDEATHSIG, SIGINT) for this process (Linux; elsewhere nothing was set)."""
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None, use_errno=True).prctl(1, 0, 0, 0, 0)  # 1: PR_SET_PDEATHSIG, 0: no signal
-
-

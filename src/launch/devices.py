@@ -30,8 +30,10 @@ def gpu_ids(devices: Any) -> list[int] | None:
     ids = []
     for part in parts:
         if isinstance(part, bool) or not (isinstance(part, int) or isinstance(part, str) and part.isdigit()):
-            raise UserError(f"trainer.devices={devices} is not a list of GPU ids: give whole numbers >= 0, e.g. "
-                            "trainer.devices=[0,2], or a count of devices")
+            raise UserError(
+                f"trainer.devices={devices} is not a list of GPU ids: give whole numbers >= 0, e.g. "
+                "trainer.devices=[0,2], or a count of devices"
+            )
         ids.append(int(part))
     if not ids:
         raise UserError(f"trainer.devices={devices} names no GPU: give GPU ids (trainer.devices=[0,1]) or a count")
@@ -59,8 +61,9 @@ def local_device_count(accelerator: str, devices: Any) -> int:
     """Devices per node as Lightning will resolve them; impossible values are a UserError naming the key."""
     torch = _torch()
     if accelerator in ("gpu", "cuda") and not torch.cuda.is_available():
-        raise UserError(f"trainer.accelerator={accelerator} but no CUDA GPU is visible here: "
-                        "use trainer.accelerator=cpu (or auto)")
+        raise UserError(
+            f"trainer.accelerator={accelerator} but no CUDA GPU is visible here: use trainer.accelerator=cpu (or auto)"
+        )
     ids = gpu_ids(devices)
     if ids is not None:
         check_gpu_ids(accelerator, devices, ids)
@@ -70,31 +73,40 @@ def local_device_count(accelerator: str, devices: Any) -> int:
     try:
         count = int(devices)
     except (TypeError, ValueError):
-        raise UserError(f"trainer.devices={devices} is not a number: give a count >= 1, "
-                        "-1 or auto for all devices, or a list of GPU ids") from None
+        raise UserError(
+            f"trainer.devices={devices} is not a number: give a count >= 1, "
+            "-1 or auto for all devices, or a list of GPU ids"
+        ) from None
     if count < 1 or isinstance(devices, bool):
         raise UserError(f"trainer.devices={devices} must be >= 1 (or -1/auto for all devices)")
     if uses_cuda(accelerator) and count > torch.cuda.device_count() and not one_gpu_per_task(accelerator, devices):
-        raise UserError(f"trainer.devices={devices} asks for {count} GPUs but this node has "
-                        f"{torch.cuda.device_count()}{_narrowed()}: lower trainer.devices, or use trainer.devices=auto")
+        raise UserError(
+            f"trainer.devices={devices} asks for {count} GPUs but this node has "
+            f"{torch.cuda.device_count()}{_narrowed()}: lower trainer.devices, or use trainer.devices=auto"
+        )
     return count
 
 
 def check_gpu_ids(accelerator: str, devices: Any, ids: list[int]) -> None:
     """GPU ids count from 0 within the GPUs this process sees (CUDA_VISIBLE_DEVICES narrows them), once each."""
     if not uses_cuda(accelerator):
-        raise UserError(f"trainer.devices={devices} lists GPU ids, but this run is on the CPU "
-                        f"(trainer.accelerator={accelerator}, CUDA available: {_torch().cuda.is_available()}): "
-                        f"give a number of processes instead, e.g. trainer.devices={len(ids)}")
+        raise UserError(
+            f"trainer.devices={devices} lists GPU ids, but this run is on the CPU "
+            f"(trainer.accelerator={accelerator}, CUDA available: {_torch().cuda.is_available()}): "
+            f"give a number of processes instead, e.g. trainer.devices={len(ids)}"
+        )
     twice = sorted({i for i in ids if ids.count(i) > 1})
     if twice:
-        raise UserError(f"trainer.devices={devices} names GPU {twice[0]} more than once: every process needs a GPU "
-                        "of its own")
+        raise UserError(
+            f"trainer.devices={devices} names GPU {twice[0]} more than once: every process needs a GPU of its own"
+        )
     visible = _torch().cuda.device_count()
     beyond = [i for i in ids if i >= visible]
     if beyond:
-        raise UserError(f"trainer.devices={devices} names GPU {beyond[0]}, but this node has {visible} GPU(s)"
-                        f"{_narrowed()}: ids count from 0 within the visible GPUs, so use ids 0..{visible - 1}")
+        raise UserError(
+            f"trainer.devices={devices} names GPU {beyond[0]}, but this node has {visible} GPU(s)"
+            f"{_narrowed()}: ids count from 0 within the visible GPUs, so use ids 0..{visible - 1}"
+        )
 
 
 def _narrowed() -> str:
@@ -106,9 +118,12 @@ def _narrowed() -> str:
 def srun_task() -> bool:
     """Whether srun started this process as one task of a Slurm job step, with its rank in the Slurm variables
     (Lightning's SLURMEnvironment then holds: not an interactive allocation, not torchrun's workers)."""
-    return ("SLURM_NTASKS" in os.environ and os.environ.get("SLURM_JOB_NAME") not in ("bash", "interactive")
-            and "TORCHELASTIC_RUN_ID" not in os.environ
-            and os.environ.get("SLURM_STEP_ID") not in (None, "batch", "4294967294"))
+    return (
+        "SLURM_NTASKS" in os.environ
+        and os.environ.get("SLURM_JOB_NAME") not in ("bash", "interactive")
+        and "TORCHELASTIC_RUN_ID" not in os.environ
+        and os.environ.get("SLURM_STEP_ID") not in (None, "batch", "4294967294")
+    )
 
 
 def one_gpu_per_task(accelerator: str, devices: Any) -> bool:

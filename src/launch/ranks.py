@@ -28,8 +28,9 @@ STRATEGIES = ("auto", "ddp", "ddp_spawn")
 _EXTERNAL_LAUNCHERS = ("SLURM_NTASKS", "TORCHELASTIC_RUN_ID", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "LSB_JOBID")
 
 
-def check_strategy(name: str, backend: str, timeout_s: Any, accelerator: str, devices: Any, num_nodes: Any
-                   ) -> tuple[str, int]:
+def check_strategy(
+    name: str, backend: str, timeout_s: Any, accelerator: str, devices: Any, num_nodes: Any
+) -> tuple[str, int]:
     """The strategy a run resolves to (auto -> ddp for more than one process) and its processes per node.
 
     Every impossible value is a UserError naming its key, raised before any process starts.
@@ -81,9 +82,11 @@ def check_mpi() -> None:
     except ImportError as err:
         if (launcher_rank() or "0") != "0":
             raise SystemExit(EXIT_USER_ERROR) from None  # mpirun gathers every process's output: rank 0 says it, once
-        raise UserError(f"mpirun started {size} processes, but Lightning reads their ranks through mpi4py, which "
-                        f"this Python cannot import ({err}): pip install mpi4py (built against your MPI, or "
-                        "cifar10-ddp[mpi]), or start the ranks with srun or torchrun") from None
+        raise UserError(
+            f"mpirun started {size} processes, but Lightning reads their ranks through mpi4py, which "
+            f"this Python cannot import ({err}): pip install mpi4py (built against your MPI, or "
+            "cifar10-ddp[mpi]), or start the ranks with srun or torchrun"
+        ) from None
 
 
 def start_local_ranks(strategy: Any, ckpt_path: str | None = None) -> tuple[list[subprocess.Popen], list[int]]:
@@ -98,8 +101,9 @@ def start_local_ranks(strategy: Any, ckpt_path: str | None = None) -> tuple[list
     check_mpi()
     if "LOCAL_RANK" in os.environ or ranks_placed_by_launcher():
         return [], []
-    name, local = check_strategy(strategy.name, strategy.backend, strategy.timeout_s, strategy.accelerator,
-                                 strategy.devices, strategy.num_nodes)
+    name, local = check_strategy(
+        strategy.name, strategy.backend, strategy.timeout_s, strategy.accelerator, strategy.devices, strategy.num_nodes
+    )
     if name != "ddp" or local == 1:
         return [], []
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -112,8 +116,9 @@ def start_local_ranks(strategy: Any, ckpt_path: str | None = None) -> tuple[list
     return spawn_local_ranks(local, int(os.environ["NODE_RANK"]), extra)
 
 
-def spawn_local_ranks(local_processes: int, node_rank: int, extra: Sequence[str] = ()
-                      ) -> tuple[list[subprocess.Popen], list[int]]:
+def spawn_local_ranks(
+    local_processes: int, node_rank: int, extra: Sequence[str] = ()
+) -> tuple[list[subprocess.Popen], list[int]]:
     """Start local ranks 1..N-1 of this node with this job's command line (and ``extra`` overrides) and
     environment; return them and their global ranks."""
     command, cwd = child_command()
@@ -192,21 +197,29 @@ def check_launch(accelerator: str, local_processes: int, timeout_s: Any, num_nod
     # and srun's binding give each its own cores): what this process may use says nothing of the node's count.
     cores = len(os.sched_getaffinity(0))
     if not uses_cuda(accelerator) and not ranks_placed_by_launcher() and local_processes > cores:
-        raise UserError(f"trainer.devices={local_processes} starts {local_processes} CPU processes but this node has "
-                        f"{cores} CPU core(s) for this run: use trainer.devices={cores} or fewer")
+        raise UserError(
+            f"trainer.devices={local_processes} starts {local_processes} CPU processes but this node has "
+            f"{cores} CPU core(s) for this run: use trainer.devices={cores} or fewer"
+        )
     if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
-        raise UserError(f"strategy.timeout_s={timeout_s} must be a number of seconds > 0: how long ranks wait for "
-                        "each other (default 300)")
+        raise UserError(
+            f"strategy.timeout_s={timeout_s} must be a number of seconds > 0: how long ranks wait for "
+            "each other (default 300)"
+        )
     port = os.environ.get("MASTER_PORT")
     external = any(key in os.environ for key in _EXTERNAL_LAUNCHERS)
     if num_nodes > 1 and not external and (port is None or "MASTER_ADDR" not in os.environ):
-        raise UserError(f"trainer.num_nodes={num_nodes} started by hand needs MASTER_ADDR and MASTER_PORT: set both, "
-                        "on every node, to node 0's address and a free port there (see docs/multi-node.md)")
+        raise UserError(
+            f"trainer.num_nodes={num_nodes} started by hand needs MASTER_ADDR and MASTER_PORT: set both, "
+            "on every node, to node 0's address and a free port there (see docs/multi-node.md)"
+        )
     if port is None:
         return  # Lightning picks a free one
     if not port.strip().isdigit() or not 1 <= int(port) <= 65535:
-        raise UserError(f"MASTER_PORT={port} is not a port: set a number in 1-65535, or unset MASTER_PORT and "
-                        "Lightning picks a free one")
+        raise UserError(
+            f"MASTER_PORT={port} is not a port: set a number in 1-65535, or unset MASTER_PORT and "
+            "Lightning picks a free one"
+        )
     if not is_launch_rank_zero() or "TORCHELASTIC_RUN_ID" in os.environ:
         return  # another process hosts the rendezvous (under torchrun, its agent already holds the port)
     if _HELD_PORT is not None and _HELD_PORT.getsockname()[1] == int(port):
@@ -216,8 +229,10 @@ def check_launch(accelerator: str, local_processes: int, timeout_s: Any, num_nod
         try:
             probe.bind(("", int(port)))
         except OSError as err:
-            raise UserError(f"MASTER_PORT={port} cannot be used on this node ({err.strerror}): pick a free port, or "
-                            "unset MASTER_PORT and Lightning picks a free one") from err
+            raise UserError(
+                f"MASTER_PORT={port} cannot be used on this node ({err.strerror}): pick a free port, or "
+                "unset MASTER_PORT and Lightning picks a free one"
+            ) from err
 
 
 # The ranks mpirun (Open MPI, MPICH, Intel MPI) and jsrun give each process they start.
@@ -262,8 +277,11 @@ def ranks_started_here_under_slurm() -> bool:
     on a workstation (slurm/search.sbatch): those ranks are local ranks, not srun's tasks, whatever the Slurm
     variables they inherit say.
     """
-    return (in_slurm_batch_script() and "TORCHELASTIC_RUN_ID" not in os.environ
-            and (in_sweep() or launcher_pid() is not None))
+    return (
+        in_slurm_batch_script()
+        and "TORCHELASTIC_RUN_ID" not in os.environ
+        and (in_sweep() or launcher_pid() is not None)
+    )
 
 
 def child_command() -> tuple[list[str], str]:

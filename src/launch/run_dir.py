@@ -110,16 +110,28 @@ def lock_run_dir(path: Path, kind: str = "run") -> None:
         holder = _holder(fd)
         os.close(fd)
         if holder is not None and _earlier_run_of_this_slurm_job(holder):
-            _warn(f"{lock_path} is still locked by an earlier run of Slurm job {holder['slurm_job']} "
-                  f"(pid {holder['pid']} on {holder['host']}), which Slurm has ended: continuing in its run dir")
+            _warn(
+                f"{lock_path} is still locked by an earlier run of Slurm job {holder['slurm_job']} "
+                f"(pid {holder['pid']} on {holder['host']}), which Slurm has ended: continuing in its run dir"
+            )
             return
-        held_by = (f"pid {holder['pid']} on host {holder['host']} holds it (since {holder['started']})" if holder
-                   else f"another process holds {lock_path}")
+        held_by = (
+            f"pid {holder['pid']} on host {holder['host']} holds it (since {holder['started']})"
+            if holder
+            else f"another process holds {lock_path}"
+        )
         resume = " (to continue that run once it has ended: ckpt_path=last)" if kind == "run" else ""
-        report(f"hydra.{kind}.dir={path} is in use by another run: {held_by}; wait for it to end, or pass another "
-               f"hydra.{kind}.dir=DIR{resume}")
-    holder = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
-              "slurm_job": os.environ.get("SLURM_JOB_ID"), "slurm_restart": os.environ.get("SLURM_RESTART_COUNT", "0")}
+        report(
+            f"hydra.{kind}.dir={path} is in use by another run: {held_by}; wait for it to end, or pass another "
+            f"hydra.{kind}.dir=DIR{resume}"
+        )
+    holder = {
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "slurm_job": os.environ.get("SLURM_JOB_ID"),
+        "slurm_restart": os.environ.get("SLURM_RESTART_COUNT", "0"),
+    }
     try:
         os.ftruncate(fd, 0)
         os.pwrite(fd, (json.dumps(holder) + "\n").encode(), 0)
@@ -144,8 +156,12 @@ def _earlier_run_of_this_slurm_job(holder: dict[str, Any] | None) -> bool:
     """A requeued Slurm job restarts only after every process of its earlier run has ended, yet a lock held
     from a node that went down can outlive them on a shared filesystem until the lock manager notices."""
     job = os.environ.get("SLURM_JOB_ID")
-    return (holder is not None and job is not None and holder.get("slurm_job") == job
-            and holder.get("slurm_restart") != os.environ.get("SLURM_RESTART_COUNT", "0"))
+    return (
+        holder is not None
+        and job is not None
+        and holder.get("slurm_job") == job
+        and holder.get("slurm_restart") != os.environ.get("SLURM_RESTART_COUNT", "0")
+    )
 
 
 def _warn(message: str) -> None:
@@ -175,8 +191,9 @@ def record_result(run_dir: str | Path, **result: Any) -> None:
     from hydra.core.hydra_config import HydraConfig
 
     overrides = list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else None
-    write_json(Path(run_dir) / RESULT_FILE, {"finished": time.strftime("%Y-%m-%d %H:%M:%S"), **result,
-                                             "overrides": overrides})
+    write_json(
+        Path(run_dir) / RESULT_FILE, {"finished": time.strftime("%Y-%m-%d %H:%M:%S"), **result, "overrides": overrides}
+    )
 
 
 def read_result(run_dir: str | Path) -> dict[str, Any] | None:
@@ -185,6 +202,7 @@ def read_result(run_dir: str | Path) -> dict[str, Any] | None:
 
 
 # -- the small files runs keep beside their outputs ---------------------------------------------------------------
+
 
 def write_json(path: Path, data: Any, sort_keys: bool = False) -> None:
     """Write ``path`` whole or not at all: a process killed while writing leaves the earlier file (or none), never

@@ -45,8 +45,10 @@ def active() -> bool:
 
 def restart() -> tuple[int, int]:
     """(this attempt's restart count, the agent's --max-restarts)."""
-    return (int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
-            int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")))
+    return (
+        int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+        int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")),
+    )
 
 
 def launched_shape() -> tuple[int, int]:
@@ -68,18 +70,24 @@ def adopt(cfg: Any, overridden: set[str]) -> None:
     local, nodes = launched_shape()
     trainer = cfg.trainer
     if cfg.strategy.get("name") == "ddp_spawn":
-        raise UserError("strategy=ddp_spawn starts processes of its own, but torchrun has started them: "
-                        "use strategy=ddp (or leave strategy at auto)")
+        raise UserError(
+            "strategy=ddp_spawn starts processes of its own, but torchrun has started them: "
+            "use strategy=ddp (or leave strategy at auto)"
+        )
     devices = trainer.devices
     if devices in ("auto", -1, "-1"):
         devices = local
     elif _count(devices) != local:
-        raise UserError(f"trainer.devices={devices} but torchrun started {local} process(es) on this node "
-                        f"(--nproc-per-node={local}): leave trainer.devices out under torchrun, or make them equal")
+        raise UserError(
+            f"trainer.devices={devices} but torchrun started {local} process(es) on this node "
+            f"(--nproc-per-node={local}): leave trainer.devices out under torchrun, or make them equal"
+        )
     if ("trainer.num_nodes" in overridden or trainer.num_nodes != 1) and trainer.num_nodes != nodes:
-        raise UserError(f"trainer.num_nodes={trainer.num_nodes} but torchrun formed a group of {nodes} node(s) "
-                        f"(WORLD_SIZE={os.environ.get('WORLD_SIZE')} / LOCAL_WORLD_SIZE={local}): leave "
-                        "trainer.num_nodes out under torchrun (with --nnodes=MIN:MAX it changes from attempt to attempt)")
+        raise UserError(
+            f"trainer.num_nodes={trainer.num_nodes} but torchrun formed a group of {nodes} node(s) "
+            f"(WORLD_SIZE={os.environ.get('WORLD_SIZE')} / LOCAL_WORLD_SIZE={local}): leave "
+            "trainer.num_nodes out under torchrun (with --nnodes=MIN:MAX it changes from attempt to attempt)"
+        )
     with open_dict(cfg):
         trainer.devices = devices
         trainer.num_nodes = nodes
@@ -124,10 +132,15 @@ def keep_global_batch(checkpoint: dict | None, datamodule: Any, world_size: int,
     per_process = max(1, per_process + (rest * 2 >= world_size * accumulate))
     datamodule.batch_size = per_process
     now = per_process * world_size * accumulate
-    kept = (f"global batch {global_batch} kept" if now == global_batch
-            else f"global batch {global_batch} cannot be split over {world_size} process(es): it is now {now}")
-    return (f"world size {old_world} -> {world_size}: {kept} (data.batch_size {old_batch} -> {per_process} per "
-            f"process); the learning rate and its schedule follow the global batch")
+    kept = (
+        f"global batch {global_batch} kept"
+        if now == global_batch
+        else f"global batch {global_batch} cannot be split over {world_size} process(es): it is now {now}"
+    )
+    return (
+        f"world size {old_world} -> {world_size}: {kept} (data.batch_size {old_batch} -> {per_process} per "
+        f"process); the learning rate and its schedule follow the global batch"
+    )
 
 
 def run_dir_for(default: Path) -> Path:
@@ -150,7 +163,7 @@ _PREFIX: str | None = None  # the store prefix this attempt's ranks agreed on
 
 def attempt_prefix() -> str:
     """This attempt's key prefix in the rendezvous store (the run's failure record lives under it too,
-    src/resilience/supervision.py). Without the agent's store, each attempt's store is new: the restart count will do."""
+    src/resilience/supervision.py). Without the agent's store, each attempt's store is new: its restart count does."""
     return _PREFIX or f"cifar10_ddp/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
 
 
@@ -169,12 +182,18 @@ def attempt_store(rank: int, world_size: int, timeout: timedelta) -> Any:
 
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "False") != "True":
         return None  # rank 0 hosts a new store on a new port each attempt: nothing stale to read
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size=world_size,
-                          is_master=False, timeout=timeout)
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world_size=world_size,
+        is_master=False,
+        timeout=timeout,
+    )
     if rank == 0:
         prefix = f"cifar10_ddp/attempt/{uuid.uuid4().hex}/"
-        answering = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                                  timeout=timeout)  # a connection of its own for the thread
+        answering = dist.TCPStore(
+            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout
+        )  # a connection of its own for the thread
         _answer(answering, world_size, prefix, time.monotonic() + timeout.total_seconds())
     else:
         nonce = uuid.uuid4().hex
@@ -185,7 +204,9 @@ def attempt_store(rank: int, world_size: int, timeout: timedelta) -> Any:
     return dist.PrefixStore(prefix + "pg/", store)
 
 
-_HELLO = "cifar10_ddp/attempt/hello/"  # + rank: that rank's nonce for this attempt (an earlier attempt's, until rewritten)
+_HELLO = (
+    "cifar10_ddp/attempt/hello/"  # + rank: that rank's nonce for this attempt (an earlier attempt's, until rewritten)
+)
 _ANSWER = "cifar10_ddp/attempt/answer/"  # + nonce: the prefix rank 0 chose
 _formed = threading.Event()
 

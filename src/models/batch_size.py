@@ -1,12 +1,12 @@
 """What ``data.batch_size=auto`` becomes: the largest per-device batch that fits the GPU with a margin.
 
-A short probe before training, on every rank: the run's network, number format and memory layout train two
-steps (SGD with momentum, as the recipe) at per-device batches 64, 128, 256, ... up to ``data.max_batch_size``;
-the largest whose peak reserved memory stays within ``MARGIN`` of what the device can give this process is kept.
-The ranks take the smallest of their answers (one all-reduce), so every rank trains the same batch. The answer
-goes into the run line and ``config.yaml``; the learning rate scales with it as with any batch
-(``model.optimizer.lr_scaling``). A run that resumes keeps its checkpoint's batch (``keep_checkpoint_batch``). On a CPU there is
-no memory to probe: ``auto`` is the recipe's reference batch, 128.
+A short probe before training, on every rank: the run's network, number format and memory layout train two steps (SGD
+with momentum, as the recipe) at per-device batches 64, 128, 256, ... up to ``data.max_batch_size``; the largest whose
+peak reserved memory stays within ``MARGIN`` of what the device can give this process is kept. The ranks take the
+smallest of their answers (one all-reduce), so every rank trains the same batch. The answer goes into the run line and
+``config.yaml``; the learning rate scales with it as with any batch (``model.optimizer.lr_scaling``). A run that resumes
+keeps its checkpoint's batch (``keep_checkpoint_batch``). On a CPU there is no memory to probe: ``auto`` is the recipe's
+reference batch, 128.
 """
 
 from __future__ import annotations
@@ -34,8 +34,9 @@ class Choice:
     why: str  # one clause for the run line
 
 
-def largest_fitting(measure: Callable[[int], int | None], capacity: int, cap: int, first: int = FIRST
-                    ) -> tuple[int | None, dict[int, int | None]]:
+def largest_fitting(
+    measure: Callable[[int], int | None], capacity: int, cap: int, first: int = FIRST
+) -> tuple[int | None, dict[int, int | None]]:
     """The largest of ``first``, 2 x ``first``, ... <= ``cap`` whose ``measure`` (peak bytes, None: out of memory)
     stays within (1 - MARGIN) x ``capacity``; also every batch measured and its peak."""
     measured: dict[int, int | None] = {}
@@ -84,7 +85,9 @@ def _probe(trainer: Any, pl_module: Any, datamodule: Any) -> Choice:
         cap = min(cap, per_rank // STEPS_PER_EPOCH_MIN)
     free, _ = torch.cuda.mem_get_info(device)
     capacity = free + torch.cuda.memory_reserved(device)  # what this process can have: its own, and what is free
-    net = build_resnet(hparams.arch, hparams.num_classes, hparams.stem).to(device, memory_format=pl_module.memory_format)
+    net = build_resnet(hparams.arch, hparams.num_classes, hparams.stem).to(
+        device, memory_format=pl_module.memory_format
+    )
     optimizer = torch.optim.SGD(net.parameters(), lr=1e-3, momentum=0.9)
 
     def measure(batch: int) -> int | None:
@@ -93,7 +96,8 @@ def _probe(trainer: Any, pl_module: Any, datamodule: Any) -> Choice:
         torch.cuda.reset_peak_memory_stats(device)
         try:
             images = torch.randn(batch, 3, image_size, image_size, device=device).contiguous(
-                memory_format=pl_module.memory_format)
+                memory_format=pl_module.memory_format
+            )
             labels = torch.randint(0, hparams.num_classes, (batch,), device=device)
             for _ in range(2):  # the second step holds the momentum buffers too
                 with torch.autocast("cuda", dtype=dtype or torch.float32, enabled=dtype is not None):
@@ -125,8 +129,10 @@ def _probe(trainer: Any, pl_module: Any, datamodule: Any) -> Choice:
     gib = 2**30
     peak = measured.get(agreed)
     tried = ", ".join(f"{b}: {'OOM' if p is None else f'{p / gib:.1f}'}" for b, p in measured.items())
-    why = (f"auto: the largest power of two up to {cap} that fits {precision} training in {1 - MARGIN:.0%} of "
-           f"{capacity / gib:.1f} GiB (peak {'?' if peak is None else f'{peak / gib:.1f}'} GiB; probed {tried} GiB)")
+    why = (
+        f"auto: the largest power of two up to {cap} that fits {precision} training in {1 - MARGIN:.0%} of "
+        f"{capacity / gib:.1f} GiB (peak {'?' if peak is None else f'{peak / gib:.1f}'} GiB; probed {tried} GiB)"
+    )
     if best is None:
         why = f"auto: not even {first} images fit with a margin here (probed {tried} GiB): trying {first}"
     log.info("data.batch_size=%s (%s)", agreed, why)

@@ -49,25 +49,51 @@ class ImageClassifier(L.LightningModule):
         compile: bool | str = "auto",
     ) -> None:
         super().__init__()
-        optimizer = {"lr": 0.1, "momentum": 0.9, "nesterov": True, "weight_decay": 5e-4, "decay_norm_and_bias": False,
-                     "lr_scaling": "linear", "reference_batch_size": 128, "fused": "auto", **(optimizer or {})}
-        scheduler = {"warmup_epochs": 1.0, "warmup_start_factor": 0.1, "decay": "cosine", "min_lr_factor": 0.0,
-                     **(scheduler or {})}
+        optimizer = {
+            "lr": 0.1,
+            "momentum": 0.9,
+            "nesterov": True,
+            "weight_decay": 5e-4,
+            "decay_norm_and_bias": False,
+            "lr_scaling": "linear",
+            "reference_batch_size": 128,
+            "fused": "auto",
+            **(optimizer or {}),
+        }
+        scheduler = {
+            "warmup_epochs": 1.0,
+            "warmup_start_factor": 0.1,
+            "decay": "cosine",
+            "min_lr_factor": 0.0,
+            **(scheduler or {}),
+        }
         if scheduler["decay"] not in DECAYS:
-            raise UserError(f"model.scheduler.decay={scheduler['decay']} is not known: choose one of {', '.join(DECAYS)}")
+            raise UserError(
+                f"model.scheduler.decay={scheduler['decay']} is not known: choose one of {', '.join(DECAYS)}"
+            )
         if not 0.0 <= label_smoothing < 1.0:
             raise UserError(f"model.label_smoothing={label_smoothing} must be in [0, 1)")
         if optimizer["lr_scaling"] not in LR_SCALINGS:
-            raise UserError(f"model.optimizer.lr_scaling={optimizer['lr_scaling']} is not known: "
-                            f"choose one of {', '.join(LR_SCALINGS)}")
+            raise UserError(
+                f"model.optimizer.lr_scaling={optimizer['lr_scaling']} is not known: "
+                f"choose one of {', '.join(LR_SCALINGS)}"
+            )
         if channels_last not in (True, False, "auto"):
             raise UserError(f"model.channels_last={channels_last} must be true, false or auto")
         check_compile(compile)
         if optimizer["fused"] not in (True, False, "auto"):
             raise UserError(f"model.optimizer.fused={optimizer['fused']} must be true, false or auto")
         self.save_hyperparameters(
-            {"arch": arch, "num_classes": num_classes, "stem": stem, "label_smoothing": label_smoothing,
-             "optimizer": optimizer, "scheduler": scheduler, "channels_last": channels_last, "compile": compile},
+            {
+                "arch": arch,
+                "num_classes": num_classes,
+                "stem": stem,
+                "label_smoothing": label_smoothing,
+                "optimizer": optimizer,
+                "scheduler": scheduler,
+                "channels_last": channels_last,
+                "compile": compile,
+            },
             logger=False,  # train.py logs the whole resolved config instead
         )
         self.net = build_resnet(arch, num_classes, stem)
@@ -76,7 +102,8 @@ class ImageClassifier(L.LightningModule):
         # read a value back from the GPU (the host would wait for the device every step): no argument validation, no
         # NaN check (a NaN loss shows in the logged loss all the same), and weights that are device tensors already.
         self.train_acc, self.val_acc, self.test_acc = (
-            MulticlassAccuracy(num_classes, average="micro", validate_args=False) for _ in range(3))
+            MulticlassAccuracy(num_classes, average="micro", validate_args=False) for _ in range(3)
+        )
         self.train_loss, self.val_loss, self.test_loss = (MeanMetric(nan_strategy="disable") for _ in range(3))
         # Evaluation losses summed in float64: the same mean to 1e-6 whatever the world size's order of additions
         for metric in (self.val_loss, self.test_loss):
@@ -107,8 +134,8 @@ class ImageClassifier(L.LightningModule):
             if stage == "fit" and self.hparams.compile == "auto" and device == "cuda":
                 steps = self.trainer.estimated_stepping_batches  # loads the training batches (once, as fit would)
             self.compile_mode, self.compile_why = compile_choice(
-                self.hparams.compile, device, steps,
-                torch.are_deterministic_algorithms_enabled())  # Lightning sets it for trainer.deterministic
+                self.hparams.compile, device, steps, torch.are_deterministic_algorithms_enabled()
+            )  # Lightning sets it for trainer.deterministic
             if self.compile_mode is not None:
                 # in place: the state dict keeps its keys, so checkpoints stay interchangeable
                 self.net.compile(mode=self.compile_mode)
@@ -130,7 +157,9 @@ class ImageClassifier(L.LightningModule):
         # The epoch's values accumulate in torchmetrics states, exact across ranks and uneven batches, and are reduced
         # once, at the epoch's end (on_train_epoch_end); per step, this rank's values, plain tensors, no sync.
         self.train_acc.update(logits, labels)
-        self.train_loss.update(loss.detach().expand(len(labels)))  # one value per image: the epoch mean weighs each once
+        self.train_loss.update(
+            loss.detach().expand(len(labels))
+        )  # one value per image: the epoch mean weighs each once
         # Logged at the steps whose values reach the loggers (every trainer.log_every_n_steps), and at the epoch's
         # last (for callbacks that monitor them at its end), not at every step: each self.log costs the host about a
         # millisecond of Lightning's bookkeeping (a torchmetrics object logged costs more: Lightning moves it to the
@@ -157,19 +186,26 @@ class ImageClassifier(L.LightningModule):
     def on_test_epoch_end(self) -> None:
         self._log_epoch("test", self.test_loss, self.test_acc, prog_bar=True)
 
-    def _evaluate(self, batch: tuple[torch.Tensor, torch.Tensor], loss_metric: MeanMetric,
-                  acc_metric: MulticlassAccuracy) -> None:
+    def _evaluate(
+        self, batch: tuple[torch.Tensor, torch.Tensor], loss_metric: MeanMetric, acc_metric: MulticlassAccuracy
+    ) -> None:
         images, labels = batch
         if self.cuda_graphs:
             torch.compiler.cudagraph_mark_step_begin()
-        logits = self(self._full_batch(images))[:len(labels)]
+        logits = self(self._full_batch(images))[: len(labels)]
         # Plain cross-entropy, so evaluation loss compares across label-smoothing settings; per image, so the mean is
         # exact whatever the batches.
         loss_metric.update(F.cross_entropy(logits, labels, reduction="none"))
         acc_metric.update(logits, labels)
 
-    def _log_epoch(self, stage: str, loss_metric: MeanMetric, acc_metric: MulticlassAccuracy, suffix: str = "",
-                   prog_bar: bool = False) -> None:
+    def _log_epoch(
+        self,
+        stage: str,
+        loss_metric: MeanMetric,
+        acc_metric: MulticlassAccuracy,
+        suffix: str = "",
+        prog_bar: bool = False,
+    ) -> None:
         """Log ``stage``'s loss and accuracy over the epoch, reduced across ranks (torchmetrics' compute: every rank
         calls this), then start the next epoch's from zero."""
         if not acc_metric.update_called:  # an epoch without a batch (trainer.limit_val_batches=0, ...)
@@ -197,9 +233,16 @@ class ImageClassifier(L.LightningModule):
         if fused == "auto":  # one kernel launch for the whole update, where the host is what a step waits for;
             # not where Lightning's gradient scaler must unscale before clipping (fp16: 16-mixed), which it refuses
             fused = self.trainer.strategy.root_device.type == "cuda" and not (
-                self.trainer.gradient_clip_val and str(self.trainer.precision).startswith("16"))
-        optimizer = torch.optim.SGD(self.parameter_groups(), lr=self.learning_rate(), momentum=opt["momentum"],
-                                    nesterov=opt["nesterov"], weight_decay=opt["weight_decay"], fused=fused or None)
+                self.trainer.gradient_clip_val and str(self.trainer.precision).startswith("16")
+            )
+        optimizer = torch.optim.SGD(
+            self.parameter_groups(),
+            lr=self.learning_rate(),
+            momentum=opt["momentum"],
+            nesterov=opt["nesterov"],
+            weight_decay=opt["weight_decay"],
+            fused=fused or None,
+        )
         total_steps = self.trainer.estimated_stepping_batches
         per_epoch = max(1, math.ceil(self.trainer.num_training_batches / self.trainer.accumulate_grad_batches))
         schedule = warmup_then_decay(
@@ -217,8 +260,10 @@ class ImageClassifier(L.LightningModule):
         if self.hparams.optimizer["decay_norm_and_bias"]:
             return [{"params": list(self.parameters())}]
         params = list(self.parameters())
-        return [{"params": [p for p in params if p.ndim > 1]},
-                {"params": [p for p in params if p.ndim <= 1], "weight_decay": 0.0}]
+        return [
+            {"params": [p for p in params if p.ndim > 1]},
+            {"params": [p for p in params if p.ndim <= 1], "weight_decay": 0.0},
+        ]
 
     def learning_rate(self) -> float:
         """``optimizer.lr`` is the rate for ``reference_batch_size``; linear scaling keeps the per-image step the
@@ -234,11 +279,14 @@ class ImageClassifier(L.LightningModule):
         return scaled_lr(opt["lr"], opt["lr_scaling"], global_batch, opt["reference_batch_size"])
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        # Every rank builds this dict; only rank zero's reaches the disk, which the tests check.
-        # world size and per-process batch: a run resumed at another world size keeps the global batch (src/launch/torchrun.py)
-        checkpoint["saved_by"] = {"global_rank": self.global_rank, "world_size": self.trainer.world_size,
-                                  "batch_size": getattr(self.trainer.datamodule, "batch_size", None),
-                                  "accumulate": self.trainer.accumulate_grad_batches}
+        # Every rank builds this dict; only rank zero's reaches the disk, which the tests check. world size and
+        # per-process batch: a run resumed at another world size keeps the global batch (src/launch/torchrun.py)
+        checkpoint["saved_by"] = {
+            "global_rank": self.global_rank,
+            "world_size": self.trainer.world_size,
+            "batch_size": getattr(self.trainer.datamodule, "batch_size", None),
+            "accumulate": self.trainer.accumulate_grad_batches,
+        }
 
 
 def extreme_lr_warning(opt: dict[str, Any], global_batch: int) -> str | None:
@@ -248,10 +296,12 @@ def extreme_lr_warning(opt: dict[str, Any], global_batch: int) -> str | None:
     if opt["lr_scaling"] != "linear" or global_batch <= LINEAR_SCALING_LIMIT * reference_batch:
         return None
     peak = scaled_lr(lr, "linear", global_batch, reference_batch)
-    return (f"linear lr scaling gives a peak lr of {peak:.4g} (model.optimizer.lr={lr:g} x global batch "
-            f"{global_batch} / reference_batch_size {reference_batch}), {global_batch / reference_batch:.0f}x the "
-            f"reference; past {LINEAR_SCALING_LIMIT}x, SGD tends to diverge: consider a lower model.optimizer.lr, "
-            "model.optimizer.lr_scaling=none, a longer model.scheduler.warmup_epochs, or a smaller data.batch_size")
+    return (
+        f"linear lr scaling gives a peak lr of {peak:.4g} (model.optimizer.lr={lr:g} x global batch "
+        f"{global_batch} / reference_batch_size {reference_batch}), {global_batch / reference_batch:.0f}x the "
+        f"reference; past {LINEAR_SCALING_LIMIT}x, SGD tends to diverge: consider a lower model.optimizer.lr, "
+        "model.optimizer.lr_scaling=none, a longer model.scheduler.warmup_epochs, or a smaller data.batch_size"
+    )
 
 
 def scaled_lr(lr: float, scaling: str, global_batch: int, reference_batch: int) -> float:
@@ -259,8 +309,9 @@ def scaled_lr(lr: float, scaling: str, global_batch: int, reference_batch: int) 
     return lr * global_batch / reference_batch if scaling == "linear" else lr
 
 
-def warmup_then_decay(warmup_steps: int, total_steps: float, start_factor: float = 0.1, decay: str = "cosine",
-                      min_factor: float = 0.0):
+def warmup_then_decay(
+    warmup_steps: int, total_steps: float, start_factor: float = 0.1, decay: str = "cosine", min_factor: float = 0.0
+):
     """LR multiplier per optimizer step: linear warm-up from ``start_factor`` to 1, then cosine/linear decay."""
 
     def factor(step: int) -> float:

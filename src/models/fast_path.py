@@ -47,9 +47,9 @@ PROBE_BATCH, PROBE_STEPS = 8, 2  # images per timed step, timed steps per round 
 
 @dataclass(frozen=True)
 class FastPath:
-    precision: str        # a Lightning precision
+    precision: str  # a Lightning precision
     channels_last: bool
-    why: str              # one clause for the run line
+    why: str  # one clause for the run line
 
     @property
     def label(self) -> str:
@@ -79,8 +79,9 @@ def fast_path(device_type: str, arch: str = "resnet50", gpus: tuple[int, ...] = 
     if device_type == "cuda":
         # the lowest capability of the node's GPUs: ranks that scaled their losses and ranks that did not would
         # all-reduce gradients of different scales
-        index, (major, minor) = min(((i, torch.cuda.get_device_capability(i)) for i in sorted(set(gpus))),
-                                    key=lambda g: g[1])
+        index, (major, minor) = min(
+            ((i, torch.cuda.get_device_capability(i)) for i in sorted(set(gpus))), key=lambda g: g[1]
+        )
         found = f"GPU cuda:{index} has compute capability {major}.{minor}"
         if major >= 8:
             return FastPath("bf16-mixed", True, f"{found}: native bf16")
@@ -100,12 +101,15 @@ def fast_path(device_type: str, arch: str = "resnet50", gpus: tuple[int, ...] = 
 def check_compile(value: object) -> None:
     """``model.compile``: auto, true, false or one of torch.compile's modes; anything else is one line."""
     if not (isinstance(value, bool) or value == "auto" or value in COMPILE_MODES):
-        raise UserError(f"model.compile={value} is not known: choose auto, true, false or a torch.compile mode "
-                        f"({', '.join(COMPILE_MODES)})")
+        raise UserError(
+            f"model.compile={value} is not known: choose auto, true, false or a torch.compile mode "
+            f"({', '.join(COMPILE_MODES)})"
+        )
 
 
-def compile_choice(value: bool | str, device_type: str, steps: float | None = None,
-                   deterministic: bool = False) -> tuple[str | None, str]:
+def compile_choice(
+    value: bool | str, device_type: str, steps: float | None = None, deterministic: bool = False
+) -> tuple[str | None, str]:
     """What ``model.compile=value`` becomes: the torch.compile mode to compile the network with, or None (eager), and
     why, for the run line. ``steps``: the optimizer steps the fit will take (None: not a fit).
 
@@ -148,8 +152,11 @@ def bf16_speedup(arch: str) -> float:
             from src.launch.ranks import is_launch_rank_zero
 
             if is_launch_rank_zero():
-                log.info("auto: timing a %s train step in bf16 and in fp32 on this CPU (once; the result is kept in "
-                         "%s)", arch, cache)
+                log.info(
+                    "auto: timing a %s train step in bf16 and in fp32 on this CPU (once; the result is kept in %s)",
+                    arch,
+                    cache,
+                )
             known[key] = {**measure_bf16_speedup(arch), "measured": time.strftime("%Y-%m-%d %H:%M:%S")}
             try:
                 write_json(cache, known, sort_keys=True)
@@ -184,8 +191,12 @@ def measure_bf16_speedup(arch: str) -> dict[str, float]:
                 for _ in range(PROBE_STEPS):
                     step(bf16)
                 best[bf16] = max(best[bf16], PROBE_BATCH * PROBE_STEPS / (time.perf_counter() - start))
-    return {"speedup": round(best[True] / best[False], 3), "fp32_img_s": round(best[False], 2),
-            "bf16_img_s": round(best[True], 2), "threads": torch.get_num_threads()}
+    return {
+        "speedup": round(best[True] / best[False], 3),
+        "fp32_img_s": round(best[False], 2),
+        "bf16_img_s": round(best[True], 2),
+        "threads": torch.get_num_threads(),
+    }
 
 
 def cache_file() -> Path:

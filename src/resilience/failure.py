@@ -144,8 +144,10 @@ def _distributed(err: BaseException | None) -> tuple[str | None, int] | None:
             code = err.exit_code if err.exit_code is not None else -signal.Signals[err.signal_name].value
             if supervision.said_why(code):  # the rank said why (or, after SIGTERM, where it stopped and how to resume)
                 return None, code
-            return (f"rank {err.error_index} (pid {err.error_pid}) died: {supervision.how_it_ended(code)}; "
-                    "stopped the other ranks"), EXIT_FAILED
+            return (
+                f"rank {err.error_index} (pid {err.error_pid}) died: {supervision.how_it_ended(code)}; "
+                "stopped the other ranks"
+            ), EXIT_FAILED
         if _is_broken_connection(err):
             reported = supervision.reported_failure()
             if reported is not None:  # a rank failed, and this one lost its connection to it
@@ -153,16 +155,25 @@ def _distributed(err: BaseException | None) -> tuple[str | None, int] | None:
             failure = supervision.failed_child(supervision.STARTED, supervision.STARTED_RANKS)
             if failure is not None:
                 message, code = failure
-                return (None, code) if supervision.said_why(code) else (f"{message}; stopped the other ranks", EXIT_FAILED)
+                return (
+                    (None, code) if supervision.said_why(code) else (f"{message}; stopped the other ranks", EXIT_FAILED)
+                )
             gone = supervision.launcher_gone()
             if gone is not None:
                 return gone, EXIT_FAILED
-            if supervision.watches_a_launcher() and not torchrun.active():  # it watches this node's ranks and tells which died
+            if (
+                supervision.watches_a_launcher() and not torchrun.active()
+            ):  # it watches this node's ranks and tells which died
                 return None, EXIT_FAILED
-            then = ("torchrun restarts the group from last.ckpt while --max-restarts allows" if torchrun.active()
-                    else "see its log, then resume with ckpt_path=last")
-            return (f"the process group broke ({_first_sentence(err)}): another rank has probably died or lost "
-                    f"the network; {then}"), EXIT_FAILED
+            then = (
+                "torchrun restarts the group from last.ckpt while --max-restarts allows"
+                if torchrun.active()
+                else "see its log, then resume with ckpt_path=last"
+            )
+            return (
+                f"the process group broke ({_first_sentence(err)}): another rank has probably died or lost "
+                f"the network; {then}"
+            ), EXIT_FAILED
         err = err.__cause__ or err.__context__
     return None
 
@@ -196,8 +207,9 @@ def _log_traceback(err: BaseException, log_dir: str | None, console: bool = True
         if console:
             traceback.print_exception(err)  # nowhere else to keep it
         return None
-    record = logging.LogRecord(log.name, logging.ERROR, __file__, 0, "the run failed:", None,
-                               (type(err), err, err.__traceback__))
+    record = logging.LogRecord(
+        log.name, logging.ERROR, __file__, 0, "the run failed:", None, (type(err), err, err.__traceback__)
+    )
     for handler in files:
         handler.handle(record)
         handler.flush()
@@ -207,7 +219,8 @@ def _log_traceback(err: BaseException, log_dir: str | None, console: bool = True
 
 
 def _first_sentence(err: BaseException) -> str:
-    """gloo's '[.../pair.cc:545] Read error [10.0.0.2]:3225: Connection reset by peer. This is ...' -> 'Read error ...'"""
+    """gloo's '[.../pair.cc:545] Read error [10.0.0.2]:3225: Connection reset by peer. This is ...' -> 'Read
+    error [10.0.0.2]:3225: Connection reset by peer'."""
     text = re.sub(r"^\[[^\]]*\]\s*", "", str(err).strip()) or type(err).__name__
     return text.split(". ")[0].splitlines()[0][:200]
 
@@ -218,8 +231,9 @@ def _is_broken_connection(err: BaseException) -> bool:
     if isinstance(err, (torch.distributed.DistBackendError, torch.distributed.DistNetworkError)):
         return True
     text = str(err)
-    return isinstance(err, RuntimeError) and ("gloo/transport" in text or "Connection reset by peer" in text
-                                              or "Connection closed by peer" in text)
+    return isinstance(err, RuntimeError) and (
+        "gloo/transport" in text or "Connection reset by peer" in text or "Connection closed by peer" in text
+    )
 
 
 def record_job_failure(line: str | None, code: int) -> None:
@@ -234,8 +248,9 @@ def record_job_failure(line: str | None, code: int) -> None:
     supervision.stop_processes(supervision.STARTED, grace_s=2.0)
     message = line or "a rank of this job failed: see its log"
     job = HydraConfig.get().job
-    print(f"error: job {job.num} ({' '.join(HydraConfig.get().overrides.task)}): {message}", file=sys.stderr,
-          flush=True)
+    print(
+        f"error: job {job.num} ({' '.join(HydraConfig.get().overrides.task)}): {message}", file=sys.stderr, flush=True
+    )
     out = Path(HydraConfig.get().runtime.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / FAILURE_FILE).write_text(json.dumps({"job": job.num, "error": message, "exit_code": code}, indent=2) + "\n")
@@ -248,8 +263,12 @@ def stopped_line() -> str:
     hydra_cfg = HydraConfig.get()
     sweep_dir = Path(hydra_cfg.sweep.dir).resolve()
     job = hydra_cfg.job.num
-    kept = ("the study keeps its trials and this one goes on from its last.ckpt"
-            if hydra_cfg.runtime.choices.get("hparams_search") else
-            f"finished jobs are skipped and job {job} goes on from its last.ckpt")
-    return (f"the sweep stopped at job {job}: run the same command again (with hydra.sweep.dir={sweep_dir}) to "
-            f"resume it: {kept}")
+    kept = (
+        "the study keeps its trials and this one goes on from its last.ckpt"
+        if hydra_cfg.runtime.choices.get("hparams_search")
+        else f"finished jobs are skipped and job {job} goes on from its last.ckpt"
+    )
+    return (
+        f"the sweep stopped at job {job}: run the same command again (with hydra.sweep.dir={sweep_dir}) to "
+        f"resume it: {kept}"
+    )

@@ -68,8 +68,9 @@ def mark(phase: str, trainer: Any = None, alike: bool = True) -> None:
     PROGRESS.position += alike
 
 
-def _marked(phase: Callable[..., str], call: Callable[..., Any], trainer: Any, writes: bool = False
-            ) -> Callable[..., Any]:
+def _marked(
+    phase: Callable[..., str], call: Callable[..., Any], trainer: Any, writes: bool = False
+) -> Callable[..., Any]:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         mark(phase(*args, **kwargs), trainer)
         if writes and args:
@@ -92,12 +93,19 @@ def progress_callback() -> Any:
         def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
             strategy = trainer.strategy
             if not getattr(strategy.barrier, "_marks_progress", False):
-                barrier = _marked(lambda name=None, **_: f"waiting for the other ranks at a barrier ({name})",
-                                  strategy.barrier, trainer)
+                barrier = _marked(
+                    lambda name=None, **_: f"waiting for the other ranks at a barrier ({name})",
+                    strategy.barrier,
+                    trainer,
+                )
                 strategy.barrier = barrier  # wrapped on this instance only
             if not getattr(trainer.save_checkpoint, "_marks_progress", False):
-                save = _marked(lambda path, *a, **k: f"writing a checkpoint ({path})", trainer.save_checkpoint, trainer,
-                               writes=True)
+                save = _marked(
+                    lambda path, *a, **k: f"writing a checkpoint ({path})",
+                    trainer.save_checkpoint,
+                    trainer,
+                    writes=True,
+                )
                 trainer.save_checkpoint = save  # wrapped on this instance only
 
         def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
@@ -116,8 +124,9 @@ def progress_callback() -> Any:
             mark("in the sanity check's validation" if trainer.sanity_checking else "in validation", trainer)
 
         def on_validation_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
-            mark("in the sanity check's validation" if trainer.sanity_checking else "in validation", trainer,
-                 alike=False)
+            mark(
+                "in the sanity check's validation" if trainer.sanity_checking else "in validation", trainer, alike=False
+            )
 
         def on_validation_end(self, trainer: L.Trainer, *args: Any) -> None:
             mark("after validation", trainer)
@@ -157,8 +166,10 @@ def dump_stacks(path: Path, reason: str) -> bool:
     """Append every thread's Python stack to ``path`` under a line saying why; False if it cannot be written."""
     try:
         with open(path, "a") as f:
-            f.write(f"\n--- {reason}: every thread's Python stack of pid {os.getpid()} on {socket.gethostname()} at "
-                    f"{time.strftime('%Y-%m-%d %H:%M:%S')} (most recent call first) ---\n")
+            f.write(
+                f"\n--- {reason}: every thread's Python stack of pid {os.getpid()} on {socket.gethostname()} at "
+                f"{time.strftime('%Y-%m-%d %H:%M:%S')} (most recent call first) ---\n"
+            )
             f.flush()
             faulthandler.dump_traceback(file=f, all_threads=True)
         return True
@@ -181,8 +192,11 @@ def register_stack_dump(label: str, run_dir: str | os.PathLike | None = None) ->
         return None
 
     def say(signum: int, frame: Any) -> None:
-        print(f"stacks: every thread's Python stack of {label} (pid {os.getpid()}) written to {path}",
-              file=sys.stderr, flush=True)
+        print(
+            f"stacks: every thread's Python stack of {label} (pid {os.getpid()}) written to {path}",
+            file=sys.stderr,
+            flush=True,
+        )
 
     try:
         signal.signal(STACK_SIGNAL, say)  # the console line: Python, once the main thread runs again
@@ -205,9 +219,11 @@ def nccl_trace_env(run_dir: str | os.PathLike) -> dict[str, str]:
     """
     prefix = str(Path(run_dir, NCCL_TRACE_DIR, "rank_"))
     env = {}
-    for older, newer, value in (("TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_FR_BUFFER_SIZE", str(NCCL_TRACE_ENTRIES)),
-                                ("TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_FR_DUMP_ON_TIMEOUT", "1"),
-                                ("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "TORCH_FR_DUMP_TEMP_FILE", prefix)):
+    for older, newer, value in (
+        ("TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_FR_BUFFER_SIZE", str(NCCL_TRACE_ENTRIES)),
+        ("TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_FR_DUMP_ON_TIMEOUT", "1"),
+        ("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "TORCH_FR_DUMP_TEMP_FILE", prefix),
+    ):
         users = os.environ.get(newer, os.environ.get(older))
         env[older] = os.environ.get(older, users or value)
         env[newer] = os.environ.get(newer, users or value)
@@ -235,8 +251,7 @@ def write_nccl_trace(rank: int) -> Path | None:
         import torch
         import torch.distributed as dist
 
-        if not (prefix and torch.cuda.is_initialized() and dist.is_initialized()
-                and dist.get_backend() == "nccl"):
+        if not (prefix and torch.cuda.is_initialized() and dist.is_initialized() and dist.get_backend() == "nccl"):
             return None
         dump = torch._C._distributed_c10d._dump_nccl_trace()  # the pickled entries fr_trace reads
         path = Path(f"{prefix}{rank}")

@@ -35,8 +35,9 @@ class NodeBoard:
     """The folder of one node of one run: ``r<local rank>.json`` per rank (its record; its age, the pulse), and the
     notes the reporter brings from the store (``failure.json``, ``verdict.json``, ``end.json``)."""
 
-    def __init__(self, run_id: str, node_rank: int, local_rank: int, local_world: int, stale_s: float,
-                 folder: Path | None = None) -> None:
+    def __init__(
+        self, run_id: str, node_rank: int, local_rank: int, local_world: int, stale_s: float, folder: Path | None = None
+    ) -> None:
         self.local_rank, self.local_world, self.stale_s = local_rank, local_world, stale_s
         self.path = folder or root() / f"cifar10-ddp-{run_id}-node{node_rank}"
         self.path.mkdir(parents=True, exist_ok=True)
@@ -60,8 +61,13 @@ class NodeBoard:
             temp.unlink(missing_ok=True)
             if not self._warned:
                 self._warned = True
-                log.warning("the node's board %s cannot be written (%s): this node's hang reports may be stale; "
-                            "free space in %s", self.path, err.strerror or err, self.path.parent)
+                log.warning(
+                    "the node's board %s cannot be written (%s): this node's hang reports may be stale; "
+                    "free space in %s",
+                    self.path,
+                    err.strerror or err,
+                    self.path.parent,
+                )
 
     def beat(self) -> None:
         """This rank can run Python: its file's age starts again from zero."""

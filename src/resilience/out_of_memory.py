@@ -23,12 +23,21 @@ class OutOfMemoryReport(L.Callback):
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         error = out_of_memory_in(exception)
         if error is not None and not hasattr(error, LINE):
-            setattr(error, LINE, describe(trainer.strategy.root_device, getattr(getattr(trainer, "datamodule", None), "batch_size", None),
-                                          _where(trainer), str(trainer.precision)))
+            setattr(
+                error,
+                LINE,
+                describe(
+                    trainer.strategy.root_device,
+                    getattr(getattr(trainer, "datamodule", None), "batch_size", None),
+                    _where(trainer),
+                    str(trainer.precision),
+                ),
+            )
 
 
-def describe(device: torch.device | None, batch_size: int | None = None, where: str | None = None,
-             precision: str | None = None) -> str:
+def describe(
+    device: torch.device | None, batch_size: int | None = None, where: str | None = None, precision: str | None = None
+) -> str:
     """'CUDA out of memory on cuda:1 (NAME) at data.batch_size=1024 per device, step 37: 78.1 GiB in use of 79.1 GiB;
     lower data.batch_size (e.g. data.batch_size=512)' (what is not known is left out)."""
     if device is None and torch.cuda.is_initialized():

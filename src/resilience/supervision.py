@@ -141,8 +141,9 @@ def reap_started(grace_s: float) -> tuple[str, int] | None:
         try:
             proc.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            logging.getLogger(__name__).warning("local rank pid %s still running %.0f s after this one finished: "
-                                                "killing it", proc.pid, grace_s)
+            logging.getLogger(__name__).warning(
+                "local rank pid %s still running %.0f s after this one finished: killing it", proc.pid, grace_s
+            )
             _stopped_here.add(proc.pid)
             proc.kill()
             proc.wait()
@@ -152,8 +153,9 @@ def reap_started(grace_s: float) -> tuple[str, int] | None:
     return failure
 
 
-def watch_children(procs: Sequence[subprocess.Popen], ranks: Sequence[int], exit_process: bool = True
-                   ) -> threading.Thread:
+def watch_children(
+    procs: Sequence[subprocess.Popen], ranks: Sequence[int], exit_process: bool = True
+) -> threading.Thread:
     """In the launching rank: when a started rank dies, say so (unless it did), stop the others, and
     (``exit_process``) end the run.
 
@@ -216,15 +218,23 @@ def launcher_gone() -> str | None:
 class FailureRecord:
     """The run's first failure, in its rendezvous store; each node reads it there for all of its ranks.
 
-    Keys are prefixed per torchrun attempt (src/launch/torchrun.py): its agent keeps one store across restarts. The node's
-    reporter (src/resilience/node_board.py) waits for the record with the store's blocking ``wait``, on a connection of its
-    own, and leaves it on the node's board, which every local rank reads every POLL_S: one request per node every
-    WAIT_S, where each rank polling the store would make 4 per rank per second. A rank writes to the store only
-    when it has something to say (a failure, its end), on a connection it opens then.
+    Keys are prefixed per torchrun attempt (src/launch/torchrun.py): its agent keeps one store across restarts. The
+    node's reporter (src/resilience/node_board.py) waits for the record with the store's blocking ``wait``, on a
+    connection of its own, and leaves it on the node's board, which every local rank reads every POLL_S: one request per
+    node every WAIT_S, where each rank polling the store would make 4 per rank per second. A rank writes to the store
+    only when it has something to say (a failure, its end), on a connection it opens then.
     """
 
-    def __init__(self, rank: int, node_rank: int, local_rank: int, world_size: int, in_sweep: bool,
-                 board: NodeBoard, connect: Callable[[float], Any] | None = None) -> None:
+    def __init__(
+        self,
+        rank: int,
+        node_rank: int,
+        local_rank: int,
+        world_size: int,
+        in_sweep: bool,
+        board: NodeBoard,
+        connect: Callable[[float], Any] | None = None,
+    ) -> None:
         self.rank, self.node_rank, self.local_rank, self.world_size = rank, node_rank, local_rank, world_size
         self.in_sweep, self.board = in_sweep, board
         self._prefix = torchrun.attempt_prefix() + "failure/"
@@ -253,8 +263,16 @@ class FailureRecord:
         """Write this rank's failure unless one is there already; True if this one is the run's failure.
 
         ``stuck``: the host and pid of a rank that cannot run Python, for its host's ranks to kill."""
-        record = json.dumps({"rank": self.rank, "node": self.node_rank, "host": socket.gethostname(),
-                             "line": line, "code": code, "stuck": stuck})
+        record = json.dumps(
+            {
+                "rank": self.rank,
+                "node": self.node_rank,
+                "host": socket.gethostname(),
+                "line": line,
+                "code": code,
+                "stuck": stuck,
+            }
+        )
         current = self._call("compare_set", self._prefix + "failure", "", record)
         self._call("add", self._prefix + "seen", 1 + dead)
         first = current is None or current.decode() == record  # no store: nobody else can have reported
@@ -308,8 +326,11 @@ class FailureRecord:
         found the store's host silent. What to print, the exit code and the rank to kill, or None."""
         self.board.beat()
         self._ticks += 1
-        if self._ticks % 4 == 1 and (self._waiter is None or not self._waiter.is_alive()) \
-                and self.board.reporter() == self.local_rank:  # a second's delay is nothing beside BOARD_STALE_S
+        if (
+            self._ticks % 4 == 1
+            and (self._waiter is None or not self._waiter.is_alive())
+            and self.board.reporter() == self.local_rank
+        ):  # a second's delay is nothing beside BOARD_STALE_S
             self._waiter = threading.Thread(target=self._wait, name="failure-wait", daemon=True)
             self._waiter.start()
         failure = self.follow()
@@ -317,8 +338,11 @@ class FailureRecord:
             return (*failure, None)
         note = self.board.read("end")
         if note is not None:
-            return note["line"] if says_store_silence(self.rank, self.node_rank, self.local_rank) else None, \
-                note["code"], note["stuck"]
+            return (
+                note["line"] if says_store_silence(self.rank, self.node_rank, self.local_rank) else None,
+                note["code"],
+                note["stuck"],
+            )
         return None
 
     def wait_for(self, key: str, seconds: float) -> None:
@@ -400,9 +424,9 @@ class HangWatch:
     """Publishes where this rank is; one judge reads every node's and ends a run that has stopped moving while one
     rank holds the others back (module docstring).
 
-    Each rank leaves its record on its node's board (src/resilience/node_board.py); the node's reporter carries the node's
-    records to the store in one ``set`` a round, compact while they move (place, activity, waiting, age), with where
-    a rank is only once it has not moved for ``detail_after_s``. The judge is node 0's reporter: one ``multi_get``
+    Each rank leaves its record on its node's board (src/resilience/node_board.py); the node's reporter carries the
+    node's records to the store in one ``set`` a round, compact while they move (place, activity, waiting, age), with
+    where a rank is only once it has not moved for ``detail_after_s``. The judge is node 0's reporter: one ``multi_get``
     of the nodes' records a round; node 1's reporter stands by and judges in its place when node 0's record stops
     changing. Who each rank is (host, pid, log) is read once a verdict is due.
 
@@ -410,9 +434,20 @@ class HangWatch:
     ``timeout_s``, the node's ranks end, and the line says it was that rank.
     """
 
-    def __init__(self, rank: int, node_rank: int, local_rank: int, world_size: int, timeout_s: float,
-                 run_dir: str | None, board: NodeBoard, num_nodes: int, host: dict[str, Any] | None = None,
-                 progress: Any = None, connect: Callable[[float], Any] | None = None) -> None:
+    def __init__(
+        self,
+        rank: int,
+        node_rank: int,
+        local_rank: int,
+        world_size: int,
+        timeout_s: float,
+        run_dir: str | None,
+        board: NodeBoard,
+        num_nodes: int,
+        host: dict[str, Any] | None = None,
+        progress: Any = None,
+        connect: Callable[[float], Any] | None = None,
+    ) -> None:
         self.rank, self.node_rank, self.local_rank, self.world_size = rank, node_rank, local_rank, world_size
         self.timeout_s, self.run_dir, self.board, self.num_nodes = float(timeout_s), run_dir, board, num_nodes
         self.poll_s = min(max(self.timeout_s / 20, 0.2), 1.0)  # a record a second: the line says where it stopped
@@ -444,9 +479,16 @@ class HangWatch:
         from src.resilience import heartbeat
 
         progress = self.progress or heartbeat.PROGRESS
-        return {"rank": self.rank, "position": progress.position, "activity": progress.activity(),
-                "where": progress.where(), "waiting": progress.phase.startswith("waiting") or _in_collective(),
-                "pid": os.getpid(), "host": socket.gethostname(), "log": str(self.log) if self.log else None}
+        return {
+            "rank": self.rank,
+            "position": progress.position,
+            "activity": progress.activity(),
+            "where": progress.where(),
+            "waiting": progress.phase.startswith("waiting") or _in_collective(),
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "log": str(self.log) if self.log else None,
+        }
 
     def start(self) -> threading.Thread:
         from src.resilience import heartbeat
@@ -555,9 +597,14 @@ class HangWatch:
             if (summary["pulse"], summary["by"]) != node["pulse"]:
                 node["pulse"], node["changed"] = (summary["pulse"], summary["by"]), now
             for rank, entry in summary["ranks"].items():
-                records[int(rank)] = {"position": entry[0], "activity": entry[1], "waiting": bool(entry[2]),
-                                      "silent_s": max(entry[3], now - node["changed"]), "node": n,
-                                      "where": entry[4] if len(entry) > 4 else None}
+                records[int(rank)] = {
+                    "position": entry[0],
+                    "activity": entry[1],
+                    "waiting": bool(entry[2]),
+                    "silent_s": max(entry[3], now - node["changed"]),
+                    "node": n,
+                    "where": entry[4] if len(entry) > 4 else None,
+                }
         if len(records) < self.world_size:  # a rank that has not reported yet is still starting
             return
         for rank, record in records.items():
@@ -573,16 +620,26 @@ class HangWatch:
             return
         records = {r: s["record"] for r, s in self._seen.items()}
         held_back_by = culprits(records, self.silent_s)
-        if not held_back_by:  # every rank busy alike (a first compile) or waiting alike (a deadlock): timeout_s's to end
+        if (
+            not held_back_by
+        ):  # every rank busy alike (a first compile) or waiting alike (a deadlock): timeout_s's to end
             return
         rank = held_back_by[0]
         silent = [r for r, record in records.items() if record["silent_s"] >= self.silent_s]
         record = self._seen[rank]["record"]
-        raw = store.get(f"{self._prefix}who{record['node']}") if store.check([f"{self._prefix}who{record['node']}"]) \
+        raw = (
+            store.get(f"{self._prefix}who{record['node']}")
+            if store.check([f"{self._prefix}who{record['node']}"])
             else b"{}"
+        )
         host, pid, log = json.loads(raw).get(str(rank), ["?", None, None])
-        verdict = {"rank": rank, "can_run": rank not in silent, "host": host, "pid": pid,
-                   "line": self._line(rank, record, host, pid, log, now, rank in silent)}
+        verdict = {
+            "rank": rank,
+            "can_run": rank not in silent,
+            "host": host,
+            "pid": pid,
+            "line": self._line(rank, record, host, pid, log, now, rank in silent),
+        }
         verdict = json.loads(store.compare_set(self._prefix + "verdict", "", json.dumps(verdict)))
         self.board.post("verdict", verdict)
         if verdict["rank"] == self.rank:
@@ -593,21 +650,29 @@ class HangWatch:
         while time.monotonic() < deadline:
             time.sleep(self.poll_s)
             self._last_ok = time.monotonic()  # waiting for it, not for the store
-        self.end(verdict["line"].split("; its Python stack")[0] + "; it did not answer, so its stack could not be "
-                 "written: look at it with py-spy dump --pid "
-                 f"{verdict['pid']} on {verdict['host']}; every rank stopped", EXIT_FAILED)
+        self.end(
+            verdict["line"].split("; its Python stack")[0] + "; it did not answer, so its stack could not be "
+            "written: look at it with py-spy dump --pid "
+            f"{verdict['pid']} on {verdict['host']}; every rank stopped",
+            EXIT_FAILED,
+        )
 
-    def _line(self, rank: int, record: dict[str, Any], host: str, pid: int | None, log: str | None, now: float,
-              silent: bool) -> str:
+    def _line(
+        self, rank: int, record: dict[str, Any], host: str, pid: int | None, log: str | None, now: float, silent: bool
+    ) -> str:
         seconds = now - self._seen[rank]["moved"]
         others = "the other ranks" if self.world_size > 2 else f"rank {1 - rank}"
-        head = (f"rank {rank} (host {host}, pid {pid}) made no progress for {seconds:.0f} s "
-                f"{record['where'] or 'where it was (not reported)'}, while {others} waited for it")
+        head = (
+            f"rank {rank} (host {host}, pid {pid}) made no progress for {seconds:.0f} s "
+            f"{record['where'] or 'where it was (not reported)'}, while {others} waited for it"
+        )
         tail = "; every rank stopped, the previous last.ckpt is intact: resume with ckpt_path=last"
         if silent:
-            return (f"{head}; it cannot run Python (stopped, e.g. by SIGSTOP or a debugger, or stuck in C code), so "
-                    f"its stack could not be written: look at it with py-spy dump --native --pid {pid} on "
-                    f"{host}{tail}")
+            return (
+                f"{head}; it cannot run Python (stopped, e.g. by SIGSTOP or a debugger, or stuck in C code), so "
+                f"its stack could not be written: look at it with py-spy dump --native --pid {pid} on "
+                f"{host}{tail}"
+            )
         return f"{head}; its Python stack is in {log}{tail}"
 
     def _answer(self, verdict: dict[str, Any]) -> None:
@@ -632,13 +697,19 @@ class HangWatch:
         else:
             who = f"rank 0 (host {host['host']}, pid {host['pid']}), which hosts the run's store,"
         where = f" (last seen {last['where']})" if last and last.get("where") else ""
-        line = (f"{who} stopped answering for {seconds:.0f} s{where}: it cannot run (stopped, e.g. by SIGSTOP or a "
-                "debugger, or stuck in C code) or its host is gone; every rank stopped, the previous last.ckpt is "
-                "intact: resume with ckpt_path=last")
+        line = (
+            f"{who} stopped answering for {seconds:.0f} s{where}: it cannot run (stopped, e.g. by SIGSTOP or a "
+            "debugger, or stuck in C code) or its host is gone; every rank stopped, the previous last.ckpt is "
+            "intact: resume with ckpt_path=last"
+        )
         stuck = {"host": host["host"], "pid": host["pid"]} if host and not torchrun.active() else None
         self.board.post("end", {"line": line, "code": EXIT_FAILED, "stuck": stuck})
-        self.end(line if says_store_silence(self.rank, self.node_rank, self.local_rank) else None, EXIT_FAILED,
-                 publish=False, stuck=stuck)
+        self.end(
+            line if says_store_silence(self.rank, self.node_rank, self.local_rank) else None,
+            EXIT_FAILED,
+            publish=False,
+            stuck=stuck,
+        )
 
 
 def culprits(records: dict[int, dict[str, Any]], silent_s: float) -> list[int]:
@@ -700,8 +771,16 @@ HANGS: HangWatch | None = None
 _WATCHED: tuple[Any, ...] | None = None  # the process group FAILURES and HANGS watch
 
 
-def watch_failures(rank: int, node_rank: int, local_rank: int, world_size: int, in_sweep: bool = False,
-                   hang_timeout_s: float | None = None, run_dir: str | None = None, local_world: int = 1) -> None:
+def watch_failures(
+    rank: int,
+    node_rank: int,
+    local_rank: int,
+    world_size: int,
+    in_sweep: bool = False,
+    hang_timeout_s: float | None = None,
+    run_dir: str | None = None,
+    local_world: int = 1,
+) -> None:
     """Once the process group exists: join the run's failure record and watch it, and (``hang_timeout_s``) watch
     for a rank that hangs (see the module's docstring). ``local_world``: the ranks of each node."""
     global FAILURES, HANGS, _WATCHED
@@ -717,8 +796,17 @@ def watch_failures(rank: int, node_rank: int, local_rank: int, world_size: int, 
     FAILURES = FailureRecord(rank, node_rank, local_rank, world_size, in_sweep, board)
     FAILURES.watch()
     if hang_timeout_s:
-        HANGS = HangWatch(rank, node_rank, local_rank, world_size, hang_timeout_s, run_dir, board,
-                          num_nodes=max(1, world_size // local_world), host=run)
+        HANGS = HangWatch(
+            rank,
+            node_rank,
+            local_rank,
+            world_size,
+            hang_timeout_s,
+            run_dir,
+            board,
+            num_nodes=max(1, world_size // local_world),
+            host=run,
+        )
         HANGS.start()
 
 
@@ -779,8 +867,9 @@ def rank_label() -> str:
     return f"rank {local}" if node == "0" else f"node {node} local rank {local}"
 
 
-def end_run(line: str | None, code: int, publish: bool = True, dead: int = 0,
-            stuck: dict[str, Any] | None = None) -> NoReturn:
+def end_run(
+    line: str | None, code: int, publish: bool = True, dead: int = 0, stuck: dict[str, Any] | None = None
+) -> NoReturn:
     """End this process of a failed run: record the failure for the other ranks, print ``error: line`` if this
     is the run's first failure, stop the local ranks it started, and exit with ``code``.
 
@@ -814,5 +903,3 @@ def end_run(line: str | None, code: int, publish: bool = True, dead: int = 0,
     sys.stderr.flush()
     logging.shutdown()
     os._exit(code)  # not sys.exit: the main thread may be stuck in a collective, a process group may hang teardown
-
-

@@ -40,8 +40,10 @@ def chosen_formats(value: Any) -> list[str]:
     names = [str(n).strip() for n in names if str(n).strip()]
     unknown = [n for n in names if n not in FORMATS]
     if unknown or not names:
-        raise UserError(f"format={','.join(names) or value} is not known: choose one or more of {', '.join(FORMATS)} "
-                        "(format=[onnx,safetensors] for both)")
+        raise UserError(
+            f"format={','.join(names) or value} is not known: choose one or more of {', '.join(FORMATS)} "
+            "(format=[onnx,safetensors] for both)"
+        )
     return list(dict.fromkeys(names))
 
 
@@ -56,12 +58,15 @@ def validation_images(data_cfg: DictConfig, export_cfg: DictConfig):  # noqa: AN
     limit = export_cfg.validation_images
     if limit is not None:
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
-            raise UserError(f"export.validation_images={limit} must be a whole number >= 1, or null for every test "
-                            "image")
+            raise UserError(
+                f"export.validation_images={limit} must be a whole number >= 1, or null for every test image"
+            )
         images = images[:limit]
     if tuple(images.shape[1:]) != (3, IMAGE_SIZE, IMAGE_SIZE):
-        raise UserError(f"the test images of {data_cfg._target_} are {tuple(images.shape[1:])}, not 3x32x32: the "
-                        "exported model takes 32x32 RGB images; validate on CIFAR-style data")
+        raise UserError(
+            f"the test images of {data_cfg._target_} are {tuple(images.shape[1:])}, not 3x32x32: the "
+            "exported model takes 32x32 RGB images; validate on CIFAR-style data"
+        )
     name = data_cfg._target_.rsplit(".", 1)[-1]
     root = data_cfg.get("root")
     return images.to(torch.float32) / 255, f"{name} ({root})" if root else name
@@ -70,30 +75,40 @@ def validation_images(data_cfg: DictConfig, export_cfg: DictConfig):  # noqa: AN
 def logits_of(model: Any, images: torch.Tensor, batch_size: int) -> torch.Tensor:
     """``model``'s fp32 logits for ``images``, a batch at a time (a callable of a batch, or a module)."""
     with torch.inference_mode():
-        return torch.cat([torch.as_tensor(model(images[i:i + batch_size])) for i in range(0, len(images), batch_size)])
+        return torch.cat(
+            [torch.as_tensor(model(images[i : i + batch_size])) for i in range(0, len(images), batch_size)]
+        )
 
 
 def agreement(reference: Any, logits: Any, export_cfg: DictConfig) -> dict[str, Any]:
     """Top-1 agreement and the largest absolute logit difference; ``failed`` says which bound is missed."""
     top1 = float((reference.argmax(1) == logits.argmax(1)).double().mean())
     diff = float((reference - logits).abs().max())
-    figures: dict[str, Any] = {"top1_agreement": top1, "max_abs_logit_diff": diff,
-                               "bounds": {"min_top1_agreement": export_cfg.min_top1_agreement,
-                                          "max_abs_logit_diff": export_cfg.max_abs_logit_diff}}
+    figures: dict[str, Any] = {
+        "top1_agreement": top1,
+        "max_abs_logit_diff": diff,
+        "bounds": {
+            "min_top1_agreement": export_cfg.min_top1_agreement,
+            "max_abs_logit_diff": export_cfg.max_abs_logit_diff,
+        },
+    }
     misses = []
     if top1 < export_cfg.min_top1_agreement:
-        misses.append(f"top-1 agrees on {top1:.2%} of images, below export.min_top1_agreement="
-                      f"{export_cfg.min_top1_agreement}")
+        misses.append(
+            f"top-1 agrees on {top1:.2%} of images, below export.min_top1_agreement={export_cfg.min_top1_agreement}"
+        )
     if not diff <= export_cfg.max_abs_logit_diff:  # NaN too
-        misses.append(f"logits differ by up to {diff:.3g}, above export.max_abs_logit_diff="
-                      f"{export_cfg.max_abs_logit_diff}")
+        misses.append(
+            f"logits differ by up to {diff:.3g}, above export.max_abs_logit_diff={export_cfg.max_abs_logit_diff}"
+        )
     if misses:
         figures["failed"] = "; ".join(misses)
     return figures
 
 
-def export_onnx(net: Any, target: Path, meta: dict[str, Any], images: Any, reference: Any,
-                export_cfg: DictConfig) -> dict[str, Any]:
+def export_onnx(
+    net: Any, target: Path, meta: dict[str, Any], images: Any, reference: Any, export_cfg: DictConfig
+) -> dict[str, Any]:
     """Write ``target`` (fp32, dynamic batch) via torch.export; check it with onnxruntime on ``images``."""
     import onnx
 
@@ -102,9 +117,17 @@ def export_onnx(net: Any, target: Path, meta: dict[str, Any], images: Any, refer
     staged = target.with_name(f".{target.name}.tmp-{os.getpid()}")
     batch = torch.export.Dim("batch", min=1, max=1 << 20)
     try:
-        program = torch.onnx.export(net, (torch.rand(2, 3, IMAGE_SIZE, IMAGE_SIZE),), dynamo=True,
-                                    input_names=["images"], output_names=["logits"], opset_version=export_cfg.opset,
-                                    dynamic_shapes={"images": {0: batch}}, external_data=False, verbose=False)
+        program = torch.onnx.export(
+            net,
+            (torch.rand(2, 3, IMAGE_SIZE, IMAGE_SIZE),),
+            dynamo=True,
+            input_names=["images"],
+            output_names=["logits"],
+            opset_version=export_cfg.opset,
+            dynamic_shapes={"images": {0: batch}},
+            external_data=False,
+            verbose=False,
+        )
         model = program.model_proto
         described = {**meta, "input": "float32 RGB images in [0, 1], N x 3 x 32 x 32 (normalised inside)"}
         for key, value in described.items():
@@ -113,10 +136,20 @@ def export_onnx(net: Any, target: Path, meta: dict[str, Any], images: Any, refer
         figures: dict[str, Any] = {"file": str(target), "opset": model.opset_import[0].version}
         if images is not None:
             session = onnx_session(staged)
-            figures.update(agreement(reference, logits_of(lambda x: session.run(None, {"images": x.numpy()})[0],
-                                                          images, export_cfg.batch_size), export_cfg))
-            log.info("onnx: onnxruntime %s vs PyTorch on %d images: top-1 agreement %.4f, max |logit diff| %.2e",
-                     _version("onnxruntime"), len(images), figures["top1_agreement"], figures["max_abs_logit_diff"])
+            figures.update(
+                agreement(
+                    reference,
+                    logits_of(lambda x: session.run(None, {"images": x.numpy()})[0], images, export_cfg.batch_size),
+                    export_cfg,
+                )
+            )
+            log.info(
+                "onnx: onnxruntime %s vs PyTorch on %d images: top-1 agreement %.4f, max |logit diff| %.2e",
+                _version("onnxruntime"),
+                len(images),
+                figures["top1_agreement"],
+                figures["max_abs_logit_diff"],
+            )
         if "failed" not in figures:
             os.replace(staged, target)
             log.info("onnx: %s", target)
@@ -125,8 +158,9 @@ def export_onnx(net: Any, target: Path, meta: dict[str, Any], images: Any, refer
         staged.unlink(missing_ok=True)
 
 
-def export_safetensors(net: Any, target: Path, meta: dict[str, Any], images: Any, reference: Any,
-                       export_cfg: DictConfig) -> dict[str, Any]:
+def export_safetensors(
+    net: Any, target: Path, meta: dict[str, Any], images: Any, reference: Any, export_cfg: DictConfig
+) -> dict[str, Any]:
     """Write the weights (torchvision's names) and ``<stem>.json``; check that torchvision rebuilt from them agrees."""
     from safetensors.torch import save_file
 
@@ -134,14 +168,27 @@ def export_safetensors(net: Any, target: Path, meta: dict[str, Any], images: Any
     described = target.with_suffix(".json")
     weights = {k: v.detach().contiguous() for k, v in net.net.state_dict().items()}
     try:
-        save_file(weights, staged, metadata={"format": "pt", "arch": meta["arch"], "stem": meta["stem"],
-                                             "num_classes": str(meta["num_classes"])})
+        save_file(
+            weights,
+            staged,
+            metadata={
+                "format": "pt",
+                "arch": meta["arch"],
+                "stem": meta["stem"],
+                "num_classes": str(meta["num_classes"]),
+            },
+        )
         figures: dict[str, Any] = {"file": str(target), "json": str(described)}
         if images is not None:
             rebuilt = Normalised(torchvision_network(meta, staged))
             figures.update(agreement(reference, logits_of(rebuilt.eval(), images, export_cfg.batch_size), export_cfg))
-            log.info("safetensors: torchvision rebuilt from it vs the checkpoint on %d images: top-1 agreement %.4f, "
-                     "max |logit diff| %.2e", len(images), figures["top1_agreement"], figures["max_abs_logit_diff"])
+            log.info(
+                "safetensors: torchvision rebuilt from it vs the checkpoint on %d images: top-1 agreement %.4f, "
+                "max |logit diff| %.2e",
+                len(images),
+                figures["top1_agreement"],
+                figures["max_abs_logit_diff"],
+            )
         if "failed" not in figures:
             umask = os.umask(0)
             os.umask(umask)
@@ -154,17 +201,25 @@ def export_safetensors(net: Any, target: Path, meta: dict[str, Any], images: Any
         staged.unlink(missing_ok=True)
 
 
-def describe(model: Any, checkpoint: dict[str, Any], path: Path, data_cfg: DictConfig | None,
-             config_file: Path | None) -> dict[str, Any]:
+def describe(
+    model: Any, checkpoint: dict[str, Any], path: Path, data_cfg: DictConfig | None, config_file: Path | None
+) -> dict[str, Any]:
     """What a loader needs beside the weights, and where they came from."""
     hp = model.hparams
     return {
-        "arch": hp.arch, "stem": hp.stem, "num_classes": hp.num_classes,
+        "arch": hp.arch,
+        "stem": hp.stem,
+        "num_classes": hp.num_classes,
         "class_names": class_names(data_cfg, hp.num_classes),
         "input": {"shape": ["N", 3, IMAGE_SIZE, IMAGE_SIZE], "range": [0.0, 1.0], "channels": "RGB"},
-        "mean": list(CIFAR10_MEAN), "std": list(CIFAR10_STD),
-        "checkpoint": {"file": path.name, "epoch": checkpoint.get("epoch"), "step": checkpoint.get("global_step"),
-                       "val_acc": val_accuracy(checkpoint)},
+        "mean": list(CIFAR10_MEAN),
+        "std": list(CIFAR10_STD),
+        "checkpoint": {
+            "file": path.name,
+            "epoch": checkpoint.get("epoch"),
+            "step": checkpoint.get("global_step"),
+            "val_acc": val_accuracy(checkpoint),
+        },
         "config_sha256": config_digest(config_file, checkpoint),
     }
 

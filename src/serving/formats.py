@@ -29,6 +29,7 @@ def load_classifier(path: Path, trusted: bool):  # noqa: ANN201 - (ImageClassifi
     """The project's model from a checkpoint, in eval mode, read weights-only unless ``trusted`` (src/checkpoints/)."""
     from src.checkpoints.files import read_checkpoint
     from src.checkpoints.resume import model_from
+
     checkpoint = read_checkpoint(path, trusted=trusted)
     return model_from(checkpoint, path).eval(), checkpoint
 
@@ -44,8 +45,7 @@ def run_config(ckpt_path: Path) -> tuple[DictConfig | None, Path | None]:
                 continue
             if isinstance(loaded, DictConfig) and _plain_data(loaded.get("data")):
                 return loaded, candidate
-            log.warning("%s: its data is not one of this project's datamodules with plain values; not used",
-                        candidate)
+            log.warning("%s: its data is not one of this project's datamodules with plain values; not used", candidate)
     return None, None
 
 
@@ -55,8 +55,11 @@ DATAMODULES = ("src.data.cifar10.CIFAR10DataModule", "src.data.synthetic.Synthet
 def _plain_data(data: Any) -> bool:
     """Whether a config file's ``data`` builds one of the project's datamodules from plain values: a file beside a
     checkpoint is as untrusted as the checkpoint, and ``instantiate`` would import whatever ``_target_`` names."""
-    return (isinstance(data, DictConfig) and data.get("_target_") in DATAMODULES
-            and all(isinstance(v, (str, int, float, bool)) or v is None for v in data.values()))
+    return (
+        isinstance(data, DictConfig)
+        and data.get("_target_") in DATAMODULES
+        and all(isinstance(v, (str, int, float, bool)) or v is None for v in data.values())
+    )
 
 
 def class_names(data_cfg: DictConfig | None, num_classes: int) -> list[str]:
@@ -110,16 +113,18 @@ def torchvision_network(meta: dict[str, Any], weights: Path) -> Any:
 def load_model(path: Path, trusted: bool) -> tuple[Callable[[torch.Tensor], torch.Tensor], list[str]]:
     """A function of float images in [0, 1] (N x 3 x 32 x 32) to logits, and the class names, for ``path``."""
     if not path.is_file():
-        raise UserError(f"ckpt_path={path} does not exist: pass a .ckpt of src.train, or a .onnx / .safetensors of "
-                        "src.export")
+        raise UserError(
+            f"ckpt_path={path} does not exist: pass a .ckpt of src.train, or a .onnx / .safetensors of src.export"
+        )
     if path.suffix == ".onnx":
         return onnx_model(path)
     if path.suffix == ".safetensors":
         return safetensors_model(path)
     model, _ = load_classifier(path, trusted)
     run_cfg, _ = run_config(path)
-    return Normalised(model.net).eval(), class_names(run_cfg.data if run_cfg is not None else None,
-                                                     model.hparams.num_classes)
+    return Normalised(model.net).eval(), class_names(
+        run_cfg.data if run_cfg is not None else None, model.hparams.num_classes
+    )
 
 
 def onnx_model(path: Path) -> tuple[Callable[[torch.Tensor], torch.Tensor], list[str]]:
@@ -133,9 +138,11 @@ def onnx_model(path: Path) -> tuple[Callable[[torch.Tensor], torch.Tensor], list
     shape = list(inputs[0].shape) if len(inputs) == 1 else None
     if shape is None or len(shape) != 4 or shape[1:] != [3, IMAGE_SIZE, IMAGE_SIZE] or len(outputs[0].shape) != 2:
         described = ", ".join(f"{i.name} {i.shape}" for i in inputs)
-        raise UserError(f"ckpt_path={path} is a model of another shape (input {described}): src.predict takes one "
-                        f"input of N x 3 x {IMAGE_SIZE} x {IMAGE_SIZE} images and N x classes logits, as src.export "
-                        "writes")
+        raise UserError(
+            f"ckpt_path={path} is a model of another shape (input {described}): src.predict takes one "
+            f"input of N x 3 x {IMAGE_SIZE} x {IMAGE_SIZE} images and N x classes logits, as src.export "
+            "writes"
+        )
     meta = session.get_modelmeta().custom_metadata_map
     count = outputs[0].shape[1] if isinstance(outputs[0].shape[1], int) else None
     names = json.loads(meta["class_names"]) if "class_names" in meta else None
@@ -153,16 +160,20 @@ def safetensors_model(path: Path) -> tuple[Callable[[torch.Tensor], torch.Tensor
     try:
         meta = json.loads(described.read_text())
     except (OSError, ValueError) as err:
-        raise UserError(f"{described} cannot be read ({one_line_of(err)}): src.export writes it beside {path.name}, "
-                        "and the weights cannot be used without it") from err
+        raise UserError(
+            f"{described} cannot be read ({one_line_of(err)}): src.export writes it beside {path.name}, "
+            "and the weights cannot be used without it"
+        ) from err
     try:
         net = torchvision_network(meta, path)
     except (KeyError, TypeError, ValueError) as err:
         raise UserError(f"{described} does not describe a network ({one_line_of(err)}): export it again") from err
     except RuntimeError as err:
-        raise UserError(f"ckpt_path={path} holds a model of another shape than {described} describes "
-                        f"({meta.get('arch')}, stem {meta.get('stem')}, {meta.get('num_classes')} classes: "
-                        f"{one_line_of(err)})") from err
+        raise UserError(
+            f"ckpt_path={path} holds a model of another shape than {described} describes "
+            f"({meta.get('arch')}, stem {meta.get('stem')}, {meta.get('num_classes')} classes: "
+            f"{one_line_of(err)})"
+        ) from err
     except Exception as err:  # noqa: BLE001 - safetensors' own errors for a damaged file
         raise UserError(f"ckpt_path={path} is not a readable safetensors file ({one_line_of(err)})") from err
     names = meta.get("class_names") or [f"class {i}" for i in range(meta["num_classes"])]

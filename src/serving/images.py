@@ -60,21 +60,28 @@ def read_image(path: Path) -> tuple[torch.Tensor, list[int] | None]:
         # the file's own channels (grey, grey + alpha, RGB, RGBA), at its own depth (uint8 or uint16)
         raw = decode_image(str(path), mode=ImageReadMode.UNCHANGED, apply_exif_orientation=True)
         # palette and grey-scale images in RGB: decode_image expands them (a palette PNG's UNCHANGED is its indices)
-        rgb = raw if raw.shape[-3] == 3 else decode_image(str(path), mode=ImageReadMode.RGB,
-                                                            apply_exif_orientation=True)
+        rgb = (
+            raw if raw.shape[-3] == 3 else decode_image(str(path), mode=ImageReadMode.RGB, apply_exif_orientation=True)
+        )
     except (RuntimeError, ValueError, OSError) as err:
-        raise UserError(f"{path} cannot be decoded as an image (not a PNG, JPEG, GIF or WebP file, or a damaged or "
-                        "truncated one): pass PNG or JPEG files") from err
+        raise UserError(
+            f"{path} cannot be decoded as an image (not a PNG, JPEG, GIF or WebP file, or a damaged or "
+            "truncated one): pass PNG or JPEG files"
+        ) from err
     if raw.ndim == 4:  # GIF: frames x channels x height x width
         if raw.shape[0] > 1:
-            raise UserError(f"{path} is an animation of {raw.shape[0]} frames, not one image: save the frame to "
-                            "classify as a PNG or JPEG")
+            raise UserError(
+                f"{path} is an animation of {raw.shape[0]} frames, not one image: save the frame to "
+                "classify as a PNG or JPEG"
+            )
         raw, rgb = raw[0], rgb[0]
     height, width = rgb.shape[-2:]
     if min(height, width) < MIN_SIDE or max(height, width) > MAX_ASPECT * min(height, width):
-        raise UserError(f"{path} is {width}x{height}: too {'small' if min(height, width) < MIN_SIDE else 'elongated'} "
-                        f"to make a 32x32 image of what it shows (the networks know CIFAR-10's 32x32 photos): crop "
-                        f"it to at most {MAX_ASPECT}:1, and at least {MIN_SIDE} pixels a side")
+        raise UserError(
+            f"{path} is {width}x{height}: too {'small' if min(height, width) < MIN_SIDE else 'elongated'} "
+            f"to make a 32x32 image of what it shows (the networks know CIFAR-10's 32x32 photos): crop "
+            f"it to at most {MAX_ASPECT}:1, and at least {MIN_SIDE} pixels a side"
+        )
     image = F.to_dtype(rgb, torch.float32, scale=True)  # uint8 / 255, uint16 / 65535
     if raw.shape[-3] in (2, 4):  # an alpha channel: composited over white, as a viewer shows a transparent pixel
         alpha = F.to_dtype(raw[-1:], torch.float32, scale=True)
@@ -84,5 +91,3 @@ def read_image(path: Path) -> tuple[torch.Tensor, list[int] | None]:
         size = [int(width), int(height)]
         image = F.resize(image, [IMAGE_SIZE, IMAGE_SIZE], antialias=True).clamp_(0, 1)
     return image, size
-
-

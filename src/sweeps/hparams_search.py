@@ -2,15 +2,15 @@
 
     python -m src.train -m hparams_search=optuna hydra.sweeper.n_trials=20 strategy=ddp trainer.devices=2
 
-The sweep's process asks Optuna for a trial's values and runs the trial as a job of the sweep
-(``SWEEP_DIR/<trial>/``), exactly as ``-m`` runs a grid's jobs: the values are overrides of the job, so the local
-ranks it starts (src/launch/ranks.py) are given the same ones. In the Lightning + Hydra template every DDP rank re-runs
-the sweeper and samples values of its own (its issue #639). The study lives in ``SWEEP_DIR/optuna.db``: the same
-command again continues it. A trial the sweep was running when it was killed is run again with its own values
-and resumes from its ``last.ckpt``; one that had finished is told from its ``result.json``; the study ends with
-``n_trials`` trials, not one more. Each trial's validation accuracy goes to the study at every epoch's end, and
-the pruner stops a bad trial there (src/callbacks/trial_pruning.py). When the search ends, ``best.yaml`` and ``trials.md`` /
-``trials.csv`` hold the best values and every trial.
+The sweep's process asks Optuna for a trial's values and runs the trial as a job of the sweep (``SWEEP_DIR/<trial>/``),
+exactly as ``-m`` runs a grid's jobs: the values are overrides of the job, so the local ranks it starts
+(src/launch/ranks.py) are given the same ones. In the Lightning + Hydra template every DDP rank re-runs the sweeper and
+samples values of its own (its issue #639). The study lives in ``SWEEP_DIR/optuna.db``: the same command again continues
+it. A trial the sweep was running when it was killed is run again with its own values and resumes from its
+``last.ckpt``; one that had finished is told from its ``result.json``; the study ends with ``n_trials`` trials, not one
+more. Each trial's validation accuracy goes to the study at every epoch's end, and the pruner stops a bad trial there
+(src/callbacks/trial_pruning.py). When the search ends, ``best.yaml`` and ``trials.md`` / ``trials.csv`` hold the best
+values and every trial.
 
 hydra-optuna-sweeper (1.3.0) is not used: it requires optuna < 3, and optuna 2.10 cannot create an SQLite study
 with the SQLAlchemy 2 that pip installs beside this project's other packages (docs/search.md).
@@ -57,9 +57,16 @@ def log_trial(cfg: DictConfig) -> None:
 class OptunaSweeper(Sweeper):
     """Runs ``n_trials`` trials of an Optuna study as jobs of this sweep (see the module docstring)."""
 
-    def __init__(self, n_trials: int, direction: str = "maximize", study_name: str = "cifar10-ddp",
-                 storage: str | None = None, sampler: Any = None, pruner: Any = None,
-                 params: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        n_trials: int,
+        direction: str = "maximize",
+        study_name: str = "cifar10-ddp",
+        storage: str | None = None,
+        sampler: Any = None,
+        pruner: Any = None,
+        params: dict[str, str] | None = None,
+    ) -> None:
         self.n_trials, self.direction, self.study_name, self.storage = n_trials, direction, study_name, storage
         self.sampler, self.pruner, self.params = sampler, pruner, dict(params or {})
         self.config: DictConfig | None = None
@@ -70,8 +77,9 @@ class OptunaSweeper(Sweeper):
         from hydra.core.plugins import Plugins
 
         self.config, self.hydra_context = config, hydra_context
-        self.launcher = Plugins.instance().instantiate_launcher(hydra_context=hydra_context,
-                                                                task_function=task_function, config=config)
+        self.launcher = Plugins.instance().instantiate_launcher(
+            hydra_context=hydra_context, task_function=task_function, config=config
+        )
 
     def sweep(self, arguments: list[str]) -> list[Sequence[JobReturn]]:
         require("optuna", "optuna", "hparams_search=optuna")
@@ -85,18 +93,32 @@ class OptunaSweeper(Sweeper):
         sweep_dir = Path(self.config.hydra.sweep.dir).resolve()
         storage = self.storage or f"sqlite:///{sweep_dir / STUDY_FILE}"
         optuna.logging.set_verbosity(optuna.logging.WARNING)  # the trials' own lines say what happens
-        study = optuna.create_study(study_name=self.study_name, storage=storage, direction=self.direction,
-                                    sampler=instantiate(self.sampler) if self.sampler else None,
-                                    pruner=instantiate(self.pruner) if self.pruner else None, load_if_exists=True)
+        study = optuna.create_study(
+            study_name=self.study_name,
+            storage=storage,
+            direction=self.direction,
+            sampler=instantiate(self.sampler) if self.sampler else None,
+            pruner=instantiate(self.pruner) if self.pruner else None,
+            load_if_exists=True,
+        )
         check_same_search(study, fixed, sweep_dir)
         OmegaConf.save(self.config, sweep_dir / "multirun.yaml")
         earlier = len(study.trials)
         if earlier:
-            log.info("Study %s in %s: %d trial(s) from an earlier run of this sweep; %d in all", self.study_name,
-                     storage, earlier, self.n_trials)
+            log.info(
+                "Study %s in %s: %d trial(s) from an earlier run of this sweep; %d in all",
+                self.study_name,
+                storage,
+                earlier,
+                self.n_trials,
+            )
         returns = []
-        job = [*fixed, f"search.storage='{storage}'", f"search.study_name='{self.study_name}'",
-               f"search.params=[{','.join(space)}]"]
+        job = [
+            *fixed,
+            f"search.storage='{storage}'",
+            f"search.study_name='{self.study_name}'",
+            f"search.params=[{','.join(space)}]",
+        ]
         # a trial that an earlier run of this sweep left running was cut short: finish it with its own values
         for trial in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
             returns.append(self._run(study, trial.number, trial.params, job))
@@ -119,10 +141,17 @@ class OptunaSweeper(Sweeper):
             ret = self.launcher.launch([overrides], initial_job_idx=number)[0]
             result = read_result(job_dir)
         else:
-            log.info("\t#%d : finished in an earlier run of this sweep (%s): told from its result", number,
-                     job_dir / RESULT_FILE)
-            ret = JobReturn(overrides=overrides, working_dir=str(job_dir), status=JobStatus.COMPLETED,
-                            _return_value=result.get("score"))
+            log.info(
+                "\t#%d : finished in an earlier run of this sweep (%s): told from its result",
+                number,
+                job_dir / RESULT_FILE,
+            )
+            ret = JobReturn(
+                overrides=overrides,
+                working_dir=str(job_dir),
+                status=JobStatus.COMPLETED,
+                _return_value=result.get("score"),
+            )
         if result is not None and result.get("pruned_at_epoch") is not None:
             study.tell(number, state=optuna.trial.TrialState.PRUNED)
         elif result is not None and result.get("score") is not None:
@@ -141,9 +170,11 @@ def check_same_search(study: Any, fixed: list[str], sweep_dir: Path) -> None:
     elif sorted(before) != sorted(fixed):  # each key once (search_space): the order does not matter
         was = " ".join(o for o in before if o not in fixed) or "(no other overrides)"
         now = " ".join(o for o in fixed if o not in before) or "(no other overrides)"
-        raise UserError(f"hydra.sweep.dir={sweep_dir} holds the study of another search: its trials ran with {was} "
-                        f"where this search has {now}; pass a new hydra.sweep.dir to start another search, or the same "
-                        "overrides to go on with that one")
+        raise UserError(
+            f"hydra.sweep.dir={sweep_dir} holds the study of another search: its trials ran with {was} "
+            f"where this search has {now}; pass a new hydra.sweep.dir to start another search, or the same "
+            "overrides to go on with that one"
+        )
 
 
 def check_one_sweeping_process(config: DictConfig) -> None:
@@ -155,16 +186,19 @@ def check_one_sweeping_process(config: DictConfig) -> None:
 
     srun = "SLURM_STEP_ID" in os.environ and int(os.environ.get("SLURM_NTASKS", "1")) > 1
     if srun or torchrun.active() or not is_launch_rank_zero() or config.trainer.get("num_nodes", 1) != 1:
-        raise UserError("hparams_search=optuna runs its trials from one process, which starts each trial's ranks: "
-                        "start it once, without srun or torchrun, on one node (trainer.num_nodes=1)")
+        raise UserError(
+            "hparams_search=optuna runs its trials from one process, which starts each trial's ranks: "
+            "start it once, without srun or torchrun, on one node (trainer.num_nodes=1)"
+        )
 
 
 def search_space(params: dict[str, str], arguments: list[str]) -> tuple[dict[str, Any], list[str]]:
     """Optuna distributions from ``hydra.sweeper.params`` and the sweep overrides of the command line (which win),
     and the command line's fixed overrides."""
     parser = OverridesParser.create()
-    swept: dict[str, Override] = {o.get_key_element(): o for o in
-                                  parser.parse_overrides([f"{k}={v}" for k, v in params.items()])}
+    swept: dict[str, Override] = {
+        o.get_key_element(): o for o in parser.parse_overrides([f"{k}={v}" for k, v in params.items()])
+    }
     fixed: dict[str, str] = {}  # a key given twice: its last value holds, as in any Hydra command line
     for override in parser.parse_overrides(arguments):
         key = override.get_key_element()
@@ -175,8 +209,10 @@ def search_space(params: dict[str, str], arguments: list[str]) -> tuple[dict[str
             swept.pop(key, None)
             fixed[key] = override.input_line
     if not swept:
-        raise UserError("hparams_search=optuna has nothing to search: give hydra.sweeper.params, or sweep a key on the "
-                        "command line (model.optimizer.lr='interval(0.01,0.5)', data.batch_size=64,128)")
+        raise UserError(
+            "hparams_search=optuna has nothing to search: give hydra.sweeper.params, or sweep a key on the "
+            "command line (model.optimizer.lr='interval(0.01,0.5)', data.batch_size=64,128)"
+        )
     return {key: distribution(override) for key, override in swept.items()}, list(fixed.values())
 
 
@@ -198,7 +234,9 @@ def distribution(override: Override) -> Any:
         return CategoricalDistribution(numbers)
     if isinstance(value, ChoiceSweep):
         return CategoricalDistribution(list(override.sweep_iterator()))
-    raise UserError(f"{key}: cannot search {override.input_line}: use interval(a,b), choice(a,b,...) or range(a,b,step)")
+    raise UserError(
+        f"{key}: cannot search {override.input_line}: use interval(a,b), choice(a,b,...) or range(a,b,step)"
+    )
 
 
 def _override_value(value: Any) -> str:
@@ -213,27 +251,53 @@ def write_study_report(study: Any, sweep_dir: Path, space: dict[str, Any]) -> No
 
     rows = []
     for trial in study.get_trials(deepcopy=False):
-        rows.append({"trial": trial.number, "state": trial.state.name.lower(),
-                     "val/acc": "" if trial.value is None else f"{trial.value:.4f}",
-                     "epochs": len(trial.intermediate_values),
-                     **{key: trial.params.get(key, "") for key in space}})
+        rows.append(
+            {
+                "trial": trial.number,
+                "state": trial.state.name.lower(),
+                "val/acc": "" if trial.value is None else f"{trial.value:.4f}",
+                "epochs": len(trial.intermediate_values),
+                **{key: trial.params.get(key, "") for key in space},
+            }
+        )
     with open(sweep_dir / "trials.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
-    lines = [f"# Study {study.study_name}: {len(rows)} trials ({sweep_dir / STUDY_FILE})", "",
-             "| " + " | ".join(rows[0]) + " |", "|---:|---|" + "---:|" * (len(rows[0]) - 2)]
-    lines += ["| " + " | ".join(f"{v:.4g}" if isinstance(v, float) else str(v) for v in row.values()) + " |"
-              for row in rows]
+    lines = [
+        f"# Study {study.study_name}: {len(rows)} trials ({sweep_dir / STUDY_FILE})",
+        "",
+        "| " + " | ".join(rows[0]) + " |",
+        "|---:|---|" + "---:|" * (len(rows[0]) - 2),
+    ]
+    lines += [
+        "| " + " | ".join(f"{v:.4g}" if isinstance(v, float) else str(v) for v in row.values()) + " |" for row in rows
+    ]
     if study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)):
         best = study.best_trial
         overrides = [f"{k}={_override_value(v)}" for k, v in best.params.items()]
-        (sweep_dir / "best.yaml").write_text(OmegaConf.to_yaml({
-            "trial": best.number, "value": best.value, "direction": study.direction.name.lower(),
-            "params": dict(best.params), "overrides": overrides, "run_dir": str(sweep_dir / str(best.number))}))
+        (sweep_dir / "best.yaml").write_text(
+            OmegaConf.to_yaml(
+                {
+                    "trial": best.number,
+                    "value": best.value,
+                    "direction": study.direction.name.lower(),
+                    "params": dict(best.params),
+                    "overrides": overrides,
+                    "run_dir": str(sweep_dir / str(best.number)),
+                }
+            )
+        )
         lines += ["", f"Best: trial {best.number}, val/acc {best.value:.4f}: `{' '.join(overrides)}`"]
-        log.info("Best of %d trials: trial %d, val/acc %.4f: %s (%s, %s)", len(rows), best.number, best.value,
-                 " ".join(overrides), sweep_dir / "best.yaml", sweep_dir / "trials.md")
+        log.info(
+            "Best of %d trials: trial %d, val/acc %.4f: %s (%s, %s)",
+            len(rows),
+            best.number,
+            best.value,
+            " ".join(overrides),
+            sweep_dir / "best.yaml",
+            sweep_dir / "trials.md",
+        )
     else:
         log.warning("no trial of study %s completed (%s): no best values", study.study_name, sweep_dir / "trials.md")
     (sweep_dir / "trials.md").write_text("\n".join(lines) + "\n")

@@ -19,9 +19,26 @@ from pathlib import Path
 import yaml
 
 WORLD_KEYS = ("trainer.devices", "trainer.num_nodes")
-COLUMNS = ["job", "series", "num_nodes", "devices", "world_size", "per_device_batch_size", "global_batch_size",
-           "samples_per_second", "samples_per_second_per_device", "speedup", "efficiency", "step_time_s",
-           "epoch_time_s", "peak_memory_mb", "strategy", "backend", "precision", "device_name"]
+COLUMNS = [
+    "job",
+    "series",
+    "num_nodes",
+    "devices",
+    "world_size",
+    "per_device_batch_size",
+    "global_batch_size",
+    "samples_per_second",
+    "samples_per_second_per_device",
+    "speedup",
+    "efficiency",
+    "step_time_s",
+    "epoch_time_s",
+    "peak_memory_mb",
+    "strategy",
+    "backend",
+    "precision",
+    "device_name",
+]
 
 
 @dataclass
@@ -39,7 +56,9 @@ class Job:
 def load_jobs(sweep_dir: Path) -> list[Job]:
     """Every numbered job dir under ``sweep_dir``, in job order."""
     jobs = []
-    for job_dir in sorted((p for p in sweep_dir.iterdir() if p.is_dir() and p.name.isdigit()), key=lambda p: int(p.name)):
+    for job_dir in sorted(
+        (p for p in sweep_dir.iterdir() if p.is_dir() and p.name.isdigit()), key=lambda p: int(p.name)
+    ):
         overrides_file = job_dir / ".hydra" / "overrides.yaml"
         listed = yaml.safe_load(overrides_file.read_text()) if overrides_file.is_file() else []
         overrides = dict(o.split("=", 1) for o in listed or [] if "=" in o and not o.startswith("hydra."))
@@ -51,8 +70,9 @@ def load_jobs(sweep_dir: Path) -> list[Job]:
         else:
             job.error = "no throughput.json: the job did not finish (see its log)"
         jobs.append(job)
-    swept = sorted({k for j in jobs for k in j.overrides if k not in WORLD_KEYS
-                    and len({o.overrides.get(k) for o in jobs}) > 1})
+    swept = sorted(
+        {k for j in jobs for k in j.overrides if k not in WORLD_KEYS and len({o.overrides.get(k) for o in jobs}) > 1}
+    )
     for job in jobs:  # a series: the jobs that differ only in world size
         job.series = " ".join(f"{k}={job.overrides.get(k)}" for k in swept) or "all"
     return jobs
@@ -86,8 +106,7 @@ def analyse(jobs: list[Job]) -> dict[str, list[Job]]:
         base = members[0].record
         for job in members:
             speedup = job.record["samples_per_second"] / base["samples_per_second"]
-            job.derived = {"speedup": speedup,
-                           "efficiency": speedup / (job.record["world_size"] / base["world_size"])}
+            job.derived = {"speedup": speedup, "efficiency": speedup / (job.record["world_size"] / base["world_size"])}
     return series
 
 
@@ -129,24 +148,32 @@ def _markdown(jobs: list[Job], series: dict[str, list[Job]]) -> str:
     lines.append("")
     for name, members in series.items():
         title = "all jobs" if name == "all" else name
-        lines += [f"## {title}: {scaling_mode(members)}", "",
-                  "| job | nodes | devices | world size | global batch | samples/s | samples/s per device "
-                  "| speedup | efficiency |",
-                  "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        lines += [
+            f"## {title}: {scaling_mode(members)}",
+            "",
+            "| job | nodes | devices | world size | global batch | samples/s | samples/s per device "
+            "| speedup | efficiency |",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
         for job in members:
             r = job.record
-            lines.append(f"| {job.num} | {r['num_nodes']} | {r['devices']} | {r['world_size']} | "
-                         f"{r['global_batch_size']} | {_fmt(r['samples_per_second'])} | "
-                         f"{_fmt(r['samples_per_second_per_device'])} | {_fmt(job.derived['speedup'], 2)}x | "
-                         f"{_fmt(100 * job.derived['efficiency'], 0)}% |")
+            lines.append(
+                f"| {job.num} | {r['num_nodes']} | {r['devices']} | {r['world_size']} | "
+                f"{r['global_batch_size']} | {_fmt(r['samples_per_second'])} | "
+                f"{_fmt(r['samples_per_second_per_device'])} | {_fmt(job.derived['speedup'], 2)}x | "
+                f"{_fmt(100 * job.derived['efficiency'], 0)}% |"
+            )
         lines.append("")
     failed = [j for j in jobs if j.record is None]
     if failed:
         lines += ["## Failed jobs", ""]
         lines += [f"- job {j.num} ({' '.join(f'{k}={v}' for k, v in j.overrides.items())}): {j.error}" for j in failed]
         lines.append("")
-    lines += ["Speedup: samples/s over the series' smallest world size. Efficiency: speedup divided by the growth",
-              "in world size (100% is linear scaling). Samples/s is the steady state: warm-up steps excluded.", ""]
+    lines += [
+        "Speedup: samples/s over the series' smallest world size. Efficiency: speedup divided by the growth",
+        "in world size (100% is linear scaling). Samples/s is the steady state: warm-up steps excluded.",
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -155,12 +182,14 @@ def plot_title(finished: list[Job]) -> str:
 
     A setting the jobs differ in is left out here: the series (the legend) are named by it.
     """
+
     def common(key: str) -> str | None:
         values = {str(j.record[key]) for j in finished if j.record.get(key) is not None}
         return values.pop() if len(values) == 1 else None
 
     if not finished:
         return "no job finished"
+
     def span(key: str) -> tuple[str, int]:  # ('1–8', 8), or ('2', 2) where every job had the same
         values = sorted({j.record[key] for j in finished})
         return "–".join(str(v) for v in dict.fromkeys((values[0], values[-1]))), values[-1]
@@ -187,9 +216,15 @@ def _plot(series: dict[str, list[Job]], path: Path) -> None:
         ws = [j.record["world_size"] for j in members]
         tp = [j.record["samples_per_second"] for j in members]
         label = "measured" if len(series) == 1 else name  # one series: nothing but the world size differs
-        line, = ax_tp.plot(ws, tp, "o-", label=label)
-        ax_tp.plot(ws, [tp[0] * w / ws[0] for w in ws], "--", color=line.get_color(), alpha=0.5,
-                   label="ideal linear" if len(series) == 1 else f"ideal linear ({name})")
+        (line,) = ax_tp.plot(ws, tp, "o-", label=label)
+        ax_tp.plot(
+            ws,
+            [tp[0] * w / ws[0] for w in ws],
+            "--",
+            color=line.get_color(),
+            alpha=0.5,
+            label="ideal linear" if len(series) == 1 else f"ideal linear ({name})",
+        )
         ax_eff.plot(ws, [100 * j.derived["efficiency"] for j in members], "o-", color=line.get_color(), label=label)
     title = plot_title([j for members in series.values() for j in members])
     fig.suptitle(title, fontsize=10)
@@ -212,8 +247,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("sweep_dir", type=Path, help="a finished sweep's dir (outputs/multirun/<date>/<time>)")
     args = parser.parse_args(argv)
     if not args.sweep_dir.is_dir():
-        print(f"error: {args.sweep_dir} is not a directory: pass a sweep dir such as outputs/multirun/<date>/<time>",
-              file=sys.stderr)
+        print(
+            f"error: {args.sweep_dir} is not a directory: pass a sweep dir such as outputs/multirun/<date>/<time>",
+            file=sys.stderr,
+        )
         return 2
     try:
         jobs = write_report(args.sweep_dir)

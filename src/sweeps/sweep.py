@@ -94,8 +94,12 @@ class ScalingReport(Callback):
         failed = [j for j in jobs if j.record is None]
         log.info("Scaling report: %s (%d jobs, %d failed)", sweep_dir / "scaling.md", len(jobs), len(failed))
         if failed:
-            print(f"error: {len(failed)} of {len(jobs)} jobs failed: "
-                  + "; ".join(f"job {j.num}: {j.error}" for j in failed), file=sys.stderr, flush=True)
+            print(
+                f"error: {len(failed)} of {len(jobs)} jobs failed: "
+                + "; ".join(f"job {j.num}: {j.error}" for j in failed),
+                file=sys.stderr,
+                flush=True,
+            )
             sys.exit(1)
 
 
@@ -126,8 +130,10 @@ class _SkipFinished:
                 returns.extend(self.launcher.launch([o for _, o in pending], initial_job_idx=pending[0][0]))
                 pending.clear()
 
-        jobs = [(num, list(overrides), job_dir(self.hydra_context, self.config, num, list(overrides)))
-                for num, overrides in enumerate(job_overrides, start=initial_job_idx)]
+        jobs = [
+            (num, list(overrides), job_dir(self.hydra_context, self.config, num, list(overrides)))
+            for num, overrides in enumerate(job_overrides, start=initial_job_idx)
+        ]
         for num, overrides, folder in jobs:  # before any job runs
             check_same_job(folder, num, overrides)
         for num, overrides, folder in jobs:
@@ -139,10 +145,20 @@ class _SkipFinished:
                 pending.append((num, overrides))
                 continue
             run_pending()
-            log.info("\t#%d : %s : finished in an earlier run of this sweep (%s): not run again", num,
-                     " ".join(overrides), folder / RESULT_FILE)
-            returns.append(JobReturn(overrides=overrides, working_dir=str(folder), status=JobStatus.COMPLETED,
-                                     _return_value=result.get("score")))
+            log.info(
+                "\t#%d : %s : finished in an earlier run of this sweep (%s): not run again",
+                num,
+                " ".join(overrides),
+                folder / RESULT_FILE,
+            )
+            returns.append(
+                JobReturn(
+                    overrides=overrides,
+                    working_dir=str(folder),
+                    status=JobStatus.COMPLETED,
+                    _return_value=result.get("score"),
+                )
+            )
         run_pending()
         return returns
 
@@ -153,8 +169,9 @@ def job_dir(hydra_context: HydraContext, config: DictConfig, num: int, overrides
     job_config = hydra_context.config_loader.load_sweep_config(config, list(overrides))
     with open_dict(job_config):
         job_config.hydra.job.id = job_config.hydra.job.num = num
-    return Path(str(OmegaConf.select(job_config, "hydra.sweep.dir")),
-                str(OmegaConf.select(job_config, "hydra.sweep.subdir"))).resolve()
+    return Path(
+        str(OmegaConf.select(job_config, "hydra.sweep.dir")), str(OmegaConf.select(job_config, "hydra.sweep.subdir"))
+    ).resolve()
 
 
 def check_same_job(folder: Path, num: int, overrides: list[str]) -> None:
@@ -166,6 +183,8 @@ def check_same_job(folder: Path, num: int, overrides: list[str]) -> None:
     if before != overrides:
         was = " ".join(o for o in before if o not in overrides) or "(these overrides in another order)"
         now = " ".join(o for o in overrides if o not in before) or "(those overrides in another order)"
-        raise UserError(f"hydra.sweep.dir={folder.parent} holds another sweep: its job {num} ran with {was} where "
-                        f"this sweep's job {num} has {now}; pass a new hydra.sweep.dir to start another sweep, or the "
-                        "same overrides to go on with that one")
+        raise UserError(
+            f"hydra.sweep.dir={folder.parent} holds another sweep: its job {num} ran with {was} where "
+            f"this sweep's job {num} has {now}; pass a new hydra.sweep.dir to start another sweep, or the "
+            "same overrides to go on with that one"
+        )

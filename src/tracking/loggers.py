@@ -75,11 +75,19 @@ def continue_logs(cfg: DictConfig, ckpt_path: str | None, checkpoint: dict[str, 
     known = next((read_json(path) or {} for path in candidates if path.is_file()), {})
     mlflow, wandb = known.get("mlflow") or {}, known.get("wandb") or {}
     with open_dict(cfg):
-        if "mlflow" in loggers and not loggers.mlflow.get("run_id") and mlflow.get("run_id") \
-                and mlflow.get("tracking_uri") == loggers.mlflow.get("tracking_uri"):
+        if (
+            "mlflow" in loggers
+            and not loggers.mlflow.get("run_id")
+            and mlflow.get("run_id")
+            and mlflow.get("tracking_uri") == loggers.mlflow.get("tracking_uri")
+        ):
             loggers.mlflow.run_id = mlflow["run_id"]
-        if "wandb" in loggers and not loggers.wandb.get("id") and wandb.get("id") \
-                and wandb.get("project") == loggers.wandb.get("project"):
+        if (
+            "wandb" in loggers
+            and not loggers.wandb.get("id")
+            and wandb.get("id")
+            and wandb.get("project") == loggers.wandb.get("project")
+        ):
             loggers.wandb.id = wandb["id"]
 
 
@@ -89,11 +97,17 @@ def remember_runs(loggers: list[Any], run_dir: str) -> None:
     known: dict[str, Any] = {}
     for logger in loggers:
         if isinstance(logger, MLFlowLogger):
-            known["mlflow"] = {"run_id": logger.run_id, "tracking_uri": logger._tracking_uri,
-                               "experiment_id": logger.experiment_id}
+            known["mlflow"] = {
+                "run_id": logger.run_id,
+                "tracking_uri": logger._tracking_uri,
+                "experiment_id": logger.experiment_id,
+            }
         elif isinstance(logger, WandbLogger):
-            known["wandb"] = {"id": logger.experiment.id, "project": logger._project,
-                              "mode": "offline" if logger._offline else "online"}
+            known["wandb"] = {
+                "id": logger.experiment.id,
+                "project": logger._project,
+                "mode": "offline" if logger._offline else "online",
+            }
     if known:
         write_json(Path(run_dir) / RUNS_FILE, known)
 
@@ -158,7 +172,8 @@ class MLFlowLogger(_MLFlowLogger):
                 found = self._mlflow_client.get_experiment_by_name(self._experiment_name)
                 if found is None or found.lifecycle_stage == "deleted":
                     self._experiment_id = self._mlflow_client.create_experiment(
-                        self._experiment_name, artifact_location=self._artifact_location)
+                        self._experiment_name, artifact_location=self._artifact_location
+                    )
                     log.info("MLflow experiment %s created at %s", self._experiment_name, self._tracking_uri)
                 else:
                     self._experiment_id = found.experiment_id
@@ -170,8 +185,12 @@ class MLFlowLogger(_MLFlowLogger):
         try:
             run = self._mlflow_client.get_run(self._run_id)
         except MlflowException as err:  # deleted, or a store that never had it
-            log.warning("cannot continue MLflow run %s at %s (%s): starting a new run", self._run_id,
-                        self._tracking_uri, str(err).splitlines()[0])
+            log.warning(
+                "cannot continue MLflow run %s at %s (%s): starting a new run",
+                self._run_id,
+                self._tracking_uri,
+                str(err).splitlines()[0],
+            )
             self._run_id = None
             return
         self._first_params = dict(run.data.params)
@@ -183,8 +202,9 @@ class MLFlowLogger(_MLFlowLogger):
         _ = self.experiment
         if self._first_params is not None:  # MLflow refuses a param logged again with another value
             flat = _flatten_dict(_convert_params(params))
-            changed = sorted(k for k, v in flat.items() if k in self._first_params
-                             and self._first_params[k] != str(v)[:250])
+            changed = sorted(
+                k for k, v in flat.items() if k in self._first_params and self._first_params[k] != str(v)[:250]
+            )
             if changed:
                 log.debug("the continued MLflow run keeps the params it began with: %s", ", ".join(changed))
             params = {k: v for k, v in flat.items() if k not in self._first_params}

@@ -28,20 +28,28 @@ def check_servers(loggers: Any, timeout_s: float = 10) -> None:
         if uri and uri.startswith(("http://", "https://")):
             why = unreachable(uri, timeout_s)
             if why:
-                raise UserError(f"logger.mlflow.tracking_uri={uri}: no MLflow server answers there ({why}): start it "
-                                "(mlflow server --host 0.0.0.0 --port 5000), or leave tracking_uri out to log to "
-                                "outputs/mlflow.db")
+                raise UserError(
+                    f"logger.mlflow.tracking_uri={uri}: no MLflow server answers there ({why}): start it "
+                    "(mlflow server --host 0.0.0.0 --port 5000), or leave tracking_uri out to log to "
+                    "outputs/mlflow.db"
+                )
     offline = loggers.wandb.get("offline", "auto") if "wandb" in loggers else True
     if not wandb_offline(offline):
         url = os.environ.get("WANDB_BASE_URL") or WANDB_DEFAULT_URL
         why = unreachable(url, timeout_s)
         if why:
-            online = ("logger.wandb.offline=false" if offline is False else
-                      f"WANDB_MODE={os.environ['WANDB_MODE']}" if os.environ.get("WANDB_MODE") else
-                      "an API key is configured")
-            raise UserError(f"logger=wandb logs online ({online}) but {url} cannot be reached ({why}): "
-                            "log offline with logger.wandb.offline=true and upload later with wandb sync, or fix the "
-                            "network")
+            online = (
+                "logger.wandb.offline=false"
+                if offline is False
+                else f"WANDB_MODE={os.environ['WANDB_MODE']}"
+                if os.environ.get("WANDB_MODE")
+                else "an API key is configured"
+            )
+            raise UserError(
+                f"logger=wandb logs online ({online}) but {url} cannot be reached ({why}): "
+                "log offline with logger.wandb.offline=true and upload later with wandb sync, or fix the "
+                "network"
+            )
 
 
 def unreachable(url: str, timeout_s: float) -> str | None:

@@ -61,8 +61,11 @@ def hardware_defaults(trainer_cfg: DictConfig, arch: str = "resnet50") -> dict:
     cuda = uses_cuda(trainer_cfg.accelerator)
     resolved = {}
     if trainer_cfg.precision == "auto":
-        chosen = (fast_path("cuda", arch, tuple(node_gpus(trainer_cfg.accelerator, trainer_cfg.devices))) if cuda
-                  else fast_path(device_type(trainer_cfg.accelerator), arch))
+        chosen = (
+            fast_path("cuda", arch, tuple(node_gpus(trainer_cfg.accelerator, trainer_cfg.devices)))
+            if cuda
+            else fast_path(device_type(trainer_cfg.accelerator), arch)
+        )
         resolved["precision"] = chosen.precision
     if cuda and one_gpu_per_task(trainer_cfg.accelerator, trainer_cfg.devices):
         resolved["accelerator"] = TaskGPU()  # every local rank on its own task's cuda:0
@@ -81,12 +84,15 @@ def device_type(accelerator: str) -> str:
 def check_trainer_settings(trainer_cfg: DictConfig) -> None:
     """Values Lightning takes yet misreads (max_epochs=-1: train forever) or rejects only deep inside fit."""
     if trainer_cfg.accelerator not in ACCELERATORS:
-        raise UserError(f"trainer.accelerator={trainer_cfg.accelerator} is not supported here: "
-                        "choose one of auto, cpu, gpu")
+        raise UserError(
+            f"trainer.accelerator={trainer_cfg.accelerator} is not supported here: choose one of auto, cpu, gpu"
+        )
     epochs = trainer_cfg.get("max_epochs")
     if epochs is not None and (isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1):
-        raise UserError(f"trainer.max_epochs={epochs} must be a whole number >= 1: the epochs to train "
-                        "(Lightning's -1, 'forever', would leave the learning-rate schedule without an end)")
+        raise UserError(
+            f"trainer.max_epochs={epochs} must be a whole number >= 1: the epochs to train "
+            "(Lightning's -1, 'forever', would leave the learning-rate schedule without an end)"
+        )
 
 
 def not_mpi_environment() -> ClusterEnvironment:
@@ -114,8 +120,14 @@ def build_trainer(cfg: DictConfig, arch: str) -> L.Trainer:
     elif not mpi_launched():
         plugins.append(not_mpi_environment())
     users_cublas = os.environ.get(CUBLAS)
-    trainer = instantiate(cfg.trainer, strategy=instantiate(cfg.strategy), callbacks=callbacks,
-                          logger=loggers or False, plugins=plugins, **hardware_defaults(cfg.trainer, arch))
+    trainer = instantiate(
+        cfg.trainer,
+        strategy=instantiate(cfg.strategy),
+        callbacks=callbacks,
+        logger=loggers or False,
+        plugins=plugins,
+        **hardware_defaults(cfg.trainer, arch),
+    )
     keep_users_cublas_config(users_cublas, cfg.trainer.get("deterministic"))
     return trainer
 
@@ -133,8 +145,14 @@ def keep_users_cublas_config(before: str | None, deterministic: Any) -> None:
     if before in DETERMINISTIC_CUBLAS:
         os.environ[CUBLAS] = before
     else:
-        log.warning("%s=%s replaced by %s: trainer.deterministic=%s needs %s (torch refuses other values there)",
-                    CUBLAS, before, os.environ.get(CUBLAS), deterministic, " or ".join(DETERMINISTIC_CUBLAS))
+        log.warning(
+            "%s=%s replaced by %s: trainer.deterministic=%s needs %s (torch refuses other values there)",
+            CUBLAS,
+            before,
+            os.environ.get(CUBLAS),
+            deterministic,
+            " or ".join(DETERMINISTIC_CUBLAS),
+        )
 
 
 def record_config(cfg: DictConfig, trainer: L.Trainer) -> None:
@@ -151,8 +169,7 @@ def record_config(cfg: DictConfig, trainer: L.Trainer) -> None:
     remember_runs(trainer.loggers, cfg.paths.output_dir)
 
 
-def test_summary(metrics: dict[str, float], weights: str, trainer: L.Trainer,
-                 datamodule: L.LightningDataModule) -> str:
+def test_summary(metrics: dict[str, float], weights: str, trainer: L.Trainer, datamodule: L.LightningDataModule) -> str:
     """The one line a test ends with, from src.train and src.eval alike: what accuracy, which weights, which images."""
     test_set = getattr(datamodule, "test_set", None)
     images = "the test set"
@@ -167,8 +184,7 @@ def test_summary(metrics: dict[str, float], weights: str, trainer: L.Trainer,
         images += f" of data={HydraConfig.get().runtime.choices['data']}"
     except (ValueError, KeyError):  # no Hydra run (a spawned child, a test calling this directly)
         pass
-    return (f"test accuracy {metrics['test/acc']:.4f} | test loss {metrics['test/loss']:.4f} | {weights} "
-            f"| {images}")
+    return f"test accuracy {metrics['test/acc']:.4f} | test loss {metrics['test/loss']:.4f} | {weights} | {images}"
 
 
 def describe_checkpoint(path: str | Path, checkpoint: dict | None = None) -> str:
@@ -176,4 +192,3 @@ def describe_checkpoint(path: str | Path, checkpoint: dict | None = None) -> str
     if checkpoint is None:
         checkpoint = read_checkpoint(path)
     return f"{path} (epoch {checkpoint.get('epoch', '?')}, step {checkpoint.get('global_step', '?')})"
-

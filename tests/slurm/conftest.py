@@ -20,8 +20,17 @@ from tests.conftest import ROOT
 
 CLUSTER = ROOT / "slurm" / "testcluster"
 CLUSTER_LOCK = Path("/tmp/cifar10-ddp-testcluster.lock")
-TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE",
-            "PREEMPTED"}
+TERMINAL = {
+    "COMPLETED",
+    "FAILED",
+    "CANCELLED",
+    "TIMEOUT",
+    "NODE_FAIL",
+    "OUT_OF_MEMORY",
+    "BOOT_FAIL",
+    "DEADLINE",
+    "PREEMPTED",
+}
 
 
 class Cluster:
@@ -74,8 +83,9 @@ def start_cluster(tmp_path_factory, nodes: int):
     # one test cluster at a time on this machine (its ports): make test's other worker waits here for the first
     lock = open(CLUSTER_LOCK, "w")  # noqa: SIM115 - held until stop_cluster
     fcntl.flock(lock, fcntl.LOCK_EX)
-    started = subprocess.run([str(CLUSTER / "start.sh"), str(state), str(nodes)], capture_output=True, text=True,
-                             timeout=600)
+    started = subprocess.run(
+        [str(CLUSTER / "start.sh"), str(state), str(nodes)], capture_output=True, text=True, timeout=600
+    )
     if started.returncode != 0:
         subprocess.run([str(CLUSTER / "stop.sh"), str(state)], capture_output=True, timeout=120)
         lock.close()

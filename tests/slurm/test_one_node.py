@@ -46,8 +46,9 @@ def step_cpus(cluster, job: str, timeout: float = 240) -> int:
 def test_one_node_two_tasks_train_one_world_of_two_into_the_jobs_run_dir(cluster):
     # SLURM_EXACT=1: the step holds only the CPUs srun asks for per task, as clusters that bind each task to its cores
     # do (this one binds none, so the tasks' affinity could not tell)
-    job = cluster.sbatch("--nodes=1", "--ntasks-per-node=2", *CPU, "--export=ALL,SLURM_EXACT=1", "slurm/train.sbatch",
-                         *RUN)
+    job = cluster.sbatch(
+        "--nodes=1", "--ntasks-per-node=2", *CPU, "--export=ALL,SLURM_EXACT=1", "slurm/train.sbatch", *RUN
+    )
     assert step_cpus(cluster, job) == 2 * 8  # the script's --cpus-per-task=8 for each task (Slurm >= 22.05: else 1)
     info = cluster.wait(job)
     assert info["JobState"] == "COMPLETED", cluster.log(job)
@@ -63,10 +64,20 @@ def test_sigusr1_requeues_and_the_restart_resumes_to_exactly_the_requested_epoch
     mlflow = f"sqlite:///{tmp_path}/mlflow.db"  # the requeued run logs on into the MLflow run it began
     # rank 0, which writes the logs, ends 2 s after rank 1 (tests/faults.py; within KillWait, 5 s here): srun must not
     # kill it in between
-    job = cluster.sbatch("--nodes=1", "--ntasks-per-node=2", *CPU, "slurm/train.sbatch", *RUN,
-                         "trainer.limit_train_batches=null", "trainer.max_epochs=4", "logger=[tensorboard,csv,mlflow]",
-                         f"logger.mlflow.tracking_uri={mlflow}", f"logger.mlflow.artifact_location={tmp_path}/art",
-                         "+callbacks.slow_end._target_=tests.faults.SlowEnd", "+callbacks.slow_end.seconds=2")
+    job = cluster.sbatch(
+        "--nodes=1",
+        "--ntasks-per-node=2",
+        *CPU,
+        "slurm/train.sbatch",
+        *RUN,
+        "trainer.limit_train_batches=null",
+        "trainer.max_epochs=4",
+        "logger=[tensorboard,csv,mlflow]",
+        f"logger.mlflow.tracking_uri={mlflow}",
+        f"logger.mlflow.artifact_location={tmp_path}/art",
+        "+callbacks.slow_end._target_=tests.faults.SlowEnd",
+        "+callbacks.slow_end.seconds=2",
+    )
     last = run_dir(job) / "checkpoints" / "last.ckpt"
     deadline = time.monotonic() + 240
     while not last.exists() and time.monotonic() < deadline:  # epoch 0 is done: signal in the middle of epoch 1
@@ -87,7 +98,8 @@ def test_sigusr1_requeues_and_the_restart_resumes_to_exactly_the_requested_epoch
     (run,) = client.search_runs([client.get_experiment_by_name("cifar10-ddp").experiment_id])
     assert run.info.status == "FINISHED" and "continuing MLflow run" in log
     assert [m.step for m in client.get_metric_history(run.info.run_id, "val/acc")] == [
-        (epoch + 1) * steps - 1 for epoch in range(4)]  # one run, every epoch once, across the requeue
+        (epoch + 1) * steps - 1 for epoch in range(4)
+    ]  # one run, every epoch once, across the requeue
     # rank 0's TensorBoard and CSV logs hold every step, those before the stop among them: it was not killed while
     # it wrote them
     from tests.test_train import scalars
@@ -101,8 +113,16 @@ def test_sigusr1_requeues_and_the_restart_resumes_to_exactly_the_requested_epoch
 def test_tasks_that_srun_binds_to_a_core_each_count_that_core_once_in_the_run_line(cluster):
     """SLURM_CPU_BIND=cores: each of the 2 tasks runs on a core of its own. (This machine's 2 cores cannot show a
     task of several bound cores divided again by the tasks; tests/test_data.py checks that arithmetic.)"""
-    job = cluster.sbatch("--nodes=1", "--ntasks-per-node=2", "--cpus-per-task=1", *CPU,
-                         "--export=ALL,SLURM_CPU_BIND=cores", "slurm/train.sbatch", *RUN, "data.pipeline=dataloader")
+    job = cluster.sbatch(
+        "--nodes=1",
+        "--ntasks-per-node=2",
+        "--cpus-per-task=1",
+        *CPU,
+        "--export=ALL,SLURM_CPU_BIND=cores",
+        "slurm/train.sbatch",
+        *RUN,
+        "data.pipeline=dataloader",
+    )
     info = cluster.wait(job)
     log = cluster.log(job)
     assert info["JobState"] == "COMPLETED", log
@@ -119,22 +139,47 @@ def test_an_allocation_that_does_not_match_the_config_fails_fast_with_what_to_ch
 
 
 def test_python_without_srun_in_a_multi_task_job_fails_fast(cluster):
-    job = cluster.sbatch("--nodes=1", "--ntasks-per-node=2", *CPU, "--output=outputs/slurm/%j.out",
-                         "--wrap", " ".join([".venv/bin/python", "-m", "src.train", *RUN, "trainer.devices=2",
-                                             "hydra.run.dir=outputs/slurm/$SLURM_JOB_ID"]))
+    job = cluster.sbatch(
+        "--nodes=1",
+        "--ntasks-per-node=2",
+        *CPU,
+        "--output=outputs/slurm/%j.out",
+        "--wrap",
+        " ".join(
+            [
+                ".venv/bin/python",
+                "-m",
+                "src.train",
+                *RUN,
+                "trainer.devices=2",
+                "hydra.run.dir=outputs/slurm/$SLURM_JOB_ID",
+            ]
+        ),
+    )
     info = cluster.wait(job, timeout=120)
     assert info["JobState"] == "FAILED"
     assert "without srun" in cluster.log(job)
 
 
-def test_a_search_in_one_job_starts_each_trials_ranks_itself_and_a_requeue_ends_with_exactly_n_trials(cluster,
-                                                                                                         tmp_path):
+def test_a_search_in_one_job_starts_each_trials_ranks_itself_and_a_requeue_ends_with_exactly_n_trials(
+    cluster, tmp_path
+):
     from tests.test_search import study, trained_with
 
     sweep = tmp_path / "search"
-    job = cluster.sbatch("--nodes=1", *CPU, "--cpus-per-task=2", f"--export=ALL,SWEEP_DIR={sweep}",
-                         "slurm/search.sbatch", *RUN, "strategy=ddp", "trainer.devices=2", "hydra.sweeper.n_trials=2",
-                         "trainer.max_epochs=3", "trainer.limit_train_batches=null")
+    job = cluster.sbatch(
+        "--nodes=1",
+        *CPU,
+        "--cpus-per-task=2",
+        f"--export=ALL,SWEEP_DIR={sweep}",
+        "slurm/search.sbatch",
+        *RUN,
+        "strategy=ddp",
+        "trainer.devices=2",
+        "hydra.sweeper.n_trials=2",
+        "trainer.max_epochs=3",
+        "trainer.limit_train_batches=null",
+    )
     last = sweep / "1" / "checkpoints" / "last.ckpt"
     deadline = time.monotonic() + 240
     while not last.exists() and time.monotonic() < deadline:  # trial 1 has trained its first epoch
@@ -160,17 +205,30 @@ def test_a_search_in_one_job_starts_each_trials_ranks_itself_and_a_requeue_ends_
 
 def sweep_ids(stdout: str) -> tuple[dict[int, str], str]:
     """{job number: Slurm job id} of the jobs a src.slurm_sweep run submitted, and its report job's id."""
-    ids = {int(line.split()[1].rstrip(":")): line.split("Slurm job ")[1].split(":")[0] for line in stdout.splitlines()
-           if line.startswith("job ") and "not submitted" not in line}
-    report_id = next(line.split("Slurm job ")[1].split(",")[0] for line in stdout.splitlines()
-                     if line.startswith("report:"))
+    ids = {
+        int(line.split()[1].rstrip(":")): line.split("Slurm job ")[1].split(":")[0]
+        for line in stdout.splitlines()
+        if line.startswith("job ") and "not submitted" not in line
+    }
+    report_id = next(
+        line.split("Slurm job ")[1].split(",")[0] for line in stdout.splitlines() if line.startswith("report:")
+    )
     return ids, report_id
 
 
 def test_a_sweep_submits_one_job_per_device_count_sized_to_match_reports_and_resumes(cluster, tmp_path):
     sweep = tmp_path / "sweep"
-    command = ["env", f"SWEEP_DIR={sweep}", ".venv/bin/python", "-m", "src.slurm_sweep", *CPU, "--",
-               "trainer.devices=1,2", *RUN]
+    command = [
+        "env",
+        f"SWEEP_DIR={sweep}",
+        ".venv/bin/python",
+        "-m",
+        "src.slurm_sweep",
+        *CPU,
+        "--",
+        "trainer.devices=1,2",
+        *RUN,
+    ]
     ids, report_id = sweep_ids(cluster.run(*command).stdout)
     cluster.job_ids.extend([*ids.values(), report_id])
     assert [cluster.show(ids[k])["NumTasks"] for k in (0, 1)] == ["1", "2"]
@@ -196,8 +254,9 @@ def test_a_sweep_submits_one_job_per_device_count_sized_to_match_reports_and_res
 
 def test_srun_torchrun_is_not_refused_by_the_allocation_check_and_trains_like_srun(cluster):
     """One agent (--ntasks-per-node=1) starting two workers: the Slurm check would have read 1 task vs 2 devices."""
-    job = cluster.sbatch("--nodes=1", *CPU, "--cpus-per-task=2", "--export=ALL,NPROC_PER_NODE=2",
-                         "slurm/torchrun.sbatch", *RUN)
+    job = cluster.sbatch(
+        "--nodes=1", *CPU, "--cpus-per-task=2", "--export=ALL,NPROC_PER_NODE=2", "slurm/torchrun.sbatch", *RUN
+    )
     info = cluster.wait(job)
     log = cluster.log(job)
     assert info["JobState"] == "COMPLETED", log
@@ -214,13 +273,20 @@ def test_a_python_that_is_not_there_stops_the_script_in_one_line_before_srun(tmp
     bin_dir.mkdir()
     (bin_dir / "srun").write_text(f"#!/bin/sh\ntouch {called}\n")
     (bin_dir / "srun").chmod(0o755)
-    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "PYTHON": "/nonexistent/python", "SLURM_SUBMIT_DIR": str(ROOT),
-           "SLURM_JOB_ID": "4242", "SLURM_JOB_NUM_NODES": "1", "SLURM_JOB_NODELIST": "localhost",
-           "SLURM_NTASKS_PER_NODE": "2", "SLURM_CPUS_PER_TASK": "8"}
-    result = subprocess.run(["bash", str(ROOT / "slurm" / script)], env=env, capture_output=True, text=True,
-                            timeout=60)
+    env = {
+        "PATH": f"{bin_dir}:/usr/bin:/bin",
+        "PYTHON": "/nonexistent/python",
+        "SLURM_SUBMIT_DIR": str(ROOT),
+        "SLURM_JOB_ID": "4242",
+        "SLURM_JOB_NUM_NODES": "1",
+        "SLURM_JOB_NODELIST": "localhost",
+        "SLURM_NTASKS_PER_NODE": "2",
+        "SLURM_CPUS_PER_TASK": "8",
+    }
+    result = subprocess.run(["bash", str(ROOT / "slurm" / script)], env=env, capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and result.stdout == "", result.stdout + result.stderr
     assert result.stderr.splitlines() == [
         f"error: PYTHON=/nonexistent/python is not an executable here ({ROOT}): run make install in {ROOT}, or pass "
-        "--export=ALL,PYTHON=/path/to/python"]
+        "--export=ALL,PYTHON=/path/to/python"
+    ]
     assert not called.exists()

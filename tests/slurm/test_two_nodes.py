@@ -20,8 +20,9 @@ def cluster(tmp_path_factory):
 
 
 def test_two_nodes_one_task_each_train_one_world_of_two(cluster):
-    job = cluster.sbatch("--nodes=2", "--ntasks-per-node=1", "--gpus-per-node=0", "slurm/train.sbatch", *FAST,
-                         "test=false")
+    job = cluster.sbatch(
+        "--nodes=2", "--ntasks-per-node=1", "--gpus-per-node=0", "slurm/train.sbatch", *FAST, "test=false"
+    )
     info = cluster.wait(job)
     assert info["JobState"] == "COMPLETED", cluster.log(job)
     run_dir = ROOT / "outputs" / "slurm" / job
@@ -33,10 +34,19 @@ def test_two_nodes_one_task_each_train_one_world_of_two(cluster):
 
 
 def test_an_exception_on_the_second_nodes_rank_fails_the_job_at_once_with_one_line(cluster):
-    job = cluster.sbatch("--nodes=2", "--ntasks-per-node=1", "--gpus-per-node=0", "slurm/train.sbatch", *FAST,
-                         "test=false", "data.num_train=2000", "trainer.limit_train_batches=null",
-                         "+callbacks.fault._target_=tests.faults.RaiseAt", "+callbacks.fault.rank=1",
-                         "+callbacks.fault.step=3")
+    job = cluster.sbatch(
+        "--nodes=2",
+        "--ntasks-per-node=1",
+        "--gpus-per-node=0",
+        "slurm/train.sbatch",
+        *FAST,
+        "test=false",
+        "data.num_train=2000",
+        "trainer.limit_train_batches=null",
+        "+callbacks.fault._target_=tests.faults.RaiseAt",
+        "+callbacks.fault.rank=1",
+        "+callbacks.fault.step=3",
+    )
     info = cluster.wait(job, timeout=180)
     log = cluster.log(job)
     assert info["JobState"] == "FAILED", log
@@ -51,8 +61,9 @@ def test_an_exception_on_the_second_nodes_rank_fails_the_job_at_once_with_one_li
 def test_srun_torchrun_across_two_nodes_trains_one_world_with_torchruns_ranks(cluster):
     """slurm/torchrun.sbatch: one torchrun agent per node (srun), rendezvous on the first node, Slurm's checks
     out of the way (torchrun started the ranks)."""
-    job = cluster.sbatch("--nodes=2", "--gpus-per-node=0", "--cpus-per-task=2", "slurm/torchrun.sbatch", *FAST,
-                         "test=false")
+    job = cluster.sbatch(
+        "--nodes=2", "--gpus-per-node=0", "--cpus-per-task=2", "slurm/torchrun.sbatch", *FAST, "test=false"
+    )
     info = cluster.wait(job)
     log = cluster.log(job)
     assert info["JobState"] == "COMPLETED", log
@@ -65,10 +76,20 @@ def test_srun_torchrun_across_two_nodes_trains_one_world_with_torchruns_ranks(cl
 
 
 def test_a_rank_that_hangs_on_the_second_node_is_named_with_its_stack_within_seconds(cluster):
-    job = cluster.sbatch("--nodes=2", "--ntasks-per-node=1", "--gpus-per-node=0", "slurm/train.sbatch", *FAST,
-                         "test=false", "data.num_train=2000", "trainer.limit_train_batches=null",
-                         "strategy.hang_timeout_s=6", "+callbacks.fault._target_=tests.faults.SleepAt",
-                         "+callbacks.fault.rank=1", "+callbacks.fault.step=3")
+    job = cluster.sbatch(
+        "--nodes=2",
+        "--ntasks-per-node=1",
+        "--gpus-per-node=0",
+        "slurm/train.sbatch",
+        *FAST,
+        "test=false",
+        "data.num_train=2000",
+        "trainer.limit_train_batches=null",
+        "strategy.hang_timeout_s=6",
+        "+callbacks.fault._target_=tests.faults.SleepAt",
+        "+callbacks.fault.rank=1",
+        "+callbacks.fault.step=3",
+    )
     info = cluster.wait(job, timeout=180)
     log = cluster.log(job)
     assert info["JobState"] == "FAILED", log
@@ -88,8 +109,10 @@ def node1_resolves_itself_elsewhere(cluster):
     gives its name, while node2's /etc/hosts (DNS, say) gives the first, 10.200.0.11. Both addresses reach node1."""
     hosts = cluster.state_dir / "etc" / "hosts.node1"
     before = hosts.read_text()
-    commands = [["ip", "-n", "c10-n1", "addr", "add", "10.200.1.11/24", "dev", "c10-v1n"],
-                ["ip", "-n", "c10-n2", "route", "add", "10.200.1.0/24", "dev", "c10-v2n"]]
+    commands = [
+        ["ip", "-n", "c10-n1", "addr", "add", "10.200.1.11/24", "dev", "c10-v1n"],
+        ["ip", "-n", "c10-n2", "route", "add", "10.200.1.0/24", "dev", "c10-v2n"],
+    ]
     for command in commands:
         subprocess.run(command, check=True, capture_output=True)
     with open(hosts, "w") as f:  # in place: the file node1's mount namespace has over /etc/hosts
@@ -104,7 +127,8 @@ def node1_resolves_itself_elsewhere(cluster):
 
 
 def test_a_node_that_resolves_node_0s_name_elsewhere_is_named_in_the_line_and_store_bind_all_trains(
-        cluster, node1_resolves_itself_elsewhere):
+    cluster, node1_resolves_itself_elsewhere
+):
     args = ["--nodes=2", "--ntasks-per-node=1", "--gpus-per-node=0", "slurm/train.sbatch", *FAST, "test=false"]
     # strategy.store_bind=master_addr: node1 listens on 10.200.1.11 only; node2 gives up after two tries of 5 s
     job = cluster.sbatch(*args, "strategy.timeout_s=5")
