@@ -1,4 +1,4 @@
-# make train ARGS="..." | make test | make test-fast | make demo | make bench | make bench-cpu | make recipes
+# make train ARGS="..." | make test | make test-fast | make lint | make demo | make bench | make bench-cpu | make recipes
 # | make tensorboard | make gpu-check | make profile | make lock | make audit
 # Each target creates .venv and installs the project into it on first use, from requirements.lock with pip checking
 # every file's hash; but gpu-check and profile: they run with the torch at hand (a GPU node's own), the venv's
@@ -19,7 +19,7 @@ PYTEST_ARGS ?=
 # gpu-check and profile: GPU_CHECK_PYTHON=python3.12 make gpu-check picks another interpreter
 GPU_CHECK_PYTHON ?= $(if $(wildcard $(PY)),$(PY),$(PYTHON))
 
-.PHONY: install lock audit train test test-fast demo eval tensorboard bench bench-cpu recipes scale gpu-check profile clean
+.PHONY: install lock audit train test test-fast lint demo eval tensorboard bench bench-cpu recipes scale gpu-check profile clean
 
 install: $(VENV)/.installed
 
@@ -110,6 +110,18 @@ test: install
 ## the inner loop, in at most 2 minutes: the tests of at most a second (tests/durations.json) and one smoke run
 test-fast: install
 	$(PY) -m pytest -m fast $(PYTEST_ARGS)
+
+## ruff's lint and format check, and mypy on the packages typed throughout (pyproject.toml says which and why);
+## the suite runs the same (tests/test_lint.py). make lint FIX=1 lets ruff fix and format what it can.
+LINTED := src tests benchmarks hydra_plugins
+lint: install
+ifdef FIX
+	$(VENV)/bin/ruff check --fix $(LINTED)
+	$(VENV)/bin/ruff format $(LINTED)
+endif
+	$(VENV)/bin/ruff check $(LINTED)
+	$(VENV)/bin/ruff format --check $(LINTED)
+	$(VENV)/bin/mypy
 
 ## a short offline tour: synthetic data, two CPU processes with gloo, checkpoint, TensorBoard logs, eval
 ## (src.eval re-tests the checkpoint the training tested, on the same images: the same accuracy, from the file alone)
