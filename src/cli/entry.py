@@ -1,13 +1,12 @@
-"""How an entry point (src.train, src.eval) runs its task and ends.
+"""How a command (src.train, src.eval, src.export, src.predict) starts its task and ends.
 
-A good end waits for the local ranks this process started. A failure ends as one line: ``error: ...`` on
-stderr, every process of the run stopped (src/resilience/supervision.py), and an exit status that says which kind —
-2 for a mistake found before training (docs/troubleshooting.md), 1 for a run that failed under way (a rank that
-died or raised, a run dir that stopped taking writes, a rank that hung), ``128 + signal`` for a run stopped on
-request (130 for Ctrl-C, 143 for SIGTERM). A job of a sweep records ``failure.json`` instead and the sweep goes
-on; a sweep stopped on request stops, saying how to resume it. HYDRA_FULL_ERROR=1 keeps tracebacks.
+Before the task: what Hydra rejects (an unknown option, a misspelled key, an override it cannot parse) becomes one
+``error:`` line (``run``), and the checks that need the composed config run before any other process starts
+(``handle_errors``: group options, torchrun's counts, the run dir a job run again resumes, extras, tracking servers,
+every interpolation). A good end waits for the local ranks this process started. Every other end goes through
+src/resilience/failure.py, which says who prints the one line, which exit status, and how the other processes stop.
+HYDRA_FULL_ERROR=1 keeps tracebacks.
 """
-
 from __future__ import annotations
 
 import functools
