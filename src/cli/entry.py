@@ -7,6 +7,7 @@ every interpolation). A good end waits for the local ranks this process started.
 src/resilience/failure.py, which says who prints the one line, which exit status, and how the other processes stop.
 HYDRA_FULL_ERROR=1 keeps tracebacks.
 """
+
 from __future__ import annotations
 
 import functools
