@@ -114,11 +114,9 @@ test-fast: install
 ## ruff's lint and format check, and mypy on the packages typed throughout (pyproject.toml says which and why);
 ## the suite runs the same (tests/test_lint.py). make lint FIX=1 lets ruff fix and format what it can.
 LINTED := src tests benchmarks hydra_plugins
+FIX ?=
 lint: install
-ifdef FIX
-	$(VENV)/bin/ruff check --fix $(LINTED)
-	$(VENV)/bin/ruff format $(LINTED)
-endif
+	@if [ -n "$(FIX)" ]; then $(VENV)/bin/ruff check --fix $(LINTED); $(VENV)/bin/ruff format $(LINTED); fi
 	$(VENV)/bin/ruff check $(LINTED)
 	$(VENV)/bin/ruff format --check $(LINTED)
 	$(VENV)/bin/mypy

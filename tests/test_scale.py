@@ -175,7 +175,7 @@ def test_under_mpirun_or_jsrun_only_the_launchers_rank_zero_takes_itself_for_ran
     from src.launch import ranks
     from src.resilience import supervision
 
-    for name in ("RANK", "SLURM_STEP_ID", "LOCAL_RANK", "NODE_RANK", *supervision.LAUNCHER_RANKS):
+    for name in ("RANK", "SLURM_STEP_ID", "LOCAL_RANK", "NODE_RANK", *ranks.LAUNCHER_RANKS):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv(key, "3")  # as the launcher sets it in each process it starts
     assert not ranks.is_launch_rank_zero() and ranks.rank_log_suffix() == "_rank3"
