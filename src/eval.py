@@ -10,6 +10,7 @@ import hydra
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from src.checkpoints import object_store
 from src.checkpoints.files import read_checkpoint
 from src.checkpoints.resume import model_from
 from src.cli.entry import handle_errors, run
@@ -29,7 +30,7 @@ def main(cfg: DictConfig) -> dict[str, float]:
         raise UserError(
             "ckpt_path=PATH is required: the checkpoint to evaluate (e.g. outputs/.../checkpoints/last.ckpt)"
         )
-    path = Path(cfg.ckpt_path)
+    path = str(cfg.ckpt_path) if object_store.is_url(cfg.ckpt_path) else Path(cfg.ckpt_path)  # a file, or s3://
     checkpoint = read_checkpoint(path, trusted=cfg.ckpt_trusted)
     # every device by default: the test shards count each image once at any world size
     supervision.track(*start_local_ranks(cfg.strategy))

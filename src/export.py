@@ -17,6 +17,7 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from src.checkpoints import object_store
 from src.cli.entry import handle_errors, overridden_keys, run
 from src.core.errors import UserError, require
 from src.serving.exporter import (
@@ -45,23 +46,25 @@ def main(cfg: DictConfig) -> dict[str, Any]:
     for name in formats:
         for package in PACKAGES[name]:
             require(package, "export", f"format={name}")
-    path = Path(cfg.ckpt_path)
-    model, checkpoint = load_classifier(path, cfg.ckpt_trusted)
-    out = Path(cfg.export.dir) if cfg.export.dir else path.parent
+    given = str(cfg.ckpt_path)
+    remote = object_store.is_url(given)  # an s3:// checkpoint: read from its local copy; the files go to export.dir
+    path = Path(given.split("://", 1)[-1].rsplit("/", 1)[-1]) if remote else Path(given)  # its name, or the file
+    model, checkpoint = load_classifier(given if remote else path, cfg.ckpt_trusted)
+    out = Path(cfg.export.dir) if cfg.export.dir else Path.cwd() if remote else path.parent
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise UserError(f"export.dir={out} cannot be created ({err.strerror}): choose another export.dir") from err
     if not os.access(out, os.W_OK):
         raise UserError(f"{out} is not writable: pass export.dir=DIR for the exported files")
-    run_cfg, config_file = run_config(path)
+    run_cfg, config_file = run_config(path) if not remote else (None, None)
     data_cfg = cfg.data if run_cfg is None or "data" in {k.split(".")[0] for k in overridden_keys()} else run_cfg.data
     images, data_name = validation_images(data_cfg, cfg.export) if cfg.export.validate else (None, None)
     net = Normalised(model.net).eval()
     reference = logits_of(net, images, cfg.export.batch_size) if images is not None else None
     meta = describe(model, checkpoint, path, data_cfg, config_file)
     record: dict[str, Any] = {
-        "checkpoint": str(path),
+        "checkpoint": given,
         "validated_on": None if images is None else {"data": data_name, "images": len(images)},
     }
     with torch.inference_mode():

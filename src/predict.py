@@ -36,7 +36,7 @@ def main(cfg: DictConfig) -> list[dict[str, Any]]:
     top_k = cfg.top_k
     if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
         raise UserError(f"top_k={top_k} must be a whole number >= 1")
-    classify, names = load_model(Path(cfg.ckpt_path), cfg.ckpt_trusted)
+    classify, names = load_model(str(cfg.ckpt_path), cfg.ckpt_trusted)
     files = image_files(cfg.images)
     images = [read_image(f) for f in files]
     batch = torch.stack([image for image, _ in images])

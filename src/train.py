@@ -54,7 +54,7 @@ def main(cfg: DictConfig) -> float | None:
     L.seed_everything(cfg.seed, workers=True)
     datamodule = instantiate(cfg.data)
     model = instantiate(cfg.model)
-    ckpt_path, checkpoint = resume_from(cfg.ckpt_path, cfg.paths.output_dir, trusted=cfg.ckpt_trusted)
+    ckpt_path, checkpoint = resume_from(cfg.ckpt_path, cfg.paths.checkpoints, trusted=cfg.ckpt_trusted)
     if checkpoint is not None:  # a wrong file fails here in one line, before the ranks meet
         check_compatible(checkpoint, ckpt_path, model.hparams)
         keep_checkpoint_batch(datamodule, checkpoint)  # data.batch_size=auto resumes with the batch it trained with

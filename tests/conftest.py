@@ -259,6 +259,32 @@ def shared_between_workers(tmp_path_factory, name: str):
         done.touch()
 
 
+@pytest.fixture(scope="session")
+def s3_store(tmp_path_factory):
+    """A real S3 server (SeaweedFS on 127.0.0.1, tests/s3server.py), started once a session by the first worker that
+    asks and shared by the others; the session's end stops it (``pytest_sessionfinish``), and so does the session's
+    process going away."""
+    from tests.s3server import S3Server, start
+
+    with shared_between_workers(tmp_path_factory, S3_FOLDER) as (folder, made):
+        watched = os.getppid() if os.environ.get("PYTEST_XDIST_WORKER") else os.getpid()
+        return S3Server.load(folder) if made else start(folder, watch=watched)
+
+
+S3_FOLDER = "s3server"
+
+
+def _stop_the_s3_server(session: pytest.Session) -> None:
+    """In the session's own process (not a worker): the shared S3 server, if a worker started one."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    from tests.s3server import S3Server
+
+    folder = session.config._tmp_path_factory.getbasetemp() / f"shared-{S3_FOLDER}"  # type: ignore[attr-defined]
+    if (folder / "server.json").is_file():
+        S3Server.load(folder).stop()
+
+
 # ------------------------------------------------------------------------------------------------- the time budget
 
 
@@ -294,4 +320,5 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    _stop_the_s3_server(session)
     budget.judge(session, time.monotonic() - session.config._budget_start)  # type: ignore[attr-defined]

@@ -291,7 +291,7 @@ def test_ckpt_path_auto_passes_over_an_unreadable_last_ckpt_for_the_newest_intac
         f.truncate(last.stat().st_size // 2)
 
     with pytest.raises(UserError, match=f"ckpt_path={last} is not a checkpoint"):  # a path given: that file or nothing
-        resume_from(str(last), str(tmp_path))
+        resume_from(str(last), str(tmp_path / "checkpoints"))
 
     resumed = train(*run, "trainer.max_epochs=2", "ckpt_path=auto")
     assert resumed.returncode == 0, output(resumed)[-3000:]

@@ -321,7 +321,7 @@ def under_torchrun(monkeypatch):
 def adopted(tmp_path, *overrides: str):
     """The config as a torchrun worker's task sees it (src/cli/entry.py: the agent's counts, then every attempt
     resumes)."""
-    from src.launch.run_dir import resume_own_run_dir
+    from src.checkpoints.resume import resume_own_run_dir
     from src.launch.torchrun import adopt
     from tests.test_config import make_cfg
 

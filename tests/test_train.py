@@ -362,19 +362,19 @@ def test_ckpt_path_auto_means_the_run_dirs_last_checkpoint_if_there_is_one(tmp_p
     from src.checkpoints.resume import resume_from
     from src.core.errors import UserError
 
-    assert resume_from("auto", str(tmp_path)) == (None, None)  # nothing yet: start fresh
+    assert resume_from("auto", str(tmp_path / "checkpoints")) == (None, None)  # nothing yet: start fresh
     with pytest.raises(UserError, match="ckpt_path=last but .* does not exist"):
-        resume_from("last", str(tmp_path))  # last, though, must exist
+        resume_from("last", str(tmp_path / "checkpoints"))  # last, though, must exist
     last = tmp_path / "checkpoints" / "last.ckpt"
     last.parent.mkdir()
     torch.save({"global_step": 7}, last)
     for given in ("auto", "last", str(last)):
-        path, checkpoint = resume_from(given, str(tmp_path))
+        path, checkpoint = resume_from(given, str(tmp_path / "checkpoints"))
         assert path == str(last) and checkpoint["global_step"] == 7
-    assert resume_from(None, str(tmp_path)) == (None, None)
+    assert resume_from(None, str(tmp_path / "checkpoints")) == (None, None)
     last.write_bytes(b"x")  # broken, and nothing intact beside it: no silent fresh start
     with pytest.raises(UnreadableCheckpoint, match="is not a checkpoint"):
-        resume_from("auto", str(tmp_path))
+        resume_from("auto", str(tmp_path / "checkpoints"))
 
 
 def test_resume_with_ckpt_path_last_in_the_same_run_dir(single_run, tmp_path):

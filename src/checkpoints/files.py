@@ -3,7 +3,8 @@ for a write the filesystem refuses, and one UserError for a file that cannot be 
 
 Lightning writes checkpoints and restores the loops, optimizer, scheduler and callbacks from them. The invariant
 this module keeps: a checkpoint's final name (``last.ckpt``, ``best-*.ckpt``) holds a whole file or none, and
-``last.prev.ckpt`` is the ``last.ckpt`` before the current one, kept until the next one is whole.
+``last.prev.ckpt`` is the ``last.ckpt`` before the current one, kept until the next one is whole. The same holds for
+checkpoints in an object store (an ``s3://`` URL), which src/checkpoints/object_store.py reads and writes.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import errno
 import os
 import pickle
 import shutil
+import tempfile
 import time
 import zipfile
 from pathlib import Path
@@ -20,14 +22,11 @@ from typing import Any
 import torch
 from lightning.fabric.plugins import TorchCheckpointIO
 
+from src.checkpoints import object_store
 from src.core.errors import StorageError, UserError, storage_error_in
 
 LAST = "last.ckpt"
-
-
 PREVIOUS = "last.prev.ckpt"  # the last.ckpt before the current one
-
-
 _TMP_MARK = ".tmp-"
 
 
@@ -40,7 +39,8 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     becomes ``last.prev.ckpt``, deleted just before the next ``last.ckpt`` is written: between writes it takes one
     checkpoint's worth of disk more. A write the filesystem refuses (full, read-only, a folder removed under the run)
     leaves no temp file and raises one StorageError saying what is intact. ``saved`` and ``save_s`` count this process's
-    writes (rank zero's: only it writes) and the seconds they took.
+    writes (rank zero's: only it writes) and the seconds they took. An ``s3://`` path is written, read and removed
+    through src/checkpoints/object_store.py, with the same promises.
     """
 
     def __init__(self) -> None:
@@ -54,9 +54,23 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         self.save_s += time.perf_counter() - started
         self.saved += 1
 
+    def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: bool | None = None) -> dict[str, Any]:
+        """Lightning's read of the checkpoint a run resumes from or tests: an ``s3://`` one from its local copy."""
+        if object_store.is_url(path):
+            path = _local_copy(str(path), "ckpt_path")
+        return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+
+    def remove_checkpoint(self, path: Any) -> None:
+        """ModelCheckpoint's removal of an older best: never the checkpoint this run resumed from."""
+        if object_store.is_url(path):
+            return object_store.remove(str(path))
+        if str(Path(path).absolute()) in object_store.RESUMED:
+            return None
+        return super().remove_checkpoint(path)
+
     def _write(self, checkpoint: dict[str, Any], path: Any, storage_options: Any) -> None:
-        if "://" in str(path):  # remote storage: fsspec's transaction is the best there is
-            return super().save_checkpoint(checkpoint, path, storage_options)
+        if object_store.is_url(path):
+            return self._put(checkpoint, str(path))
         final = Path(path)
         tmp = final.with_name(f".{final.name}{_TMP_MARK}{os.getpid()}")
         previous = final.with_name(PREVIOUS) if final.name == LAST else None
@@ -80,6 +94,29 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             raise StorageError(refused_write(refused, final, final.parent, _tensor_bytes(checkpoint))) from err
         finally:
             tmp.unlink(missing_ok=True)
+
+    def _put(self, checkpoint: dict[str, Any], url: str) -> None:
+        """Stage the checkpoint in node-local temp, then put it as one object; ``last.ckpt``'s previous generation is
+        copied to ``last.prev.ckpt`` on the server first."""
+        name = url.rsplit("/", 1)[1]
+        folder = url.rsplit("/", 1)[0]
+        previous = object_store.join(folder, PREVIOUS) if name == LAST else None
+        fd, staged = tempfile.mkstemp(prefix=f".{name}{_TMP_MARK}", suffix=".ckpt")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                torch.save(checkpoint, f)
+            intact = f"the previous {LAST} in {folder} is kept" if name == LAST else f"{folder} is as it was"
+            object_store.put(Path(staged), url, str(previous) if previous else None, intact)
+        except OSError as err:
+            refused = storage_error_in(err)
+            if refused is None:
+                raise
+            raise StorageError(
+                f"cannot stage {url} in {tempfile.gettempdir()} ({refused.strerror}): the store is as it was; free "
+                "space there (or point TMPDIR elsewhere) and resume with ckpt_path=last"
+            ) from err
+        finally:
+            Path(staged).unlink(missing_ok=True)
 
     def _make_dir(self, directory: Path) -> None:
         """Create the checkpoint folder once; if it is gone later, something removed it under the run."""
@@ -170,13 +207,26 @@ class UnreadableCheckpoint(UserError):
     """A checkpoint file that is missing, cut off, corrupt or unreadable (not one that is merely untrusted)."""
 
 
+def _local_copy(url: str, key: str) -> Path:
+    """The node-local copy of an object-store checkpoint; a missing or unreadable object is one UnreadableCheckpoint."""
+    object_store.check_url(url, key)
+    try:
+        return object_store.local_copy(url)
+    except FileNotFoundError:
+        raise UnreadableCheckpoint(f"{key}={url} does not exist: pass a .ckpt written by src.train") from None
+    except OSError as err:
+        raise UnreadableCheckpoint(f"{key}={url} cannot be read ({err})") from None
+
+
 def read_checkpoint(path: str | Path, key: str = "ckpt_path", trusted: bool = False) -> dict[str, Any]:
     """Load a checkpoint on the CPU, weights-only unless ``trusted``; any failure is a UserError naming ``key``.
 
     ``weights_only`` unpickles tensors, numbers and strings only; a file that needs more can run code
-    when loaded, so it loads only when the user says they trust it.
+    when loaded, so it loads only when the user says they trust it. An ``s3://`` URL is read from its node-local
+    copy, and the lines name the URL.
     """
-    path = Path(path)
+    shown = path
+    path = _local_copy(str(path), key) if object_store.is_url(path) else Path(path)
     if not path.is_file():
         raise UnreadableCheckpoint(f"{key}={path} does not exist: pass the path of a .ckpt file written by src.train")
     try:
@@ -184,11 +234,11 @@ def read_checkpoint(path: str | Path, key: str = "ckpt_path", trusted: bool = Fa
             intact = zipfile.is_zipfile(f)  # torch.save writes a zip archive: a cut-off one lacks its directory
     except OSError as err:
         raise UnreadableCheckpoint(
-            f"{key}={path} cannot be read ({err.strerror}): fix its permissions, or pass another checkpoint"
+            f"{key}={shown} cannot be read ({err.strerror}): fix its permissions, or pass another checkpoint"
         ) from err
     if not intact:
         raise UnreadableCheckpoint(
-            f"{key}={path} is not a checkpoint: truncated, corrupt or in another format (not "
+            f"{key}={shown} is not a checkpoint: truncated, corrupt or in another format (not "
             "the zip archive torch.save writes); pass an intact .ckpt written by src.train"
         )
     try:
@@ -196,12 +246,12 @@ def read_checkpoint(path: str | Path, key: str = "ckpt_path", trusted: bool = Fa
     except pickle.UnpicklingError as err:
         if not trusted and "weights_only" in str(err):
             raise UserError(
-                f"{key}={path} holds Python objects beyond tensors and numbers, and unpickling them can run code: "
+                f"{key}={shown} holds Python objects beyond tensors and numbers, and unpickling them can run code: "
                 "if you trust the file, pass ckpt_trusted=true to load it in full"
             ) from err
-        raise UnreadableCheckpoint(f"{key}={path} is not a readable checkpoint (corrupt or truncated: {err})") from err
+        raise UnreadableCheckpoint(f"{key}={shown} is not a readable checkpoint (corrupt or truncated: {err})") from err
     except (RuntimeError, EOFError, OSError, zipfile.BadZipFile, ValueError) as err:
         raise UnreadableCheckpoint(
-            f"{key}={path} is not a readable checkpoint (corrupt or truncated: "
+            f"{key}={shown} is not a readable checkpoint (corrupt or truncated: "
             f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})"
         ) from err

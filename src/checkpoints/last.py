@@ -18,6 +18,7 @@ import lightning as L
 from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.loops.utilities import _is_max_limit_reached
 
+from src.checkpoints import object_store
 from src.checkpoints.files import LAST, remove_stale_temp_files
 from src.core.errors import UserError
 
@@ -44,19 +45,21 @@ class LastCheckpoint(Checkpoint):
                 f"callbacks.last_checkpoint.every_n_minutes={every_n_minutes} must be a number >= 0 "
                 "(0: at every epoch end)"
             )
-        self.dirpath, self.every_n_minutes = Path(dirpath), every_n_minutes
+        self.dirpath = dirpath if object_store.is_url(dirpath) else Path(dirpath)  # a folder, or an s3:// prefix
+        self.every_n_minutes = every_n_minutes
         self.every_n_train_steps = every_n_train_steps
         self.saves = 0  # this fit's; the same on every rank, as every save is
         self._saved_at_step = -1
         self._since = time.monotonic()
 
     @property
-    def path(self) -> Path:
-        return self.dirpath / LAST
+    def path(self) -> str | Path:
+        return object_store.join(self.dirpath, LAST)
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if stage == "fit" and trainer.is_global_zero:
-            remove_stale_temp_files(self.dirpath)
+            if isinstance(self.dirpath, Path):  # an object store has no half-written files to leave
+                remove_stale_temp_files(self.dirpath)
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.saves, self._since = 0, time.monotonic()

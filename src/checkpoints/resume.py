@@ -13,32 +13,44 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from omegaconf import DictConfig, open_dict
+
+from src.checkpoints import object_store
 from src.checkpoints.files import LAST, PREVIOUS, UnreadableCheckpoint, read_checkpoint
 from src.core.errors import UserError
 
 log = logging.getLogger(__name__)
 
 
-def resume_from(ckpt_path: str | None, run_dir: str, trusted: bool = False) -> tuple[str | None, dict | None]:
-    """The checkpoint a run starts from, loaded: a path, ``last`` (this run dir's, required), ``auto`` (this run
-    dir's, if any), or none.
+def resume_from(
+    ckpt_path: str | None, checkpoints: str | Path, trusted: bool = False
+) -> tuple[str | None, dict | None]:
+    """The checkpoint a run starts from, loaded: a path, ``last`` (the run's, in ``checkpoints``, its
+    ``paths.checkpoints``: a folder or an ``s3://`` prefix; required), ``auto`` (the run's, if any), or none. The run
+    never deletes the file it starts from (src/checkpoints/object_store.py's ``RESUMED``).
 
     ``auto`` is what a requeued Slurm job (same run dir) passes: resume when there is something to resume.
     With ``last`` or ``auto``, an unreadable ``last.ckpt`` (a node lost while the filesystem held it half
     written) is passed over for the newest intact checkpoint of the run dir, with one warning naming both;
     an explicit path is taken as it is, or refused.
     """
+    path, checkpoint = _chosen(ckpt_path, checkpoints, trusted)
+    if path is not None:
+        object_store.RESUMED.add(path if object_store.is_url(path) else str(Path(path).absolute()))
+    return path, checkpoint
+
+
+def _chosen(ckpt_path: str | None, folder: str | Path, trusted: bool) -> tuple[str | None, dict | None]:
     if ckpt_path in (None, ""):
         return None, None
     if ckpt_path not in ("last", "auto"):
         return str(ckpt_path), read_checkpoint(ckpt_path, trusted=trusted)
-    folder = Path(run_dir) / "checkpoints"
-    last = folder / LAST
-    others = [folder / PREVIOUS, *sorted(folder.glob("best-*.ckpt"))] if folder.is_dir() else []
+    last = object_store.join(folder, LAST)
     try:
         return str(last), read_checkpoint(last, trusted=trusted)
     except UnreadableCheckpoint as err:
         unreadable = err
+    others = _others(folder)
     intact = []
     for path in others:
         try:
@@ -47,20 +59,32 @@ def resume_from(ckpt_path: str | None, run_dir: str, trusted: bool = False) -> t
             continue
     if intact:
         path, checkpoint = max(intact, key=lambda found: found[1].get("global_step", -1))
-        if last.exists():
+        if _exists(last):
             _warn(
                 f"{last} cannot be read ({_reason(unreadable)}): resuming from {path} (step "
                 f"{checkpoint.get('global_step')}), the newest intact checkpoint of the run dir"
             )
         return str(path), checkpoint
-    if ckpt_path == "auto" and not last.exists():
+    if ckpt_path == "auto" and not _exists(last):
         return None, None
-    if not last.exists():
+    if not _exists(last):
         raise UserError(
             f"ckpt_path=last but {last} does not exist: pass the run dir that holds it "
             "(hydra.run.dir=DIR) or the checkpoint's path (ckpt_path=PATH)"
         )
     raise unreadable
+
+
+def _others(folder: str | Path) -> list[str | Path]:
+    """``last.prev.ckpt`` and the best checkpoints of a run, wherever its checkpoints are."""
+    if object_store.is_url(folder):
+        return [object_store.join(folder, PREVIOUS), *object_store.names(folder, "best-*.ckpt")]
+    folder = Path(folder)
+    return [folder / PREVIOUS, *sorted(folder.glob("best-*.ckpt"))] if folder.is_dir() else []
+
+
+def _exists(path: str | Path) -> bool:
+    return object_store.exists(path) if object_store.is_url(path) else Path(path).exists()
 
 
 def _reason(err: UserError) -> str:
@@ -179,3 +203,14 @@ def model_hparams_of(checkpoint: dict[str, Any], path: str | Path, key: str = "c
     if isinstance(num_classes, bool) or not isinstance(num_classes, int) or not 1 <= num_classes <= 1_000_000:
         raise refuse(f"num_classes={str(num_classes)[:80]!r}", "that is not a class count")
     return saved
+
+
+def resume_own_run_dir(cfg: DictConfig) -> None:
+    """A run started again in its own run dir continues it (a torchrun attempt, a sweep's job run again):
+    ``ckpt_path`` becomes ``auto``. A ``ckpt_path=FILE`` the run began from counts until the run dir has a
+    ``last.ckpt`` of its own (in ``paths.checkpoints``: a folder or an ``s3://`` prefix)."""
+    if cfg.get("task_name") != "train" or cfg.ckpt_path in ("last", "auto"):
+        return
+    if cfg.ckpt_path is None or _exists(object_store.join(cfg.paths.checkpoints, LAST)):
+        with open_dict(cfg):
+            cfg.ckpt_path = "auto"

@@ -16,6 +16,7 @@ import os
 import threading
 from typing import Any, Callable
 
+from src.checkpoints import object_store
 from src.core.errors import (
     EXIT_FAILED,
     USER_FULL_ERROR,
@@ -27,7 +28,6 @@ from src.core.errors import (
     wants_traceback,
 )
 from src.launch import ranks, torchrun
-from src.launch.run_dir import resume_own_run_dir
 from src.resilience import failure, heartbeat, supervision
 from src.tracking import servers
 
@@ -77,6 +77,8 @@ def handle_errors(task: Callable[..., Any]) -> Callable[..., Any]:
             # every torchrun attempt resumes (torchrun does not count the restart it makes when a node joins: a worker
             # cannot tell that attempt from a first start), and so does a sweep's job run again
             if torchrun.active() or ranks.in_sweep():
+                from src.checkpoints.resume import resume_own_run_dir  # loads torch, as the run does next
+
                 resume_own_run_dir(cfg)
             check_extras(cfg)
             _resolve_all(cfg)
@@ -127,7 +129,8 @@ def check_group_choices() -> None:
 
 def check_extras(cfg: Any) -> None:
     """A choice whose optional package is missing (``logger=mlflow`` without mlflow): one line naming the extra
-    (pyproject.toml), before any other process starts."""
+    (pyproject.toml), before any other process starts; and checkpoints in an object store (``paths.checkpoints=s3://``)
+    whose bucket, credentials or endpoint do not work: one line too, before any rank trains."""
     loggers = cfg.get("logger") or {}
     needs = [(f"logger={name}", name) for name in ("mlflow", "wandb") if name in loggers]
     if cfg.get("search") is not None:  # conf/hparams_search/optuna.yaml
@@ -139,6 +142,12 @@ def check_extras(cfg: Any) -> None:
             )
     for what, package in needs:
         require(package, package, what)
+    checkpoints = (cfg.get("paths") or {}).get("checkpoints")
+    if checkpoints and object_store.is_url(checkpoints):  # an object store: reachable, and ours to write, first
+        object_store.check_url(str(checkpoints))
+        require("s3fs", "s3", f"paths.checkpoints={checkpoints}")
+        if ranks.is_launch_rank_zero():
+            object_store.check_store(str(checkpoints))
     if ranks.is_launch_rank_zero():  # only rank zero logs: only its way to the servers matters
         servers.check_servers(loggers)
 

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig, OmegaConf, open_dict, read_write
+from omegaconf import DictConfig, OmegaConf, read_write
 
 from src.core.errors import report, unwritable_run_dir
 from src.launch import torchrun
@@ -172,18 +172,6 @@ def _warn(message: str) -> None:
 # -- a run dir taken up again, and how a run in it ended ---------------------------------------------------------
 
 RESULT_FILE = "result.json"  # written when a training run ends well: a sweep does not run that job again
-
-
-def resume_own_run_dir(cfg: DictConfig) -> None:
-    """A run started again in its own run dir continues it (a torchrun attempt, a sweep's job run again):
-    ``ckpt_path`` becomes ``auto``. A ``ckpt_path=FILE`` the run began from counts until the run dir has a
-    ``last.ckpt`` of its own."""
-    if cfg.get("task_name") != "train" or cfg.ckpt_path in ("last", "auto"):
-        return
-    last = Path(cfg.paths.output_dir, "checkpoints", "last.ckpt")
-    if cfg.ckpt_path is None or last.exists():
-        with open_dict(cfg):
-            cfg.ckpt_path = "auto"
 
 
 def record_result(run_dir: str | Path, **result: Any) -> None:

@@ -16,6 +16,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
+from src.checkpoints import object_store
 from src.core.errors import UserError, require
 from src.data.in_memory import CIFAR10_MEAN, CIFAR10_STD
 
@@ -25,7 +26,7 @@ log = logging.getLogger(__name__)
 IMAGE_SIZE = 32  # what the CIFAR-style networks here are trained on
 
 
-def load_classifier(path: Path, trusted: bool):  # noqa: ANN201 - (ImageClassifier, the checkpoint)
+def load_classifier(path: str | Path, trusted: bool):  # noqa: ANN201 - (ImageClassifier, the checkpoint)
     """The project's model from a checkpoint, in eval mode, read weights-only unless ``trusted`` (src/checkpoints/)."""
     from src.checkpoints.files import read_checkpoint
     from src.checkpoints.resume import model_from
@@ -110,8 +111,19 @@ def torchvision_network(meta: dict[str, Any], weights: Path) -> Any:
     return net.eval()
 
 
-def load_model(path: Path, trusted: bool) -> tuple[Callable[[torch.Tensor], torch.Tensor], list[str]]:
-    """A function of float images in [0, 1] (N x 3 x 32 x 32) to logits, and the class names, for ``path``."""
+def load_model(given: str | Path, trusted: bool) -> tuple[Callable[[torch.Tensor], torch.Tensor], list[str]]:
+    """A function of float images in [0, 1] (N x 3 x 32 x 32) to logits, and the class names, for ``path``: a local
+    file, or an ``s3://`` checkpoint (read from its node-local copy)."""
+    if object_store.is_url(given):
+        given = str(given)
+        if not given.endswith(".ckpt"):
+            raise UserError(
+                f"ckpt_path={given}: an exported model is read from a local file (aws s3 cp it first); from an "
+                "s3:// URL, src.predict reads a .ckpt of src.train"
+            )
+        model, _ = load_classifier(given, trusted)
+        return Normalised(model.net).eval(), class_names(None, model.hparams.num_classes)
+    path = Path(given)
     if not path.is_file():
         raise UserError(
             f"ckpt_path={path} does not exist: pass a .ckpt of src.train, or a .onnx / .safetensors of src.export"

@@ -59,17 +59,26 @@ def test_one_node_two_tasks_train_one_world_of_two_into_the_jobs_run_dir(cluster
     assert (run_dir(job) / "config.yaml").is_file() and (run_dir(job) / "tensorboard").is_dir()
 
 
-def test_sigusr1_requeues_and_the_restart_resumes_to_exactly_the_requested_epochs(cluster, tmp_path):
+def test_sigusr1_requeues_and_the_restart_resumes_from_the_object_store_to_exactly_the_requested_epochs(
+    cluster, tmp_path, s3_store
+):
+    """The checkpoints in the S3 server (paths.checkpoints=s3://..., its variables exported to the job): the requeued
+    job resumes from there as from a folder."""
+    from tests.test_object_store import Store
+
     steps = 10  # 96 synthetic images, 10% held out, batches of 4 on each of 2 ranks
     mlflow = f"sqlite:///{tmp_path}/mlflow.db"  # the requeued run logs on into the MLflow run it began
+    store, url = Store(s3_store), s3_store.url(f"requeue-{tmp_path.name}")
     # rank 0, which writes the logs, ends 2 s after rank 1 (tests/faults.py; within KillWait, 5 s here): srun must not
     # kill it in between
     job = cluster.sbatch(
         "--nodes=1",
         "--ntasks-per-node=2",
         *CPU,
+        "--export=ALL," + ",".join(f"{k}={v}" for k, v in s3_store.env.items()),
         "slurm/train.sbatch",
         *RUN,
+        f"paths.checkpoints={url}",
         "trainer.limit_train_batches=null",
         "trainer.max_epochs=4",
         "logger=[tensorboard,csv,mlflow]",
@@ -78,9 +87,9 @@ def test_sigusr1_requeues_and_the_restart_resumes_to_exactly_the_requested_epoch
         "+callbacks.slow_end._target_=tests.faults.SlowEnd",
         "+callbacks.slow_end.seconds=2",
     )
-    last = run_dir(job) / "checkpoints" / "last.ckpt"
+    last = f"{url}/last.ckpt"
     deadline = time.monotonic() + 240
-    while not last.exists() and time.monotonic() < deadline:  # epoch 0 is done: signal in the middle of epoch 1
+    while not store.exists(last) and time.monotonic() < deadline:  # epoch 0 is done: signal in the middle of epoch 1
         time.sleep(0.2)
     time.sleep(1)
     cluster.run("scancel", "--signal=USR1", job)
@@ -90,7 +99,8 @@ def test_sigusr1_requeues_and_the_restart_resumes_to_exactly_the_requested_epoch
     assert int(info["Restarts"]) == 1, info
     assert "SIGUSR1: requeued Slurm job" in log and "(restart 1)" in log
     assert f"Restoring states from the checkpoint path at {last}" in log
-    final = torch.load(last, map_location="cpu", weights_only=True)
+    final = store.load(last)
+    assert not (run_dir(job) / "checkpoints").exists()
     assert final["epoch"] == 3 and final["global_step"] == 4 * steps  # no epoch lost, none repeated
     from mlflow import MlflowClient
 

@@ -1,0 +1,227 @@
+"""Checkpoints in an object store: ``paths.checkpoints=s3://bucket/prefix/RUN`` (AWS S3, GCS's S3 interoperability,
+MinIO, SeaweedFS), read and written through s3fs, the fsspec filesystem Lightning's ModelCheckpoint already uses for
+a remote dirpath. The run dir stays local: logs, the lock, ``config.yaml``.
+
+A POSIX folder gives the local checkpoints an atomic rename, fsync and hard links (src/checkpoints/files.py); an
+object store has none of them, and keeps the same invariants otherwise:
+
+- a checkpoint is written to node-local temp first, then put as one object (a multipart upload for a large file),
+  which the store shows whole or not at all: a reader never sees part of one, and a put that fails leaves the object
+  that was there;
+- ``last.ckpt``'s generation before is a server-side copy to ``last.prev.ckpt``, made before the new ``last.ckpt`` is
+  put: there is a whole ``last.ckpt`` at every moment;
+- a run never deletes the checkpoint it resumed from, which Lightning's ModelCheckpoint does on every remote
+  filesystem when its newer best replaces it (Lightning #21813);
+- a checkpoint is read from a node-local copy, downloaded once a node by the first of its ranks that asks while the
+  others wait (a lock file), and again only when the object changed (its ETag).
+
+Credentials and the endpoint come from AWS's own variables and files (``AWS_ACCESS_KEY_ID``,
+``AWS_SECRET_ACCESS_KEY``, ``AWS_PROFILE``, ``AWS_ENDPOINT_URL``, ``~/.aws/config``), as every AWS tool reads them:
+none is in the config, and no line of the project names a secret.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import logging
+import os
+import re
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from src.core.errors import StorageError, UserError, require
+
+log = logging.getLogger(__name__)
+
+KEY = "paths.checkpoints"
+SCHEMES = ("s3",)
+# botocore's own retries (standard mode) bound a request; a store that stops answering fails a write in about a minute
+CONNECT_TIMEOUT_S, READ_TIMEOUT_S, ATTEMPTS = 10, 60, 3
+RESUMED: set[str] = set()  # the checkpoints this process resumed from: never deleted by this run
+
+
+def is_url(path: Any) -> bool:
+    return "://" in str(path)
+
+
+def join(folder: str | Path, name: str) -> str | Path:
+    """``folder/name`` for a local folder (a Path) or an object-store prefix (a URL, its ``//`` kept)."""
+    return f"{str(folder).rstrip('/')}/{name}" if is_url(folder) else Path(folder) / name
+
+
+def check_url(url: str, key: str = KEY) -> None:
+    """An ``s3://bucket/prefix`` URL, with no credentials in it (they would land in config.yaml and the logs)."""
+    scheme, _, rest = str(url).partition("://")
+    if scheme not in SCHEMES:
+        raise UserError(
+            f"{key}={url}: only s3:// URLs are supported (AWS S3, and S3-compatible stores through "
+            "AWS_ENDPOINT_URL: GCS's S3 interoperability, MinIO); or give a local or shared folder"
+        )
+    bucket = rest.split("/", 1)[0]
+    if "@" in bucket or ":" in bucket:
+        raise UserError(
+            f"{key}: the URL holds credentials or a host ({scheme}://...@...): give s3://BUCKET/PREFIX, and the "
+            "credentials in AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or AWS_PROFILE, the host in AWS_ENDPOINT_URL"
+        )
+    if not bucket:
+        raise UserError(f"{key}={url} names no bucket: give s3://BUCKET/PREFIX")
+
+
+_FS: tuple[int, Any] | None = None  # this process's filesystem (a forked child makes its own)
+
+
+def filesystem() -> Any:
+    """s3fs's filesystem, with bounded timeouts and retries; credentials and endpoint from AWS's variables and files."""
+    global _FS
+    if _FS is None or _FS[0] != os.getpid():
+        require("s3fs", "s3", f"{KEY}=s3://...")
+        import s3fs
+
+        config = {
+            "connect_timeout": CONNECT_TIMEOUT_S,
+            "read_timeout": READ_TIMEOUT_S,
+            "retries": {"max_attempts": ATTEMPTS, "mode": "standard"},
+        }
+        fs = s3fs.S3FileSystem(config_kwargs=config, skip_instance_cache=True)
+        fs.retries = ATTEMPTS  # s3fs's own retries of a request, around botocore's
+        _FS = (os.getpid(), fs)
+    return _FS[1]
+
+
+def _key(url: str | Path) -> str:
+    return str(url).split("://", 1)[1]
+
+
+def why(err: BaseException) -> str:
+    """What an error of the store means, in words a user can act on; never a credential."""
+    names = {type(e).__name__ for e in _chain(err)}
+    text = " ".join(str(e) for e in _chain(err))
+    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    at = f" at {endpoint}" if endpoint else ""
+    if "NoCredentialsError" in names or "Unable to locate credentials" in text:
+        return "no AWS credentials found: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE"
+    if names & {"EndpointConnectionError", "ConnectTimeoutError", "ConnectionClosedError", "ClientConnectorError"} or (
+        "Could not connect to the endpoint" in text
+    ):
+        return f"the store{at} cannot be reached (is AWS_ENDPOINT_URL right, and the server up?)"
+    if "ReadTimeoutError" in names:
+        return f"the store{at} stopped answering"
+    if "bucket does not exist" in text or "NoSuchBucket" in text:
+        return "the bucket does not exist: create it, or fix the URL"
+    if (
+        "PermissionError" in names
+        or re.search(r"InvalidAccessKeyId|SignatureDoesNotMatch|AccessDenied|Forbidden|403", text) is not None
+    ):
+        return (
+            "the store refused the credentials (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or AWS_PROFILE): wrong, "
+            "expired, or without the right to read and write there"
+        )
+    first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    return f"{type(err).__name__}: {first}"[:300]
+
+
+def _chain(err: BaseException | None) -> list[BaseException]:
+    seen: list[BaseException] = []
+    while err is not None and err not in seen:
+        seen.append(err)
+        err = err.__cause__ or err.__context__
+    return seen
+
+
+def check_store(url: str) -> None:
+    """Before any rank trains: the bucket is there, the credentials are taken (a listing under the prefix), the endpoint
+    answers. Each failure is one UserError naming what to change. Nothing is written: a store without the right to
+    write there fails the first save, in one line too."""
+    check_url(url)
+    fs = filesystem()
+    bucket = _key(url).split("/", 1)[0]
+    try:
+        fs.call_s3("head_bucket", Bucket=bucket)
+    except FileNotFoundError:
+        raise UserError(f"{KEY}={url}: the bucket {bucket} does not exist: create it, or fix the URL") from None
+    except Exception as err:  # noqa: BLE001 - any failure of the store's first request: one line, before training
+        raise UserError(f"{KEY}={url}: {why(err)}") from None
+    try:
+        fs.call_s3("list_objects_v2", Bucket=bucket, Prefix=_key(url).partition("/")[2], MaxKeys=1)
+    except Exception as err:  # noqa: BLE001
+        raise UserError(f"{KEY}={url}: {why(err)}") from None
+
+
+def exists(url: str | Path) -> bool:
+    try:
+        return bool(filesystem().exists(_key(url)))
+    except Exception as err:  # noqa: BLE001 - a store that does not answer: the line says why
+        raise UserError(f"cannot look for {url}: {why(err)}") from None
+
+
+def names(folder: str | Path, pattern: str) -> list[str]:
+    """The URLs under ``folder`` whose names match ``pattern`` (a glob), sorted."""
+    try:
+        found = filesystem().glob(_key(join(folder, pattern)))
+    except Exception as err:  # noqa: BLE001
+        raise UserError(f"cannot list {folder}: {why(err)}") from None
+    scheme = str(folder).split("://", 1)[0]
+    return sorted(f"{scheme}://{key}" for key in found)
+
+
+def put(stage: Path, url: str, previous: str | None, intact: str) -> None:
+    """Put the staged file ``stage`` at ``url``; first copy what is there to ``previous`` (server-side), if given.
+    A failure is one StorageError: what failed, why, and that ``intact`` is kept."""
+    fs = filesystem()
+    try:
+        if previous is not None and fs.exists(_key(url)):
+            fs.copy(_key(url), _key(previous))
+        fs.put_file(str(stage), _key(url))
+    except Exception as err:  # noqa: BLE001 - the store refused or went away: the previous checkpoint stands
+        raise StorageError(
+            f"cannot write {url} ({why(err)}): {intact}; fix the store and resume with ckpt_path=last"
+        ) from err
+
+
+def remove(url: str) -> None:
+    """Delete a checkpoint (ModelCheckpoint's older best), unless this run resumed from it."""
+    if url in RESUMED:
+        log.info("kept %s: this run resumed from it", url)
+        return
+    try:
+        filesystem().rm_file(_key(url))
+    except FileNotFoundError:
+        pass
+
+
+def local_copy(url: str) -> Path:
+    """A node-local copy of the object at ``url`` (in the system temp dir), downloaded once a node: the first rank
+    that asks downloads it under a lock while the node's others wait, and it is fetched again only when the object
+    changed. A missing object is FileNotFoundError; the store's other failures, OSError with ``why``'s words."""
+    fs = filesystem()
+    try:
+        info = fs.info(_key(url))
+    except FileNotFoundError:
+        raise
+    except Exception as err:  # noqa: BLE001
+        raise OSError(why(err)) from None
+    version = str(info.get("ETag") or info.get("LastModified") or info.get("size")).strip('"')
+    folder = Path(tempfile.gettempdir()) / "cifar10-ddp-checkpoints"
+    folder.mkdir(parents=True, exist_ok=True)
+    name = hashlib.sha256(str(url).encode()).hexdigest()[:16]
+    copy = folder / f"{name}-{hashlib.sha256(version.encode()).hexdigest()[:12]}.ckpt"
+    with open(folder / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if copy.exists():
+            return copy
+        started = time.perf_counter()
+        staged = copy.with_name(f".{copy.name}.tmp-{os.getpid()}")
+        try:
+            fs.get_file(_key(url), str(staged))
+            os.replace(staged, copy)
+        except Exception as err:  # noqa: BLE001
+            staged.unlink(missing_ok=True)
+            raise OSError(why(err)) from None
+        for older in folder.glob(f"{name}-*.ckpt"):  # one copy an object: the newest
+            if older != copy:
+                older.unlink(missing_ok=True)
+        log.info("downloaded %s (%.0f MB) in %.1f s", url, copy.stat().st_size / 2**20, time.perf_counter() - started)
+    return copy

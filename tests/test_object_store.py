@@ -1,0 +1,226 @@
+"""Checkpoints in an object store (``paths.checkpoints=s3://...``), against a real S3 server: SeaweedFS on 127.0.0.1
+(tests/s3server.py), one a session. A DDP run writes there; one SIGKILLed mid-epoch resumes to the uninterrupted run's
+weights; a truncated ``last.ckpt`` is passed over; the checkpoint a run resumed from is never deleted (Lightning
+#21813); src.eval, src.export and src.predict read a URL; bad credentials, a missing bucket and an unreachable endpoint
+are one line before training; a server stopped mid-run is one line, and the checkpoint before stays whole. The Slurm
+requeue through the store: tests/slurm/test_one_node.py."""
+
+from __future__ import annotations
+
+import io
+import os
+import signal
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import FAST, output, run_module, train
+from tests.s3server import SECRET, start
+from tests.test_checkpoints import EXACT, assert_same_training
+
+DDP = ["strategy=ddp", "trainer.devices=2"]
+NEWEST = "callbacks.model_checkpoint.monitor=null"  # the newest epoch is the best kept: one replaced every epoch
+
+
+def prefix(server, name: str) -> str:
+    return server.url(f"{name}-{uuid.uuid4().hex[:8]}")
+
+
+class Store:
+    """The test's own client of the server, with the credentials a run gets from its environment."""
+
+    def __init__(self, server) -> None:
+        import s3fs
+
+        self.fs = s3fs.S3FileSystem(
+            key=server.env["AWS_ACCESS_KEY_ID"],
+            secret=server.env["AWS_SECRET_ACCESS_KEY"],
+            client_kwargs={"endpoint_url": server.endpoint, "region_name": "us-east-1"},
+            skip_instance_cache=True,
+        )
+
+    def names(self, url: str) -> list[str]:
+        return sorted(p.rsplit("/", 1)[1] for p in self.fs.ls(url.split("://")[1], refresh=True) if p.endswith(".ckpt"))
+
+    def load(self, url: str) -> dict:
+        return torch.load(io.BytesIO(self.fs.cat_file(url.split("://")[1])), map_location="cpu", weights_only=True)
+
+    def version(self, url: str) -> str | None:
+        """The object's ETag, or None while there is none."""
+        self.fs.invalidate_cache()
+        try:
+            return self.fs.info(url.split("://")[1])["ETag"]
+        except FileNotFoundError:
+            return None
+
+    def exists(self, url: str) -> bool:
+        self.fs.invalidate_cache()
+        return self.fs.exists(url.split("://")[1])
+
+
+@pytest.fixture(scope="module")
+def store(s3_store):
+    return Store(s3_store)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(s3_store, store, tmp_path_factory):
+    """A DDP run (2 ranks) of EXACT's 36 steps whose checkpoints go to the store, and what it left there."""
+    url = prefix(s3_store, "whole")
+    run_dir = tmp_path_factory.mktemp("whole")
+    result = train(*EXACT, *DDP, NEWEST, f"paths.checkpoints={url}", f"hydra.run.dir={run_dir}", env=s3_store.env)
+    assert result.returncode == 0, output(result)[-3000:]
+    return url, run_dir, result
+
+
+def test_a_ddp_run_writes_its_checkpoints_to_the_store_and_no_secret_anywhere(uninterrupted, store):
+    url, run_dir, result = uninterrupted
+    names = store.names(url)
+    assert names[1:] == ["last.ckpt", "last.prev.ckpt"] and names[0].startswith("best-epoch002-"), names
+    assert store.load(f"{url}/last.ckpt")["global_step"] == 36
+    assert store.load(f"{url}/last.prev.ckpt")["global_step"] == 34  # the generation before, kept
+    assert not (run_dir / "checkpoints").exists()  # the run dir keeps the logs, the lock and the config
+    assert f"checkpoints: {url}" in (run_dir / "config.yaml").read_text()
+    written = [p for p in run_dir.rglob("*") if p.is_file()]
+    assert not [p for p in written if SECRET.encode() in p.read_bytes()]
+    assert SECRET not in output(result)
+
+
+def test_a_ddp_run_sigkilled_mid_epoch_resumes_from_the_store_to_the_uninterrupted_weights(
+    uninterrupted, s3_store, store, tmp_path
+):
+    url = prefix(s3_store, "killed")
+    args = [*EXACT, *DDP, NEWEST, f"paths.checkpoints={url}", f"hydra.run.dir={tmp_path}"]
+    proc = train(*args, background=True, env=s3_store.env)
+    deadline, seen = time.monotonic() + 180, set()
+    while len(seen - {None}) < 2:  # last.ckpt put twice: step 4 at least
+        assert proc.poll() is None, proc.communicate()[0][-3000:]
+        assert time.monotonic() < deadline, "no second checkpoint in the store"
+        seen.add(store.version(f"{url}/last.ckpt"))
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)  # the launcher: its local rank follows it (it watches its launcher)
+    proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+    stopped_at = store.load(f"{url}/last.ckpt")["global_step"]
+    assert 4 <= stopped_at < 36, stopped_at
+
+    resumed = train(*args, "ckpt_path=last", env=s3_store.env)
+    assert resumed.returncode == 0, output(resumed)[-3000:]
+    assert f"Restoring states from the checkpoint path at {url}/last.ckpt" in output(resumed)
+    assert_same_training(store.load(f"{url}/last.ckpt"), store.load(f"{uninterrupted[0]}/last.ckpt"))
+
+
+def test_a_truncated_last_ckpt_is_passed_over_and_the_checkpoint_resumed_from_is_never_deleted(
+    uninterrupted, s3_store, store, tmp_path
+):
+    url = prefix(s3_store, "cut")
+    for name in store.names(uninterrupted[0]):
+        store.fs.copy(f"{uninterrupted[0]}/{name}".split("://")[1], f"{url}/{name}".split("://")[1])
+    best = next(n for n in store.names(url) if n.startswith("best-epoch002-"))  # step 36, the newest intact
+    whole = store.fs.cat_file(f"{url}/last.ckpt".split("://")[1])
+    store.fs.pipe_file(
+        f"{url}/last.ckpt".split("://")[1], whole[: len(whole) // 2]
+    )  # a node lost mid-upload, elsewhere
+
+    one_more = [*EXACT, "trainer.max_epochs=4", NEWEST, f"paths.checkpoints={url}", f"hydra.run.dir={tmp_path}"]
+    result = train(*one_more, "ckpt_path=last", env=s3_store.env)
+    assert result.returncode == 0, output(result)[-3000:]
+    warnings = [line for line in result.stderr.splitlines() if line.startswith("warning:")]
+    assert warnings == [
+        f"warning: {url}/last.ckpt cannot be read (not the zip archive torch.save writes): resuming from {url}/{best} "
+        "(step 36), the newest intact checkpoint of the run dir"
+    ], result.stderr[-2000:]
+    names = store.names(url)
+    # epoch 3's best replaced epoch 2's as the newest, but the run began from that file: it stays (Lightning #21813)
+    assert best in names and any(n.startswith("best-epoch003-") for n in names), names
+    assert store.load(f"{url}/last.ckpt")["global_step"] == 48
+
+    # the commands that read a checkpoint take its URL
+    newest = next(n for n in names if n.startswith("best-epoch003-"))
+    evaluated = run_module(
+        "src.eval",
+        f"ckpt_path={url}/{newest}",
+        *FAST[:3],
+        f"hydra.run.dir={tmp_path}/eval",
+        "trainer.accelerator=cpu",
+        "trainer.limit_test_batches=1",
+        env=s3_store.env,
+    )
+    assert evaluated.returncode == 0 and f"{url}/{newest} (epoch 3, step 48)" in output(evaluated), output(evaluated)
+    exported = run_module(
+        "src.export",
+        f"ckpt_path={url}/{newest}",
+        "format=safetensors",
+        "export.validate=false",
+        f"export.dir={tmp_path}/export",
+        f"hydra.run.dir={tmp_path}/export-run",
+        env=s3_store.env,
+    )
+    assert exported.returncode == 0, output(exported)[-3000:]
+    assert (tmp_path / "export" / f"{Path(newest).stem}.safetensors").is_file()
+    from PIL import Image
+
+    Image.new("RGB", (32, 32), (200, 30, 30)).save(tmp_path / "red.png")
+    predicted = run_module(
+        "src.predict",
+        f"ckpt_path={url}/{newest}",
+        f"images={tmp_path}/red.png",
+        "top_k=1",
+        f"hydra.run.dir={tmp_path}/predict",
+        env=s3_store.env,
+    )
+    assert predicted.returncode == 0 and "red.png" in predicted.stdout, output(predicted)[-3000:]
+
+
+@pytest.mark.parametrize(
+    "env, url, said",
+    [
+        ({"AWS_SECRET_ACCESS_KEY": "not-the-key"}, "runs/x", "the store refused the credentials"),
+        ({}, "no-such-bucket/x", "the bucket no-such-bucket does not exist"),
+        ({"AWS_ENDPOINT_URL": "http://127.0.0.1:9"}, "runs/x", "the store at http://127.0.0.1:9 cannot be reached"),
+        ({}, "key:secret@runs/x", "the URL holds credentials"),
+        ({}, "", "only s3:// URLs are supported"),
+    ],
+    ids=["wrong credentials", "no bucket", "unreachable", "credentials in the URL", "another scheme"],
+)
+def test_a_store_that_cannot_work_is_one_line_before_any_rank_trains(env, url, said, s3_store, tmp_path):
+    where = f"s3://{url}" if url else "gs://runs/x"
+    result = train(*FAST, *DDP, f"paths.checkpoints={where}", f"hydra.run.dir={tmp_path}", env={**s3_store.env, **env})
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert result.returncode == 2 and len(errors) == 1 and said in errors[0], output(result)[-3000:]
+    assert errors[0].startswith("error: paths.checkpoints") and "Run:" not in output(result)  # nothing started
+    assert "not-the-key" not in output(result) and "secret@" not in output(result).replace(where, "")
+
+
+def test_the_server_stopped_mid_run_is_one_line_and_the_checkpoint_before_stays_whole(tmp_path, s3_store):
+    server = start(tmp_path / "s3", watch=os.getpid())  # this test's own: it stops it
+    try:
+        store, url = Store(server), server.url("stopped")
+        long = [*FAST, "data.num_train=2000", "trainer.limit_train_batches=null", "test=false"]
+        proc = train(
+            *long,
+            "callbacks.last_checkpoint.every_n_train_steps=2",
+            "callbacks.progress_bar=null",
+            f"paths.checkpoints={url}",
+            f"hydra.run.dir={tmp_path}/run",
+            background=True,
+            env=server.env,
+        )
+        deadline = time.monotonic() + 180
+        while not store.exists(f"{url}/last.ckpt"):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0][-3000:]
+            time.sleep(0.1)
+        server.stop()
+        out, _ = proc.communicate(timeout=180)
+        errors = [line for line in out.splitlines() if line.startswith("error:")]
+        assert proc.returncode == 1 and len(errors) == 1, out[-3000:]
+        assert f"cannot write {url}/" in errors[0] and "cannot be reached" in errors[0], errors
+        assert f"the previous last.ckpt in {url} is kept" in errors[0] or f"{url} is as it was" in errors[0], errors
+
+        server = start(tmp_path / "s3", ports=server.ports, watch=os.getpid())  # the same data, served again
+        assert store.load(f"{url}/last.ckpt")["global_step"] >= 2  # whole: it loads, with its step
+    finally:
+        server.stop()
