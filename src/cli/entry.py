@@ -13,8 +13,9 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import sys
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, NoReturn
 
 from src.checkpoints import object_store
 from src.core.errors import (
@@ -35,13 +36,48 @@ log = logging.getLogger(__name__)
 _task_started = False  # an OSError before any task ran is Hydra's: the run dir or its log file
 
 
-def run(main: Callable[[], Any]) -> Any:
-    """Call a ``@hydra.main`` entry point so that what Hydra rejects before the task runs is one line too.
+def run(main: Callable[[], Any]) -> NoReturn:
+    """Call a ``@hydra.main`` entry point so that what Hydra rejects before the task runs is one line too, then end
+    the process at once (``exit_now``).
 
     Hydra prints its own errors (an unknown group option, a misspelled key, an override it cannot
     parse, a run dir it cannot create) in several lines, and offers ``+key=value`` for any key it does
     not know, typos included. With HYDRA_FULL_ERROR=1 it raises them instead, and they are reported here.
     """
+    try:
+        _run(main)
+        code: Any = 0
+    except SystemExit as stop:
+        code = stop.code
+    exit_now(code)
+
+
+def exit_now(code: Any) -> NoReturn:
+    """End the process with ``code`` as Python's own exit would, less its teardown of every module: with torch,
+    torchvision and Lightning loaded, that teardown alone takes 1.5 s of CPU (2-core AMD EPYC), paid by every command
+    and every rank after its work is done. What the teardown is for comes first, in Python's order: the threads that
+    are no daemons joined, the exit handlers run (logging's files flushed and closed, the trackers' and loggers' own,
+    multiprocessing's workers stopped), stdout and stderr flushed. ``code`` as ``sys.exit`` takes it."""
+    import atexit
+
+    threading._shutdown()  # type: ignore[attr-defined]  # what Python's exit does first
+    atexit._run_exitfuncs()
+    if code is None:
+        status = 0
+    elif isinstance(code, int):
+        status = code
+    else:
+        print(code, file=sys.stderr)
+        status = 1
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe or stream: nothing more can be said there
+            pass
+    os._exit(status)
+
+
+def _run(main: Callable[[], Any]) -> Any:
     os.environ.setdefault(USER_FULL_ERROR, os.environ.get("HYDRA_FULL_ERROR", ""))  # a local rank keeps its parent's
     if wants_traceback():
         return main()

@@ -132,7 +132,10 @@ def describe(err: BaseException, log_dir: str | None = None) -> tuple[str | None
 
 
 def _distributed(err: BaseException | None) -> tuple[str | None, int] | None:
-    """One line (None: told elsewhere) and an exit code for a distributed failure behind ``err``."""
+    """One line (None: told elsewhere) and an exit code for a distributed failure behind ``err``. A process that has
+    not loaded torch has no distributed failure: a mistake found before that ends without loading it (2 s)."""
+    if "torch" not in sys.modules:
+        return None
     from torch.multiprocessing import ProcessExitedException
 
     seen = set()
