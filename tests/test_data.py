@@ -172,10 +172,10 @@ def slow_server(body: bytes, seconds: float) -> Iterator[tuple[str, list[str]]]:
             self.end_headers()
             pieces = 16
             try:
-                for i in range(pieces):
+                for i in range(pieces):  # the wait first: the last piece's write is the last thing before the record
+                    time.sleep(seconds / pieces)
                     self.wfile.write(body[i * len(body) // pieces : (i + 1) * len(body) // pieces])
                     self.wfile.flush()
-                    time.sleep(seconds / pieces)
             except (BrokenPipeError, ConnectionResetError):
                 return
             sent.append(self.path)

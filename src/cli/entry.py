@@ -57,11 +57,15 @@ def exit_now(code: Any) -> NoReturn:
     torchvision and Lightning loaded, that teardown alone takes 1.5 s of CPU (2-core AMD EPYC), paid by every command
     and every rank after its work is done. What the teardown is for comes first, in Python's order: the threads that
     are no daemons joined, the exit handlers run (logging's files flushed and closed, the trackers' and loggers' own,
-    multiprocessing's workers stopped), stdout and stderr flushed. ``code`` as ``sys.exit`` takes it."""
+    multiprocessing's workers stopped), MPI finalised where mpi4py started it (mpirun takes a rank that ends without it
+    for a failed one), stdout and stderr flushed. ``code`` as ``sys.exit`` takes it."""
     import atexit
 
     threading._shutdown()  # type: ignore[attr-defined]  # what Python's exit does first
     atexit._run_exitfuncs()
+    mpi = sys.modules.get("mpi4py.MPI")  # under mpirun: MPI_Finalize, which mpi4py leaves to the interpreter's end
+    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+        mpi.Finalize()
     if code is None:
         status = 0
     elif isinstance(code, int):
