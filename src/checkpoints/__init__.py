@@ -1,2 +1,2 @@
-"""What a checkpoint holds: how it is written and read (files), when last.ckpt is written (last), which one a
-run resumes from (resume)."""
+"""What a checkpoint holds: how it is written and read (files), in an object store too (object_store), when
+last.ckpt is written (last), which one a run resumes from (resume)."""
