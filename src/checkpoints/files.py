@@ -98,15 +98,14 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     def _put(self, checkpoint: dict[str, Any], url: str) -> None:
         """Stage the checkpoint in node-local temp, then put it as one object; ``last.ckpt``'s previous generation is
         copied to ``last.prev.ckpt`` on the server first."""
-        name = url.rsplit("/", 1)[1]
-        folder = url.rsplit("/", 1)[0]
-        previous = object_store.join(folder, PREVIOUS) if name == LAST else None
+        folder, name = url.rsplit("/", 1)
+        previous = f"{folder}/{PREVIOUS}" if name == LAST else None
         fd, staged = tempfile.mkstemp(prefix=f".{name}{_TMP_MARK}", suffix=".ckpt")
         try:
             with os.fdopen(fd, "wb") as f:
                 torch.save(checkpoint, f)
             intact = f"the previous {LAST} in {folder} is kept" if name == LAST else f"{folder} is as it was"
-            object_store.put(Path(staged), url, str(previous) if previous else None, intact)
+            object_store.put(Path(staged), url, previous, intact)
         except OSError as err:
             refused = storage_error_in(err)
             if refused is None:

@@ -244,6 +244,10 @@ class HydraDDPStrategy(DDPStrategy):
         bind = self.store_bind if self.num_nodes > 1 else "master_addr"  # one node: loopback only, always
         self._store_where = store_where(self.global_rank, bind)
         store = rendezvous_store(self.global_rank, self.world_size, self._timeout, bind=bind)
+        self._join(store)
+
+    def _join(self, store: Any) -> None:
+        """This rank's process group on ``store``, with the strategy's backend and timeout (and its GPU, on CUDA)."""
         torch.distributed.init_process_group(
             self._get_process_group_backend(),
             rank=self.global_rank,
@@ -260,14 +264,7 @@ class HydraDDPStrategy(DDPStrategy):
         store = torchrun.attempt_store(self.global_rank, self.world_size, self._timeout)
         if store is None:
             return False
-        torch.distributed.init_process_group(
-            self._get_process_group_backend(),
-            rank=self.global_rank,
-            world_size=self.world_size,
-            store=store,
-            timeout=self._timeout,
-            device_id=self.root_device if self.root_device.type != "cpu" else None,
-        )
+        self._join(store)
         torchrun.group_formed()
         return True
 
