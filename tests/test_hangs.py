@@ -259,7 +259,8 @@ def test_uneven_validation_shards_over_epochs_do_not_blame_a_waiting_rank(rank, 
 def test_a_sweeps_ddp_job_that_tests_leaves_no_watch_behind_to_end_the_next_job(tmp_path):
     """Lightning sets the process group up again for the test stage: the watchers stay the fit's, and none is left
     running once the job's store is gone. The single-process job after it (strategy=auto: no process group of its
-    own) runs well past hang_timeout_s."""
+    own) runs well past hang_timeout_s, and sits still in a step for longer than that (step 40: only the second job,
+    of 54 steps, gets there; the first has 27)."""
     result = train(
         "-m",
         *FAST,
@@ -270,6 +271,10 @@ def test_a_sweeps_ddp_job_that_tests_leaves_no_watch_behind_to_end_the_next_job(
         "trainer.devices=2,1",
         "strategy.timeout_s=60",
         "strategy.hang_timeout_s=3",
+        "+callbacks.sleep._target_=tests.faults.SleepAt",
+        "+callbacks.sleep.rank=0",
+        "+callbacks.sleep.step=40",
+        "+callbacks.sleep.seconds=7",
         f"hydra.sweep.dir={tmp_path}",
         timeout=300,
     )

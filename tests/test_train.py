@@ -53,6 +53,7 @@ def single_run(tmp_path_factory) -> Path:
     run_dir = tmp_path_factory.mktemp("single") / "run"
     result = train(
         *FAST,
+        "model.stem=cifar",  # the stem users train with; FAST's ImageNet stem is the cheap one for the other runs
         "trainer.limit_train_batches=12",
         "trainer.max_epochs=2",
         "model.scheduler.warmup_epochs=1",
@@ -165,7 +166,7 @@ def test_single_process_run_writes_last_and_best_checkpoints_and_the_resolved_co
     last = checkpoint(only_last_ckpt(single_run))
     assert last["global_step"] == 24 and last["epoch"] == 1
     assert last["saved_by"].items() >= {"global_rank": 0, "world_size": 1}.items()
-    assert last["hyper_parameters"]["arch"] == "resnet18"
+    assert (last["hyper_parameters"]["arch"], last["hyper_parameters"]["stem"]) == ("resnet18", "cifar")
     best = [p.name for p in (single_run / "checkpoints").glob("best-*.ckpt")]
     assert len(best) == 1
     config = (single_run / "config.yaml").read_text()
