@@ -22,12 +22,12 @@ from src.core.errors import UserError
 from tests.conftest import FAST, descendants, output, running, train
 from tests.test_supervision import LONG, error_lines, finish, last_step, start_and_wait_for_step
 
-# Deterministic CPU training, 3 epochs of 12 steps, last.ckpt every 2 steps.
+# Deterministic CPU training, 2 epochs of 12 steps, last.ckpt every 2 steps.
 EXACT = [
     *FAST,
     "data.num_train=200",
     "trainer.limit_train_batches=12",
-    "trainer.max_epochs=3",
+    "trainer.max_epochs=2",
     "trainer.deterministic=true",
     "callbacks.last_checkpoint.every_n_train_steps=2",
     "callbacks.progress_bar=null",
@@ -52,7 +52,7 @@ def uninterrupted(tmp_path_factory) -> dict[str, dict]:
     return finals
 
 
-def assert_same_training(resumed: dict, reference: dict, steps: int = 36) -> None:
+def assert_same_training(resumed: dict, reference: dict, steps: int = 24) -> None:
     assert resumed["global_step"] == reference["global_step"] == steps and resumed["epoch"] == reference["epoch"]
     weights, expected = resumed["state_dict"], reference["state_dict"]
     assert weights.keys() == expected.keys()
@@ -71,7 +71,7 @@ def test_a_run_stopped_mid_epoch_resumes_with_ckpt_path_last_to_the_same_weights
     out, _ = finish(proc, [proc.pid], limit_s=60)
     assert proc.returncode == (-signal.SIGKILL if sig == signal.SIGKILL else 128 + signal.SIGTERM), out[-3000:]
     stopped_at = last_step(tmp_path)
-    assert 4 <= stopped_at < 36 and stopped_at % 12 != 0  # mid-epoch: a step checkpoint, not an epoch's end
+    assert 4 <= stopped_at < 24 and stopped_at % 12 != 0  # mid-epoch: a step checkpoint, not an epoch's end
 
     result = train(*EXACT, *WORLDS[world], "ckpt_path=last", f"hydra.run.dir={tmp_path}")
     assert result.returncode == 0, output(result)[-3000:]
