@@ -87,13 +87,13 @@ dist.destroy_process_group()
 
 PROBE = r"""
 import json, platform, shutil, subprocess
-import lightning, torch, torchmetrics
+from importlib.metadata import version
+import torch  # the others' versions from their metadata: importing Lightning costs seconds and says nothing more
 info = {"python": platform.python_version(), "torch": torch.__version__, "cuda_build": torch.version.cuda,
-        "lightning": lightning.__version__, "torchmetrics": torchmetrics.__version__,
+        "lightning": version("lightning"), "torchmetrics": version("torchmetrics"),
         "cuda": torch.cuda.is_available(), "gpus": []}
 try:
-    import hydra, omegaconf
-    info["hydra"], info["omegaconf"] = hydra.__version__, omegaconf.__version__
+    info["hydra"], info["omegaconf"] = version("hydra-core"), version("omegaconf")
     from src.models.fast_path import cpu_model
     info["cpu"] = cpu_model()
 except Exception as err:
