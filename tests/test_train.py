@@ -48,12 +48,15 @@ def only_last_ckpt(run_dir: Path) -> Path:
     return lasts[0]
 
 
+# the single run and those that resume from it: the CIFAR stem users train with (FAST has the cheaper ImageNet stem)
+SINGLE = [*FAST, "model.stem=cifar"]
+
+
 @pytest.fixture(scope="module")
 def single_run(tmp_path_factory) -> Path:
     run_dir = tmp_path_factory.mktemp("single") / "run"
     result = train(
-        *FAST,
-        "model.stem=cifar",  # the stem users train with; FAST's ImageNet stem is the cheap one for the other runs
+        *SINGLE,
         "trainer.limit_train_batches=12",
         "trainer.max_epochs=2",
         "model.scheduler.warmup_epochs=1",
@@ -192,7 +195,7 @@ def test_tensorboard_holds_step_and_epoch_scalars_lr_throughput_and_hyperparamet
 
 def test_resume_from_last_continues_the_global_step(single_run, tmp_path):
     result = train(
-        *FAST,
+        *SINGLE,
         "trainer.limit_train_batches=12",
         "trainer.max_epochs=3",
         f"ckpt_path={single_run}/checkpoints/last.ckpt",
@@ -384,7 +387,7 @@ def test_resume_with_ckpt_path_last_in_the_same_run_dir(single_run, tmp_path):
     run_dir = tmp_path / "run"
     shutil.copytree(single_run / "checkpoints", run_dir / "checkpoints")
     result = train(
-        *FAST,
+        *SINGLE,
         "trainer.limit_train_batches=12",
         "trainer.max_epochs=3",
         "ckpt_path=last",
