@@ -16,7 +16,6 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -129,9 +128,10 @@ def start(folder: Path, ports: list[int] | None = None, timeout_s: float = 60, w
         with open(folder / "weed.log", "ab") as log:
             proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=folder)
         server = S3Server(folder, chosen, proc.pid)
+        client = _client(server)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline and proc.poll() is None:
-            if _bucket_answers(server):
+            if _bucket_answers(client):
                 server.save()
                 if watch is not None:
                     _stop_when_gone(watch, server.pid)
@@ -151,14 +151,27 @@ def _stop_when_gone(watched: int, group: int) -> None:
                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
 
 
-def _bucket_answers(server: S3Server) -> bool:
-    """An unsigned request for the bucket: 403 (it exists, we are anonymous) or 200 once the S3 server is up."""
+def _client(server: S3Server):
+    """botocore's S3 client (s3fs's own) for the server, with the test key pair."""
+    import botocore.config
+    import botocore.session
+
+    config = botocore.config.Config(connect_timeout=2, read_timeout=2, retries={"max_attempts": 1})
+    return botocore.session.get_session().create_client(
+        "s3", endpoint_url=server.endpoint, aws_access_key_id=KEY, aws_secret_access_key=SECRET,
+        region_name="us-east-1", config=config,
+    )  # fmt: skip
+
+
+def _bucket_answers(client) -> bool:
+    """A signed HEAD of the bucket succeeds: the server is up and has made the bucket (an anonymous request is
+    refused with 403 before the bucket exists too, and a run that started then was told it does not exist)."""
+    import botocore.exceptions
+
     try:
-        urllib.request.urlopen(f"{server.endpoint}/{BUCKET}", timeout=2)
+        client.head_bucket(Bucket=BUCKET)
         return True
-    except urllib.error.HTTPError as err:
-        return err.code in (403, 200)
-    except OSError:
+    except (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError):
         return False
 
 
