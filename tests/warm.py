@@ -44,6 +44,9 @@ HEAVY = (
     "torch.utils.tensorboard",
     "tensorboard.backend.event_processing.event_accumulator",
 )
+# imported by every run where installed (the s3 extra): Lightning's ModelCheckpoint asks whether its folder is in an
+# object store, and that imports s3fs and aiobotocore (0.2 s of a warm run)
+HEAVY_IF_INSTALLED = ("s3fs",)
 # read when Python, torch or its libraries load: a run that sets them differently must start cold
 IMPORT_TIME = (
     "OMP_",
@@ -76,9 +79,13 @@ def serve(path: str) -> dict[str, Any]:
     """Import, listen, fork a child per request and report each child's exit status on its connection. Returns
     only in a child, with its request."""
     import importlib
+    import importlib.util
 
     for name in HEAVY:
         importlib.import_module(name)
+    for name in HEAVY_IF_INSTALLED:
+        if importlib.util.find_spec(name) is not None:
+            importlib.import_module(name)
     global _RECORDS
     _RECORDS = os.path.dirname(path)
     parent = os.getppid()
