@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 from src.core.errors import UserError
 from src.models.classifier import ImageClassifier
 from src.serving.exporter import chosen_formats, export_safetensors
-from src.serving.formats import Normalised, load_classifier
+from src.serving.formats import Normalised, load_classifier, safetensors_model
 from tests.conftest import ROOT, output, run_module
 
 BOUNDS = {"min_top1_agreement": 0.999, "max_abs_logit_diff": 1e-3}
@@ -96,6 +96,21 @@ def test_the_documented_loader_rebuilds_torchvisions_network_with_the_same_logit
     with torch.inference_mode():
         expected = Normalised(model.net).eval()(images)
     assert (scope["logits"] - expected).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("stem", ["cifar", "imagenet"])
+def test_a_narrow_networks_safetensors_is_rebuilt_by_src_predicts_loader_with_the_same_logits(stem, tmp_path):
+    model = ImageClassifier(arch="resnet18", stem=stem, width=16).eval()
+    meta = {"arch": "resnet18", "stem": stem, "width": 16, "num_classes": 10, "class_names": list("abcdefghij")}
+    images = torch.rand(4, 3, 32, 32)
+    with torch.inference_mode():
+        expected = Normalised(model.net).eval()(images)
+    config = OmegaConf.create({"batch_size": 4, **BOUNDS})
+    figures = export_safetensors(Normalised(model.net), tmp_path / "last.safetensors", meta, images, expected, config)
+    assert figures["top1_agreement"] == 1.0 and "failed" not in figures  # checked against the rebuilt network
+    forward, names = safetensors_model(tmp_path / "last.safetensors")
+    with torch.inference_mode():
+        assert (forward(images) - expected).abs().max() <= 1e-5 and names == meta["class_names"]
 
 
 def test_a_failed_validation_keeps_no_file_and_says_why_in_one_line(sample_checkpoint, tmp_path):

@@ -6,12 +6,13 @@ import lightning as L
 import pytest
 import torch
 from torch import nn
+from torchvision import models
 
 from src.core.errors import UserError
 from src.data.synthetic import SyntheticDataModule
 from src.models.classifier import ImageClassifier, scaled_lr, warmup_then_decay
 from src.models.fast_path import fast_path
-from src.models.resnet import build_resnet, resnet_names
+from src.models.resnet import NarrowResNet, build_resnet, resnet_names
 
 # torchvision's ResNet-50 has 25,557,032 parameters for 1,000 classes; with a 10-class head that is
 # 23,528,522, and the 3x3 CIFAR stem (1,728 weights instead of 9,408) makes it 23,520,842.
@@ -48,10 +49,39 @@ def test_other_torchvision_resnets_are_selectable_by_name():
     assert build_resnet("resnet18")(torch.randn(1, 3, 32, 32)).shape == (1, 10)
 
 
+@pytest.mark.parametrize("arch", ["resnet18", "resnet50", "resnext50_32x4d"])
+def test_a_narrow_resnet_is_torchvisions_blocks_at_a_fraction_of_the_width(arch):
+    full = build_resnet(arch, num_classes=10, stem="cifar")
+    same = NarrowResNet(type(full.layer1[0]), [2, 2, 2, 2] if arch == "resnet18" else [3, 4, 6, 3], 64,
+                        num_classes=10, groups=full.groups, width_per_group=full.base_width)  # fmt: skip
+    # at 64, the class is torchvision's network: the same names and shapes
+    assert {k: v.shape for k, v in same.state_dict().items()} == {
+        k: v.shape for k, v in models.get_model(arch, num_classes=10).state_dict().items()
+    }
+    narrow = build_resnet(arch, num_classes=10, stem="cifar", width=16).eval()
+    assert isinstance(narrow, NarrowResNet) and len(list(narrow.modules())) == len(list(full.modules()))
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        stem = narrow.maxpool(narrow.relu(narrow.bn1(narrow.conv1(x))))
+        assert stem.shape == (2, 16, 32, 32)  # the CIFAR stem at the narrow width too
+        assert narrow(x).shape == (2, 10)
+    # every conv and BatchNorm a quarter of the channels: about a sixteenth of the parameters
+    assert 1 / 20 < count(narrow) / count(full) < 1 / 12
+    assert narrow.fc.in_features == full.fc.in_features // 4
+
+
 @pytest.mark.parametrize(
-    "kwargs, words", [({"arch": "vgg16"}, "model.arch=vgg16"), ({"stem": "huge"}, "model.stem=huge")]
+    "kwargs, words",
+    [
+        ({"arch": "vgg16"}, "model.arch=vgg16"),
+        ({"stem": "huge"}, "model.stem=huge"),
+        ({"width": 0}, "model.width=0 is not a width this project builds: an integer from 1 to 64"),
+        ({"width": 128}, "model.width=128 is not"),
+        ({"width": "16"}, "model.width=16 is not"),
+        ({"arch": "resnext50_32x4d", "width": 8}, "model.width=8 is too narrow for resnext50_32x4d.*take 16 or more"),
+    ],
 )
-def test_unknown_arch_or_stem_is_a_user_error_naming_the_key(kwargs, words):
+def test_unknown_arch_stem_or_width_is_a_user_error_naming_the_key(kwargs, words):
     with pytest.raises(UserError, match=words):
         build_resnet(**kwargs)
 

@@ -104,15 +104,17 @@ def _warn(message: str) -> None:
 def check_compatible(
     checkpoint: dict[str, Any], path: str | Path, model_hparams: dict[str, Any], key: str = "ckpt_path"
 ) -> None:
-    """A checkpoint of another network (arch, stem, classes) cannot be resumed: say which key differs."""
+    """A checkpoint of another network (arch, stem, width, classes) cannot be resumed: say which key differs."""
     if "state_dict" not in checkpoint or "pytorch-lightning_version" not in checkpoint:
         raise UserError(
             f"{key}={path} is not a checkpoint of this project's model (no hyper_parameters, state_dict "
             "or pytorch-lightning_version): pass a .ckpt written by src.train"
         )
-    saved = model_hparams_of(checkpoint, path, key)
-    for name in ("arch", "stem", "num_classes"):
-        if name in saved and saved[name] != model_hparams.get(name):
+    from src.models.resnet import WIDTH
+
+    saved = {"width": WIDTH, **model_hparams_of(checkpoint, path, key)}  # a checkpoint from before model.width: 64
+    for name in ("arch", "stem", "width", "num_classes"):
+        if name in saved and saved[name] != model_hparams.get(name, WIDTH if name == "width" else None):
             raise UserError(
                 f"{key}={path} holds a {saved.get('arch')} (model.{name}={saved[name]}) but this run builds "
                 f"model.{name}={model_hparams.get(name)}: pass model.{name}={saved[name]}, or another checkpoint"
@@ -163,7 +165,7 @@ def model_hparams_of(checkpoint: dict[str, Any], path: str | Path, key: str = "c
     import inspect
 
     from src.models.classifier import ImageClassifier
-    from src.models.resnet import STEMS, resnet_names
+    from src.models.resnet import STEMS, WIDTH, check_width, resnet_names
 
     saved = checkpoint.get("hyper_parameters")
     if not isinstance(saved, dict):
@@ -199,6 +201,10 @@ def model_hparams_of(checkpoint: dict[str, Any], path: str | Path, key: str = "c
         raise refuse(f"arch={str(arch)[:80]!r}", "that is no torchvision ResNet this project builds")
     if stem not in STEMS:
         raise refuse(f"stem={str(stem)[:80]!r}", f"that is not one of {', '.join(STEMS)}")
+    try:
+        check_width(saved.get("width", WIDTH))
+    except UserError:
+        raise refuse(f"width={str(saved.get('width'))[:80]!r}", f"that is not a width from 1 to {WIDTH}") from None
     num_classes = saved.get("num_classes", 10)
     if isinstance(num_classes, bool) or not isinstance(num_classes, int) or not 1 <= num_classes <= 1_000_000:
         raise refuse(f"num_classes={str(num_classes)[:80]!r}", "that is not a class count")

@@ -42,6 +42,7 @@ class ImageClassifier(L.LightningModule):
         arch: str = "resnet50",
         num_classes: int = 10,
         stem: str = "cifar",
+        width: int = 64,
         label_smoothing: float = 0.0,
         optimizer: dict[str, Any] | None = None,
         scheduler: dict[str, Any] | None = None,
@@ -88,6 +89,7 @@ class ImageClassifier(L.LightningModule):
                 "arch": arch,
                 "num_classes": num_classes,
                 "stem": stem,
+                "width": width,
                 "label_smoothing": label_smoothing,
                 "optimizer": optimizer,
                 "scheduler": scheduler,
@@ -96,7 +98,7 @@ class ImageClassifier(L.LightningModule):
             },
             logger=False,  # train.py logs the whole resolved config instead
         )
-        self.net = build_resnet(arch, num_classes, stem)
+        self.net = build_resnet(arch, num_classes, stem, width)
         self.criterion = nn.CrossEntropyLoss(label_smoothing=label_smoothing)
         # torchmetrics keeps sums and counts, so epoch values are exact across ranks and uneven batches. No update may
         # read a value back from the GPU (the host would wait for the device every step): no argument validation, no

@@ -175,6 +175,7 @@ def export_safetensors(
                 "format": "pt",
                 "arch": meta["arch"],
                 "stem": meta["stem"],
+                "width": str(meta.get("width", 64)),
                 "num_classes": str(meta["num_classes"]),
             },
         )
@@ -209,6 +210,7 @@ def describe(
     return {
         "arch": hp.arch,
         "stem": hp.stem,
+        "width": hp.get("width", 64),
         "num_classes": hp.num_classes,
         "class_names": class_names(data_cfg, hp.num_classes),
         "input": {"shape": ["N", 3, IMAGE_SIZE, IMAGE_SIZE], "range": [0.0, 1.0], "channels": "RGB"},

@@ -100,13 +100,21 @@ def onnx_session(path: Path) -> Any:
 
 
 def torchvision_network(meta: dict[str, Any], weights: Path) -> Any:
-    """The loader docs/export.md shows: torchvision's network, the CIFAR stem where ``meta`` says, the weights."""
+    """The loader docs/export.md shows: torchvision's network, the CIFAR stem where ``meta`` says, the weights. A
+    narrow network (``width`` below 64; an export from before it has none: 64) has no torchvision builder: the
+    project's own ``NarrowResNet`` (a subclass of torchvision's ResNet) rebuilds it."""
     import torchvision
     from safetensors.torch import load_file
 
-    net = torchvision.models.get_model(meta["arch"], num_classes=meta["num_classes"])
+    width = int(meta.get("width", 64))
+    if width == 64:
+        net = torchvision.models.get_model(meta["arch"], num_classes=meta["num_classes"])
+    else:
+        from src.models.resnet import build_resnet
+
+        net = build_resnet(meta["arch"], meta["num_classes"], "imagenet", width)
     if meta["stem"] == "cifar":
-        net.conv1, net.maxpool = torch.nn.Conv2d(3, 64, 3, 1, 1, bias=False), torch.nn.Identity()
+        net.conv1, net.maxpool = torch.nn.Conv2d(3, width, 3, 1, 1, bias=False), torch.nn.Identity()
     net.load_state_dict(load_file(weights))
     return net.eval()
 
