@@ -134,6 +134,14 @@ CASES = {
         [*FAST, "ckpt_path={tmp}/resnet18.ckpt", "model.arch=resnet50"],
         ["ckpt_path={tmp}/resnet18.ckpt holds a resnet18", "pass model.arch=resnet18"],
     ),
+    "ckpt-other-width": Case(  # FAST's narrow ResNet-18 against torchvision's, of the same stem
+        [*FAST, "ckpt_path={tmp}/resnet18.ckpt", "model.stem=cifar"],
+        [
+            "ckpt_path={tmp}/resnet18.ckpt holds a resnet18 (model.width=64)",
+            "builds model.width=16",
+            "pass model.width=64",
+        ],
+    ),
     "ckpt-last-without-one": Case([*FAST, "ckpt_path=last"], ["ckpt_path=last but", "does not exist", "hydra.run.dir"]),
     "run-dir-not-writable": Case(
         [*FAST, "hydra.run.dir={tmp}/readonly/run"],

@@ -48,8 +48,9 @@ def only_last_ckpt(run_dir: Path) -> Path:
     return lasts[0]
 
 
-# the single run and those that resume from it: the CIFAR stem users train with (FAST has the cheaper ImageNet stem)
-SINGLE = [*FAST, "model.stem=cifar"]
+# the single run and those that resume from it: the network users train, torchvision's ResNet-18 with the CIFAR stem
+# (FAST has the cheaper ImageNet stem and a narrow width)
+SINGLE = [*FAST, "model.stem=cifar", "model.width=64"]
 
 
 @pytest.fixture(scope="module")
@@ -169,7 +170,8 @@ def test_single_process_run_writes_last_and_best_checkpoints_and_the_resolved_co
     last = checkpoint(only_last_ckpt(single_run))
     assert last["global_step"] == 24 and last["epoch"] == 1
     assert last["saved_by"].items() >= {"global_rank": 0, "world_size": 1}.items()
-    assert (last["hyper_parameters"]["arch"], last["hyper_parameters"]["stem"]) == ("resnet18", "cifar")
+    hp = last["hyper_parameters"]
+    assert (hp["arch"], hp["stem"], hp["width"]) == ("resnet18", "cifar", 64)
     best = [p.name for p in (single_run / "checkpoints").glob("best-*.ckpt")]
     assert len(best) == 1
     config = (single_run / "config.yaml").read_text()
