@@ -12,18 +12,30 @@ class RaiseAt(L.Callback):
     the other ranks are left waiting in it.
 
     ``error``: the exception's class (``torch.OutOfMemoryError``: a GPU out of memory); ``stage``: ``train``, or the
-    first ``validate`` or ``test`` batch once ``step`` is reached.
+    first ``validate`` or ``test`` batch once ``step`` is reached. ``delay_s``: how long that rank computes first
+    (the others wait in the all-reduce meanwhile), so that a test which waits for the step before sees the run
+    alive there, however fast its steps are.
     """
 
     def __init__(
-        self, rank: int = 0, step: int = 3, error: str = "builtins.RuntimeError", stage: str = "train"
+        self,
+        rank: int = 0,
+        step: int = 3,
+        error: str = "builtins.RuntimeError",
+        stage: str = "train",
+        delay_s: float = 0.0,
     ) -> None:
         from hydra.utils import get_class
 
         self.rank, self.step, self.error, self.stage = rank, step, get_class(error), stage
+        self.delay_s = delay_s
 
     def _raise_at(self, trainer: L.Trainer, stage: str) -> None:
         if stage == self.stage and trainer.global_rank == self.rank and trainer.global_step >= self.step:
+            if self.delay_s:
+                import time
+
+                time.sleep(self.delay_s)
             raise self.error(f"injected failure at step {trainer.global_step}")
 
     def on_train_batch_start(
@@ -61,20 +73,72 @@ class CountAlive(L.Callback):
         Path(self.path).write_text(json.dumps({"alive": sum(type(o) is kind for o in gc.get_objects())}))
 
 
-class SleepAt(L.Callback):
-    """Sleep ``seconds`` on one rank when training reaches ``step``, inside the training step: a rank that hangs in
-    Python (a deadlock, a stuck read) while the others wait for it in the step's all-reduce."""
+class SignalAt(L.Callback):
+    """Send ``signal`` (a name: SIGTERM, SIGINT) to this process when training starts the batch after ``step`` steps
+    on one rank: a preemption that lands at a known batch (``step`` 11 of an epoch of 12: its last)."""
 
-    def __init__(self, rank: int = 1, step: int = 3, seconds: float = 3600) -> None:
-        self.rank, self.step, self.seconds = rank, step, seconds
+    def __init__(self, rank: int = 0, step: int = 3, signal: str = "SIGTERM") -> None:
+        self.rank, self.step, self.signal = rank, step, signal
 
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        import time
+        import os
+        import signal
 
         if trainer.global_rank == self.rank and trainer.global_step == self.step:
+            os.kill(os.getpid(), signal.Signals[self.signal])
+
+
+class SleepAt(L.Callback):
+    """Sleep ``seconds`` on one rank when training reaches ``step``, inside the training step: a rank that hangs in
+    Python (a deadlock, a stuck read) while the others wait for it in the step's all-reduce.
+
+    ``world_size``: only in a world of that size (a run that waits at a step for a node to join, and not again once it
+    has). ``until_signal``: a SIGTERM or SIGINT ends the sleep too (the run's own handler still gets it), as it
+    would end a long step: the run then stops as it stops at any step."""
+
+    def __init__(
+        self,
+        rank: int = 1,
+        step: int = 3,
+        seconds: float = 3600,
+        world_size: int | None = None,
+        until_signal: bool = False,
+    ) -> None:
+        self.rank, self.step, self.seconds = rank, step, seconds
+        self.world_size, self.until_signal = world_size, until_signal
+
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        import signal
+        import threading
+        import time
+
+        if trainer.global_rank != self.rank or trainer.global_step != self.step:
+            return
+        if self.world_size is not None and trainer.world_size != self.world_size:
+            return
+        if not self.until_signal:
             time.sleep(self.seconds)  # the hang
+            return
+        woken = threading.Event()
+        handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+        def wake(signum: int, frame: Any) -> None:
+            woken.set()
+            handler = handlers[signum]
+            if callable(handler):
+                handler(signum, frame)
+
+        for sig in handlers:
+            signal.signal(sig, wake)
+        try:
+            woken.wait(self.seconds)
+        finally:
+            for sig, handler in handlers.items():
+                signal.signal(sig, handler)
 
 
 class SlowCheckpoint(L.Callback):

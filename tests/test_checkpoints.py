@@ -79,6 +79,25 @@ def test_a_run_stopped_mid_epoch_resumes_with_ckpt_path_last_to_the_same_weights
     assert_same_training(load(tmp_path / "checkpoints" / "last.ckpt"), uninterrupted[world])
 
 
+def test_a_stop_at_an_epochs_last_batch_keeps_its_validation_and_resumes_to_the_same_weights(uninterrupted, tmp_path):
+    """SIGTERM during epoch 0's last batch: the run stops after that epoch's validation (stopped at the batch's end,
+    the epoch's validation and best checkpoint were lost: the resumed run starts the next epoch). One process, where
+    the stop lands at the batch it was asked at (under DDP the ranks agree one batch later: the same code then)."""
+    stop = ["+callbacks.stop._target_=tests.faults.SignalAt", "+callbacks.stop.step=11"]
+    stopped = train(*EXACT, *WORLDS["one process"], *stop, f"hydra.run.dir={tmp_path}")
+    assert stopped.returncode == 128 + signal.SIGTERM, output(stopped)[-3000:]
+    assert "SIGTERM after step 12: every rank stopped there" in output(stopped)
+    assert load(tmp_path / "checkpoints" / "last.ckpt")["global_step"] == 12
+    assert list((tmp_path / "checkpoints").glob("best-epoch000-*.ckpt"))  # epoch 0's validation ran and counted
+
+    result = train(*EXACT, *WORLDS["one process"], "ckpt_path=last", f"hydra.run.dir={tmp_path}")
+    assert result.returncode == 0, output(result)[-3000:]
+    assert_same_training(load(tmp_path / "checkpoints" / "last.ckpt"), uninterrupted["one process"])
+    from tests.test_train import scalars
+
+    assert sorted(e.step for e in scalars(tmp_path)["val/acc"]) == [11, 23]  # every epoch's validation, once
+
+
 def test_the_dataloader_pipelines_first_epoch_after_an_epochs_end_resume_draws_its_own_order(tmp_path):
     """data.pipeline=dataloader with workers, ddp x 2: the resumed run's first epoch draws the batches the
     uninterrupted run drew in that epoch, not epoch 0's again (Lightning #21938); rank 0's batches, by their labels."""
@@ -195,13 +214,14 @@ def test_last_ckpt_keeps_its_previous_generation_beside_it(tmp_path):
 
 @pytest.fixture
 def small_disk(tmp_path):
-    """A 150 MB tmpfs of the test's own: room for one resnet18 checkpoint (~90 MB), not for writing a second."""
+    """A 10 MB tmpfs of the test's own: room for one checkpoint of FAST's narrow ResNet-18 (5.8 MB), not for writing
+    a second."""
     if os.geteuid() != 0:
         pytest.skip("mounting a tmpfs needs root")
     mount = tmp_path / "disk"
     mount.mkdir()
     mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=150m", "tmpfs", str(mount)], capture_output=True, text=True
+        ["mount", "-t", "tmpfs", "-o", "size=10m", "tmpfs", str(mount)], capture_output=True, text=True
     )
     if mounted.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")

@@ -5,7 +5,9 @@ This replaces Lightning's own SIGTERM handling, which (2.6.6) exits with code 0 
 acts only on rank zero's signal, and runs a collective inside the signal handler. Here a signal only
 sets a flag; at every batch end each rank adds its flag to an all-reduce on a small gloo group of its
 own, started asynchronously and read one batch later, so no GPU work waits on it. Every rank reads the
-same sum after the same batch, so all stop together, whichever of them was signalled.
+same sum after the same batch, so all stop together, whichever of them was signalled. A stop agreed at an epoch's
+last batch lets the epoch end first (its validation, its best checkpoint, its end hooks: a resume starts the next
+epoch), through ``trainer.should_stop`` as early stopping does, and ends the run when fit returns.
 
 The same all-reduce carries a second flag: this rank's clock says ``last.ckpt`` is due
 (``callbacks.last_checkpoint.every_n_minutes``). Clocks differ between ranks and the save is collective,
@@ -47,6 +49,12 @@ SLOW_READS = 3  # agreements in a row that waited, before a rank asks for twice 
 MIN_WAIT_S = 0.005  # a wait shorter than this is no reason to wait less often
 
 
+def _last_batch_of_epoch(trainer: L.Trainer, batch_idx: int) -> bool:
+    """Whether this training batch ends the epoch (its data, or ``trainer.limit_train_batches``): the same on every
+    rank (their shards have the same batches)."""
+    return trainer.fit_loop.epoch_loop.batch_progress.is_last_batch or batch_idx + 1 >= trainer.num_training_batches
+
+
 def slow_read(waited_s: float, since_send_s: float) -> bool:
     """Whether an agreement's read waited long enough to ask for a longer period: over ``MIN_WAIT_S`` and over a fifth
     of the time since it was sent (the batches of one period)."""
@@ -80,6 +88,8 @@ class GracefulStop(L.Callback):
         self._batches = 0  # batch ends of this stage
         self._slow_reads = 0  # agreements in a row that waited
         self._sent_at = 0.0  # when the pending agreement was sent
+        self._stop_at_epoch_end = False  # a stop agreed at an epoch's last batch: after the epoch's validation
+        self._stop_after_this_batch = False  # ... that Lightning did not stop at: at the next batch's end
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if dist.is_available() and dist.is_initialized() and trainer.world_size > 1 and self._group is None:
@@ -159,17 +169,44 @@ class GracefulStop(L.Callback):
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if not self._agreement_batch():
+        if self._stop_after_this_batch:
+            stop, due = True, False
+        elif not self._agreement_batch():
             return
-        stop, due = self._agreed(self._last)
+        else:
+            stop, due = self._agreed(self._last)
         if not stop:
             if due:
                 self._last.save(trainer)
             self._send(self._last)  # after the save: the flag it sends reads a clock the save has reset
             return
+        if _last_batch_of_epoch(trainer, batch_idx) and not self._stop_after_this_batch:
+            # The epoch's validation (its metrics, its best checkpoint) and its end hooks come after this one: a stop
+            # here would lose them, as a resume starts the next epoch. So the epoch ends first, as early stopping
+            # ends it (trainer.should_stop), and the run stops when fit returns. Every rank agreed at this batch.
+            self._stop_at_epoch_end = True
+            return
         # Lightning hands a step's logged values to the loggers after on_train_batch_end, which the stop below never
         # returns to: this step's would be the one missing from every logger. Handed over now, as Lightning would.
         trainer._logger_connector.update_train_step_metrics()
+        self._stop(trainer)
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._stop_at_epoch_end:
+            trainer.should_stop = True  # LastCheckpoint writes last.ckpt at this epoch's end then, the best too
+
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if self._stop_at_epoch_end:  # Lightning went on (trainer.min_epochs not reached): stop at this batch's end
+            self._stop_at_epoch_end, self._stop_after_this_batch = False, True
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._stop_at_epoch_end:
+            self._stop(trainer)
+
+    def _stop(self, trainer: L.Trainer) -> None:
+        """Write last.ckpt at this step on every rank and end the run with the signal's exit status."""
         path = self._save(trainer)
         self._saved_stop = True
         if self._signal_or_sigterm() == signal.SIGINT:
