@@ -31,7 +31,11 @@ LONG = [
     "test=false",
     "trainer.precision=32-true",
 ]
-OUT_OF_MEMORY = ["+callbacks.fault._target_=tests.faults.RaiseAt", "+callbacks.fault.error=torch.OutOfMemoryError"]
+OUT_OF_MEMORY = [  # a second after reaching step 3: the test waits for step 2's checkpoint with every rank up
+    "+callbacks.fault._target_=tests.faults.RaiseAt",
+    "+callbacks.fault.error=torch.OutOfMemoryError",
+    "+callbacks.fault.delay_s=1",
+]
 FIX = (
     "lower data.batch_size (e.g. data.batch_size=2), or trainer.precision=bf16-mixed, which also halves the activations"
 )

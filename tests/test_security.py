@@ -281,7 +281,7 @@ def test_eval_and_resume_refuse_an_instantiator_in_one_line_before_loading_anyth
     assert errors == [
         f"error: ckpt_path={path} holds hyperparameter '_instantiator' which this project's model does "
         "not have (it has arch, channels_last, compile, label_smoothing, num_classes, optimizer, "
-        "scheduler, stem): it is not a checkpoint src.train wrote, or was altered; pass another "
+        "scheduler, stem, width): it is not a checkpoint src.train wrote, or was altered; pass another "
         "checkpoint"
     ], output(result)[-3000:]
     assert "Traceback" not in output(result)

@@ -120,8 +120,9 @@ def test_sigterm_stops_every_rank_at_one_step_with_a_checkpoint_and_exit_code_14
     assert "Traceback" not in out
 
 
-# A test-only callback that raises on one rank at step 3, before that step's all-reduce (tests/faults.py).
-RAISE = ["+callbacks.fault._target_=tests.faults.RaiseAt", "+callbacks.fault.step=3"]
+# A test-only callback that raises on one rank at step 3, before that step's all-reduce (tests/faults.py), a second
+# after reaching it: the tests wait for step 2's checkpoint with every rank up, and a step takes 0.03 s
+RAISE = ["+callbacks.fault._target_=tests.faults.RaiseAt", "+callbacks.fault.step=3", "+callbacks.fault.delay_s=1"]
 
 
 def error_lines(out: str) -> list[str]:

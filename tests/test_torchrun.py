@@ -241,6 +241,13 @@ def test_a_node_that_joins_scales_the_run_up_keeping_the_global_batch(new_run_di
         "trainer.max_epochs=2",
         "callbacks.last_checkpoint.every_n_train_steps=3",
         "test=false",
+        # alone, the run waits at step 4 until torchrun stops it to take the second node in (a step takes 0.03 s)
+        "+callbacks.wait._target_=tests.faults.SleepAt",
+        "+callbacks.wait.rank=0",
+        "+callbacks.wait.step=4",
+        "+callbacks.wait.seconds=120",
+        "+callbacks.wait.world_size=1",
+        "+callbacks.wait.until_signal=true",
     ]
     env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     first = torchrun(*args, background=True, env=env)
