@@ -55,7 +55,9 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, fixed:
         callbacks=[],
         default_root_dir=str(out),
         is_global_zero=rank == 0,
-        fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace()),
+        # one epoch longer than the run: no batch is an epoch's last
+        fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace(batch_progress=SimpleNamespace(is_last_batch=False))),
+        num_training_batches=float("inf"),
         global_step=0,
         current_epoch=0,
         save_checkpoint=lambda path, weights_only=False: None,

@@ -96,7 +96,8 @@ class SleepAt(L.Callback):
 
     ``world_size``: only in a world of that size (a run that waits at a step for a node to join, and not again once it
     has). ``until_signal``: a SIGTERM or SIGINT ends the sleep too (the run's own handler still gets it), as it
-    would end a long step: the run then stops as it stops at any step."""
+    would end a long step: the run then stops as it stops at any step. ``job``: only in that job of a sweep (Hydra's
+    ``job.num``). ``once``: a file this sleep creates, and which stops it from sleeping again (the resumed run)."""
 
     def __init__(
         self,
@@ -105,9 +106,11 @@ class SleepAt(L.Callback):
         seconds: float = 3600,
         world_size: int | None = None,
         until_signal: bool = False,
+        job: int | None = None,
+        once: str | None = None,
     ) -> None:
         self.rank, self.step, self.seconds = rank, step, seconds
-        self.world_size, self.until_signal = world_size, until_signal
+        self.world_size, self.until_signal, self.job, self.once = world_size, until_signal, job, once
 
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
@@ -120,6 +123,17 @@ class SleepAt(L.Callback):
             return
         if self.world_size is not None and trainer.world_size != self.world_size:
             return
+        if self.job is not None:
+            from hydra.core.hydra_config import HydraConfig
+
+            if HydraConfig.get().job.num != self.job:
+                return
+        if self.once is not None:
+            from pathlib import Path
+
+            if Path(self.once).exists():
+                return
+            Path(self.once).touch()
         if not self.until_signal:
             time.sleep(self.seconds)  # the hang
             return
