@@ -252,6 +252,8 @@ class GpuCheck:
                 break
             except subprocess.TimeoutExpired:
                 continue
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(process.pid, signal.SIGKILL)  # what outlived its leader (a rank that ignored SIGTERM)
         self.current = None
 
     def train(
