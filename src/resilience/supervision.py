@@ -37,6 +37,7 @@ failure path from an exception to the exit status is src/resilience/failure.py.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -58,6 +59,7 @@ from src.resilience.node_board import NodeBoard
 
 POLL_S = 0.25
 SEEN_WAIT_S = 5.0  # how long a failing store host waits for the others to read the record before it goes
+SPEAK_WAIT_S = 2.0  # how long a local rank whose failure is the run's gets to print its line and end by itself
 DONE_WAIT_S = 10.0  # ... and, at a good end, for the others to stop watching
 WAIT_S = 24 * 3600.0  # a node's reporter waits this long for the run's failure in one request, then again
 # (torch logs a timed-out wait twice on stderr: a short one would fill the logs; rank 0 ends the wait at a good end)
@@ -867,6 +869,21 @@ def rank_label() -> str:
     return f"rank {local}" if node == "0" else f"node {node} local rank {local}"
 
 
+def _let_the_failing_rank_speak(wait_s: float = SPEAK_WAIT_S) -> None:
+    """The rank whose failure is the run's prints its line after recording it, and then ends: where that is a rank
+    this process started, it gets ``wait_s`` to do both before the others are stopped (a SIGTERM in between, while
+    its setup had no handler yet, ended it before it printed: a run with no error line at all)."""
+    if FAILURES is None:
+        return
+    record = FAILURES.read()
+    if record is None or record.get("rank") == FAILURES.rank:
+        return
+    for proc, rank in zip(STARTED, STARTED_RANKS):
+        if rank == record.get("rank"):
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=wait_s)
+
+
 def end_run(
     line: str | None, code: int, publish: bool = True, dead: int = 0, stuck: dict[str, Any] | None = None
 ) -> NoReturn:
@@ -896,6 +913,7 @@ def end_run(
     if FAILURES is not None and FAILURES.rank == 0 and not torchrun.active():
         FAILURES.wait_for("seen", SEEN_WAIT_S)  # it hosts the store: the others must read the record first
         # (torchrun's agent hosts it there, and outlives this rank)
+    _let_the_failing_rank_speak()
     stop_processes(STARTED, grace_s=2.0)
     if FAILURES is None and threading.current_thread() is threading.main_thread():
         sys.exit(code)  # one process and nothing started: the ordinary way out
