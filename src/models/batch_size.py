@@ -85,7 +85,7 @@ def _probe(trainer: Any, pl_module: Any, datamodule: Any) -> Choice:
         cap = min(cap, per_rank // STEPS_PER_EPOCH_MIN)
     free, _ = torch.cuda.mem_get_info(device)
     capacity = free + torch.cuda.memory_reserved(device)  # what this process can have: its own, and what is free
-    net = build_resnet(hparams.arch, hparams.num_classes, hparams.stem, hparams.get("width", 64)).to(
+    net = build_resnet(hparams.arch, hparams.num_classes, hparams.stem, hparams.width).to(
         device, memory_format=pl_module.memory_format
     )
     optimizer = torch.optim.SGD(net.parameters(), lr=1e-3, momentum=0.9)

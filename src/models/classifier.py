@@ -18,7 +18,7 @@ from src.core.errors import UserError
 from src.models.batch_size import record_in_config
 from src.models.batch_size import resolve as resolve_batch_size
 from src.models.fast_path import check_compile, compile_choice, fast_path
-from src.models.resnet import build_resnet
+from src.models.resnet import WIDTH, build_resnet
 
 DECAYS = ("cosine", "linear", "none")
 # The epoch's values logged here are torchmetrics' results, reduced across the ranks already (every rank computes
@@ -42,7 +42,7 @@ class ImageClassifier(L.LightningModule):
         arch: str = "resnet50",
         num_classes: int = 10,
         stem: str = "cifar",
-        width: int = 64,
+        width: int = WIDTH,
         label_smoothing: float = 0.0,
         optimizer: dict[str, Any] | None = None,
         scheduler: dict[str, Any] | None = None,

@@ -164,6 +164,8 @@ def export_safetensors(
     """Write the weights (torchvision's names) and ``<stem>.json``; check that torchvision rebuilt from them agrees."""
     from safetensors.torch import save_file
 
+    from src.models.resnet import WIDTH
+
     staged = target.with_name(f".{target.name}.tmp-{os.getpid()}")
     described = target.with_suffix(".json")
     weights = {k: v.detach().contiguous() for k, v in net.net.state_dict().items()}
@@ -175,7 +177,7 @@ def export_safetensors(
                 "format": "pt",
                 "arch": meta["arch"],
                 "stem": meta["stem"],
-                "width": str(meta.get("width", 64)),
+                "width": str(meta.get("width", WIDTH)),
                 "num_classes": str(meta["num_classes"]),
             },
         )
@@ -210,7 +212,7 @@ def describe(
     return {
         "arch": hp.arch,
         "stem": hp.stem,
-        "width": hp.get("width", 64),
+        "width": hp.width,
         "num_classes": hp.num_classes,
         "class_names": class_names(data_cfg, hp.num_classes),
         "input": {"shape": ["N", 3, IMAGE_SIZE, IMAGE_SIZE], "range": [0.0, 1.0], "channels": "RGB"},

@@ -106,12 +106,12 @@ def torchvision_network(meta: dict[str, Any], weights: Path) -> Any:
     import torchvision
     from safetensors.torch import load_file
 
-    width = int(meta.get("width", 64))
-    if width == 64:
+    from src.models.resnet import WIDTH, build_resnet
+
+    width = int(meta.get("width", WIDTH))
+    if width == WIDTH:
         net = torchvision.models.get_model(meta["arch"], num_classes=meta["num_classes"])
     else:
-        from src.models.resnet import build_resnet
-
         net = build_resnet(meta["arch"], meta["num_classes"], "imagenet", width)
     if meta["stem"] == "cifar":
         net.conv1, net.maxpool = torch.nn.Conv2d(3, width, 3, 1, 1, bias=False), torch.nn.Identity()
