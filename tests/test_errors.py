@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from src.core.errors import EXIT_USER_ERROR, USER_FULL_ERROR, wants_traceback
+from src.core.errors import EXIT_USER_ERROR, USER_FULL_ERROR, report, wants_traceback
 from tests.conftest import FAST, FAST_RUN, output, run_module, write_cifar_folder
 
 EVAL = ["data=synthetic", "data.num_test=16", "trainer.accelerator=cpu"]
@@ -327,6 +327,26 @@ def test_the_users_hydra_full_error_wins_over_the_one_set_for_hydra(monkeypatch)
     assert wants_traceback()
     monkeypatch.delenv(USER_FULL_ERROR)
     assert wants_traceback()  # no entry point in between: HYDRA_FULL_ERROR as given
+
+
+def test_the_error_line_and_its_newline_go_in_one_write(monkeypatch):
+    """Unbuffered (PYTHONUNBUFFERED, as under Slurm), print() writes a line and its newline apart: a launcher's
+    SIGTERM between the two left the line unended, with the launcher's output glued to it."""
+    writes: list[str] = []
+
+    class Stderr:
+        def write(self, text: str) -> int:
+            writes.append(text)
+            return len(text)
+
+        def flush(self) -> None:
+            pass
+
+    monkeypatch.setattr("sys.stderr", Stderr())
+    with pytest.raises(SystemExit) as ended:
+        report("data.batch_size=0 must be at least 1:\n  pass a positive count")
+    assert ended.value.code == EXIT_USER_ERROR
+    assert writes == ["error: data.batch_size=0 must be at least 1: pass a positive count\n"]
 
 
 # The same messages in-process, for variants that need no process of their own.

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 import threading
 import time
 from pathlib import Path
@@ -38,7 +37,7 @@ import torch.distributed as dist
 
 from src.checkpoints.files import LAST
 from src.checkpoints.last import LastCheckpoint
-from src.core.errors import UserError
+from src.core.errors import UserError, print_line
 from src.launch import torchrun
 from src.resilience import heartbeat, supervision
 from src.resilience.failure import Terminated
@@ -157,11 +156,9 @@ class GracefulStop(L.Callback):
                 said = f"{path} is the previous one (step {step})"
             else:
                 said = f"{path}, if there is one, is the previous one"
-            print(
+            print_line(
                 f"interrupted again (Ctrl-C): quit at once; {said}; resume with hydra.run.dir={path.parent.parent} "
-                "ckpt_path=last",
-                file=sys.stderr,
-                flush=True,
+                "ckpt_path=last"
             )
         supervision.stop_processes(supervision.STARTED, grace_s=2.0)
         os._exit(128 + signal.SIGINT)

@@ -166,9 +166,17 @@ def one_line(message: str) -> str:
     return " ".join(line.strip() for line in message.splitlines() if line.strip())
 
 
+def print_line(text: str) -> None:
+    """``text`` and its newline on stderr in one write. ``print`` writes them apart where stderr is unbuffered
+    (``PYTHONUNBUFFERED``, ``python -u``): a launcher's SIGTERM between the two left a line without its end, and the
+    launcher's own output glued to it. One write of a line to a pipe is also never cut by another rank's."""
+    sys.stderr.write(text + "\n")
+    sys.stderr.flush()
+
+
 def report(message: str) -> NoReturn:
     """Print ``error: message`` as one line and exit 2."""
-    print("error: " + one_line(message), file=sys.stderr, flush=True)
+    print_line("error: " + one_line(message))
     sys.exit(EXIT_USER_ERROR)
 
 

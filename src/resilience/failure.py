@@ -41,6 +41,7 @@ from src.core.errors import (
     UserError,
     one_line,
     out_of_memory_in,
+    print_line,
     storage_error_in,
     user_error_in,
     wants_traceback,
@@ -72,10 +73,10 @@ def fail(err: BaseException, log_dir: str | None = None, rank_zero: bool | None 
     if isinstance(err, Terminated):
         supervision.stop_watching_failures()  # every rank stops at this very step: a good end of sorts
         if rank_zero:
-            print(err.line, file=sys.stderr, flush=True)
+            print_line(err.line)
         supervision.reap_started(grace_s=60)  # they stop at the same batch; let them finish writing
         if rank_zero and ranks.in_sweep():
-            print(stopped_line(), file=sys.stderr, flush=True)
+            print_line(stopped_line())
         sys.exit(err.exit_code)
     line, code = describe(err, log_dir)
     if ranks.in_sweep():
@@ -91,9 +92,9 @@ def interrupted() -> NoReturn:
     supervision.stop_watching_failures(wait=False)
     supervision.stop_processes(supervision.STARTED, grace_s=5.0)
     if ranks.is_launch_rank_zero():
-        print("interrupted (Ctrl-C) outside a training step: nothing more was saved", file=sys.stderr, flush=True)
+        print_line("interrupted (Ctrl-C) outside a training step: nothing more was saved")
         if ranks.in_sweep():
-            print(stopped_line(), file=sys.stderr, flush=True)
+            print_line(stopped_line())
     sys.exit(128 + signal.SIGINT)
 
 
@@ -251,9 +252,7 @@ def record_job_failure(line: str | None, code: int) -> None:
     supervision.stop_processes(supervision.STARTED, grace_s=2.0)
     message = line or "a rank of this job failed: see its log"
     job = HydraConfig.get().job
-    print(
-        f"error: job {job.num} ({' '.join(HydraConfig.get().overrides.task)}): {message}", file=sys.stderr, flush=True
-    )
+    print_line(f"error: job {job.num} ({' '.join(HydraConfig.get().overrides.task)}): {message}")
     out = Path(HydraConfig.get().runtime.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / FAILURE_FILE).write_text(json.dumps({"job": job.num, "error": message, "exit_code": code}, indent=2) + "\n")

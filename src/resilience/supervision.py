@@ -52,7 +52,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, NoReturn, Sequence
 
-from src.core.errors import EXIT_FAILED, EXIT_USER_ERROR
+from src.core.errors import EXIT_FAILED, EXIT_USER_ERROR, print_line
 from src.launch import torchrun
 from src.launch.ranks import in_sweep, launcher_rank
 from src.resilience.node_board import NodeBoard
@@ -904,7 +904,7 @@ def end_run(
     if line and first:
         if any(open_line() for open_line in OPEN_LINES):  # a progress bar's line, still being drawn
             print(file=sys.stderr, flush=True)
-        print(f"error: {line}", file=sys.stderr, flush=True)
+        print_line(f"error: {line}")
     kill_stuck(stuck)
     if FAILURES is not None:  # on CUDA, NCCL's flight recorder: this rank's last collectives, into the run dir
         from src.resilience import heartbeat
