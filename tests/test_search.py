@@ -50,9 +50,16 @@ def test_a_ddp_search_killed_in_its_second_trial_ends_with_exactly_n_trials_whos
         "trainer.devices=2",
         f"hydra.sweep.dir={sweep_dir}",
         *SEARCH,
+        # trial 1 sits in its second epoch's first step until the kill (its epoch takes a tenth of a second), once
+        "+callbacks.wait._target_=tests.faults.SleepAt",
+        "+callbacks.wait.rank=0",
+        "+callbacks.wait.step=3",
+        "+callbacks.wait.seconds=120",
+        "+callbacks.wait.job=1",
+        f"+callbacks.wait.once={tmp_path}/slept",
     ]
     search = train(*command, background=True)
-    wait_for(sweep_dir / "1" / "checkpoints" / "last.ckpt", search)  # trial 1 has trained its first epoch
+    wait_for(tmp_path / "slept", search)  # trial 1 has trained its first epoch
     ranks = descendants(search.pid)
     search.send_signal(signal.SIGKILL)
     search.communicate(timeout=60)
