@@ -140,6 +140,7 @@ class Sizes:
 
     cuda: bool
     arch: str
+    width: int  # model.width: torchvision's network on a GPU; on the CPU a 16th of its parameters (and checkpoint)
     batches: tuple[int, ...]
     steps: int  # timed steps of a throughput run
     warmup: int
@@ -159,12 +160,13 @@ class Sizes:
 
 
 def sizes_for(cuda: bool, gpus: list[dict[str, Any]], batches: tuple[int, ...] | None) -> Sizes:
+    from src.models.resnet import WIDTH
+
     if cuda:  # 60 timed steps: over a second of steady state at every batch on an H100
         bf16 = all(int(g["capability"].split(".")[0]) >= 8 for g in gpus)  # Ampere on; below, fp16 and a scaler
-        return Sizes(
-            True, "resnet50", batches or (128, 256, 512), 60, 20, 128, 8, "bf16-mixed" if bf16 else "16-mixed", 240, 420
-        )
-    return Sizes(False, "resnet18", batches or (4, 8), 3, 2, 4, 3, "32-true", 300, 600)
+        precision = "bf16-mixed" if bf16 else "16-mixed"
+        return Sizes(True, "resnet50", WIDTH, batches or (128, 256, 512), 60, 20, 128, 8, precision, 240, 420)
+    return Sizes(False, "resnet18", 16, batches or (4, 8), 3, 2, 4, 3, "32-true", 300, 600)
 
 
 def tail(log: Path | None, lines: int = 40) -> str:
@@ -290,6 +292,7 @@ class GpuCheck:
             f"data.num_test={batch}",
             f"data.batch_size={batch}",
             f"model.arch={s.arch}",
+            f"model.width={s.width}",
             f"trainer.accelerator={s.accelerator}",
             "trainer.devices=1",
             f"backend={s.backend}",
