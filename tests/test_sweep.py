@@ -189,7 +189,8 @@ def test_a_sweep_killed_in_its_second_job_resumes_it_and_skips_the_first_when_ru
     sweep = run_module("src.train", *command, background=True)
     second = sweep_dir / "1" / "checkpoints" / "last.ckpt"
     deadline = time.monotonic() + 300
-    while not second.exists():  # job 1 has trained its first epoch
+    while not (tmp_path / "slept").exists():  # job 1 has trained its first epoch and sits in its second
+        # (not its last.ckpt: a kill between that and the sleep left the sleep to the rerun, 120 s)
         assert sweep.poll() is None and time.monotonic() < deadline, sweep.stdout.read()[-4000:]
         time.sleep(0.2)
     sweep.send_signal(signal.SIGKILL)
