@@ -170,3 +170,33 @@ def test_a_failure_on_another_node_stops_this_node_too_and_both_say_which_rank(t
     assert len(error_lines(out0)) == 1 and error_lines(out0)[0].startswith(failure), out0[-3000:]
     assert error_lines(out0)[0].endswith("; this node's ranks stopped too")
     assert "Traceback" not in out0 + out1
+
+
+def test_a_rank_whose_store_host_ends_as_it_connects_records_its_failure_within_seconds(tmp_path, monkeypatch):
+    """The store's host (rank 0) answers the plain connect and ends before torch's client has connected (both saw
+    the launcher die): torch then tries the refused address again until its timeout, twice. A rank that fails or
+    ends connects with END_CONNECT_S, not the 30 s a connection at the start may need."""
+    import socket
+    import threading
+
+    from src.resilience import supervision
+    from src.resilience.node_board import NodeBoard
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+
+    def host_that_ends() -> None:  # takes the plain connect, then is gone: every later connect is refused
+        conn, _ = listener.accept()
+        conn.close()
+        listener.close()
+
+    threading.Thread(target=host_that_ends, daemon=True).start()
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    monkeypatch.setattr(supervision, "END_CONNECT_S", 1.0)
+    board = NodeBoard("end-connect", 0, 1, 2, stale_s=3.0, folder=tmp_path / "board")
+    record = supervision.FailureRecord(1, 0, 1, 2, False, board)
+    began = time.monotonic()
+    assert record.publish("rank 1: the process that launched it (pid 1) died; this rank stopped too", 1)
+    assert time.monotonic() - began < 2 * 1.0 + 2  # two tries of END_CONNECT_S, not two of 30 s
+    assert board.read("failure")["rank"] == 1  # this node's ranks still read it, from the board

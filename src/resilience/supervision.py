@@ -66,6 +66,11 @@ WAIT_S = 24 * 3600.0  # a node's reporter waits this long for the run's failure 
 BOARD_STALE_S = 3.0  # a local rank whose pulse on the node's board is older stops being the node's reporter
 WAITER_JOIN_S = 5.0  # how long a good end waits for its failure wait to return (rank 0's "ended" wakes it)
 RUN_WAIT_S = 120.0  # how long a rank waits for rank 0 to say which run this is
+# A rank's connection to the store when it fails or ends: the store has answered all run long, so one that does not
+# answer within this long has gone with its host (rank 0, ending too). torch's client tries a refused connection
+# again until its timeout, and the whole connection twice: at 30 s, a rank that found the host alive an instant
+# before it ended waited a minute to exit.
+END_CONNECT_S = 5.0
 _STOPPED_ON_REQUEST = 128 + signal.SIGTERM
 _INTERRUPTED = 128 + signal.SIGINT  # Ctrl-C: rank zero says where the run stopped
 # exit codes of a rank that told its own story
@@ -255,7 +260,7 @@ class FailureRecord:
                 return None
             try:
                 if self._store is None:
-                    self._store = self._new_store(30.0)
+                    self._store = self._new_store(END_CONNECT_S)
                 return getattr(self._store, method)(*args)
             except Exception:  # noqa: BLE001 - DistNetworkError, RuntimeError: the store host is gone
                 self._closed = True
