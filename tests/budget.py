@@ -23,8 +23,9 @@ from pathlib import Path
 
 import pytest
 
-# the goal on the reference CPU: 12 min 31 s measured from a fresh clone, and a fifth for the spread between runs
-BUDGET_S = 15 * 60
+# on the reference CPU: 10 min 13 s measured from a fresh clone (10 min 31 s the run before), and a sixth for the
+# spread between runs
+BUDGET_S = 12 * 60
 DURATIONS = Path(__file__).with_name("durations.json")
 FAST_S = 1.0
 SMOKE = "tests/test_train.py::test_single_process_run_writes_last_and_best_checkpoints_and_the_resolved_config"
@@ -144,8 +145,10 @@ def judge(session: pytest.Session, took_s: float) -> None:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
-def write(junit: Path, cpu: str) -> dict:
-    """tests/durations.json from a junit report of ``make test``: each test's seconds, and the fixed work's here."""
+def write(junit: Path, cpu: str, work_s: float | None = None) -> dict:
+    """tests/durations.json from a junit report of ``make test``: each test's seconds, and the fixed work's here:
+    ``work_s``, the seconds that run's budget line gave (measured at its end, as every run measures it: 3.0 s on an
+    idle machine became 3.4 s there), or measured now."""
     tests = {}
     for case in ET.parse(junit).iter("testcase"):
         module = case.get("classname", "").replace(".", "/")
@@ -154,7 +157,7 @@ def write(junit: Path, cpu: str) -> dict:
             tests[f"{module}.py::{name}"] = round(float(case.get("time") or 0), 2)
     data = {
         "reference_cpu": cpu,
-        "reference_work_s": round(fixed_work_s(), 4),
+        "reference_work_s": round(work_s if work_s is not None else fixed_work_s(), 4),
         "measured": time.strftime("%Y-%m-%d"),
         "tests": dict(sorted(tests.items())),
     }
@@ -163,7 +166,10 @@ def write(junit: Path, cpu: str) -> dict:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 3:
-        sys.exit("usage: python -m tests.budget JUNIT_XML 'CPU NAME, N cores' (on the reference CPU)")
-    written = write(Path(sys.argv[1]), sys.argv[2])
+    if len(sys.argv) not in (3, 4):
+        sys.exit(
+            "usage: python -m tests.budget JUNIT_XML 'CPU NAME, N cores' [FIXED_WORK_S of its budget line] (on the "
+            "reference CPU)"
+        )
+    written = write(Path(sys.argv[1]), sys.argv[2], float(sys.argv[3]) if len(sys.argv) == 4 else None)
     print(f"{DURATIONS}: {len(written['tests'])} tests, fixed work {written['reference_work_s']} s")
