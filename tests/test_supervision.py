@@ -7,13 +7,14 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.conftest import FAST, cmdline, descendants, free_port, running, train
+from tests.conftest import FAST, ROOT, cmdline, descendants, free_port, running, train
 
 # Long enough that a signal always lands mid-training: 2,000 images, batch 4 per rank.
 LONG = [
@@ -200,3 +201,49 @@ def test_a_rank_whose_store_host_ends_as_it_connects_records_its_failure_within_
     assert record.publish("rank 1: the process that launched it (pid 1) died; this rank stopped too", 1)
     assert time.monotonic() - began < 2 * 1.0 + 2  # two tries of END_CONNECT_S, not two of 30 s
     assert board.read("failure")["rank"] == 1  # this node's ranks still read it, from the board
+
+
+def test_a_rank_whose_launcher_died_before_its_watch_began_ends_at_once_naming_it(tmp_path):
+    """A local rank's launcher killed in the seconds of the rank's start, before the rank's watch begins (as its
+    process group forms): the watch still has the launcher to watch, and ends the rank at once with the line, where
+    it once had none and the rank went on to a rendezvous with the dead launcher's store. A process the rank starts,
+    which inherits the variable, is nobody's rank."""
+    loaded = tmp_path / "loaded"
+    rank = (
+        "import os, subprocess, sys, time\n"
+        "from src.launch import ranks\n"
+        "open(sys.argv[1], 'w').close()\n"
+        "while os.getppid() == int(os.environ['CIFAR10_DDP_LAUNCHER_PID']):\n"
+        "    time.sleep(0.05)\n"
+        "below = 'from src.launch import ranks; print(ranks.launcher_pid())'\n"
+        "below = subprocess.run([sys.executable, '-c', below], capture_output=True, text=True).stdout.strip()\n"
+        "print('below:', below, flush=True)\n"
+        "from src.resilience import supervision\n"
+        "pid = ranks.launcher_pid()\n"
+        "if pid is not None:  # as setup_distributed does\n"
+        "    supervision.watch_launcher(1, pid)\n"
+        "time.sleep(30)\n"
+    )
+    launcher = (
+        "import os, subprocess, sys, time\n"
+        "env = {**os.environ, 'CIFAR10_DDP_LAUNCHER_PID': str(os.getpid())}\n"
+        "subprocess.Popen([sys.executable, '-c', sys.argv[1], sys.argv[2]], env=env)\n"
+        "time.sleep(60)\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", launcher, rank, str(loaded)],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    deadline = time.monotonic() + 60
+    while not loaded.exists():  # the rank has loaded src.launch.ranks, as every rank's start does
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.05)
+    proc.kill()
+    began = time.monotonic()
+    out, _ = proc.communicate(timeout=60)  # once the rank, which holds the pipe too, has ended
+    assert time.monotonic() - began < 20, out  # not its 30 s of sleep
+    assert f"error: rank 1: the process that launched it (pid {proc.pid}) died; this rank stopped too" in out, out
+    assert "below: None" in out

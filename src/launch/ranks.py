@@ -250,13 +250,21 @@ def launcher_rank() -> str | None:
 
 
 _LAUNCHER_PID = "CIFAR10_DDP_LAUNCHER_PID"  # set for the local ranks start_local_ranks starts
+# This process and its parent when this module loaded, early in a rank's start (before torch): a rank whose launcher
+# died in the seconds before the rank's watch began still knows that launcher, and its watch ends it at once
+_LOADED_IN = (os.getpid(), os.getppid())
 
 
 def launcher_pid() -> int | None:
-    """The pid of the process that started this rank with start_local_ranks, if one did (ddp_spawn's ranks
-    are watched from src/distributed/strategy.py's HydraSpawnLauncher)."""
+    """The pid of the process that started this rank with start_local_ranks, if one did, alive or not (ddp_spawn's
+    ranks are watched from src/distributed/strategy.py's HydraSpawnLauncher). Not for a process further down that
+    inherited the variable: the launcher must have been this process's parent."""
     pid = os.environ.get(_LAUNCHER_PID)
-    return int(pid) if pid is not None and int(pid) == os.getppid() else None
+    if pid is None:
+        return None
+    # a process forked after this module loaded inherits _LOADED_IN: its own parent is the one that counts then
+    parent = _LOADED_IN[1] if _LOADED_IN[0] == os.getpid() else os.getppid()
+    return int(pid) if int(pid) == parent else None
 
 
 def in_slurm_batch_script() -> bool:
