@@ -7,6 +7,20 @@ from typing import Any
 import lightning as L
 
 
+def hold_sweep_job(job: int, marker: str, step: int = 3) -> list[str]:
+    """Overrides that hold a sweep's ``job`` at ``step`` on rank 0 (for 120 s, or until the process is killed), the
+    first time only: ``marker`` appears as the sleep begins, and a test waits for it before its kill (a job's
+    checkpoint comes before the sleep, and a kill between the two would leave the sleep to the rerun)."""
+    return [
+        "+callbacks.wait._target_=tests.faults.SleepAt",
+        "+callbacks.wait.rank=0",
+        f"+callbacks.wait.step={step}",
+        "+callbacks.wait.seconds=120",
+        f"+callbacks.wait.job={job}",
+        f"+callbacks.wait.once={marker}",
+    ]
+
+
 class RaiseAt(L.Callback):
     """Raise on one rank when training reaches ``step`` (a bug, a bad batch), before that step's all-reduce, so
     the other ranks are left waiting in it.

@@ -12,6 +12,7 @@ import optuna
 import torch
 
 from tests.conftest import FAST, descendants, output, running, train
+from tests.faults import hold_sweep_job
 
 SEARCH = [
     *FAST,
@@ -51,12 +52,7 @@ def test_a_ddp_search_killed_in_its_second_trial_ends_with_exactly_n_trials_whos
         f"hydra.sweep.dir={sweep_dir}",
         *SEARCH,
         # trial 1 sits in its second epoch's first step until the kill (its epoch takes a tenth of a second), once
-        "+callbacks.wait._target_=tests.faults.SleepAt",
-        "+callbacks.wait.rank=0",
-        "+callbacks.wait.step=3",
-        "+callbacks.wait.seconds=120",
-        "+callbacks.wait.job=1",
-        f"+callbacks.wait.once={tmp_path}/slept",
+        *hold_sweep_job(1, f"{tmp_path}/slept"),
     ]
     search = train(*command, background=True)
     wait_for(tmp_path / "slept", search)  # trial 1 has trained its first epoch

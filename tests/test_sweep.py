@@ -16,6 +16,7 @@ from PIL import Image
 
 from src.sweeps.report import load_jobs, scaling_mode, write_report
 from tests.conftest import FAST, ROOT, output, run_module, train
+from tests.faults import hold_sweep_job
 from tests.test_security import assert_loopback_only
 from tests.test_serving import watch_listeners
 
@@ -177,12 +178,7 @@ def test_a_sweep_killed_in_its_second_job_resumes_it_and_skips_the_first_when_ru
         "test=false",
         "callbacks.last_checkpoint.every_n_train_steps=0",
         # job 1 sits in its second epoch's first step until the kill (a step takes 0.03 s), and only the first time
-        "+callbacks.wait._target_=tests.faults.SleepAt",
-        "+callbacks.wait.rank=0",
-        "+callbacks.wait.step=3",
-        "+callbacks.wait.seconds=120",
-        "+callbacks.wait.job=1",
-        f"+callbacks.wait.once={tmp_path}/slept",
+        *hold_sweep_job(1, f"{tmp_path}/slept"),
         "model.optimizer.lr=0.1,0.05",
         f"hydra.sweep.dir={sweep_dir}",
     ]
