@@ -9,7 +9,6 @@ whole, and never from one that names code.
 from __future__ import annotations
 
 import logging
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +16,7 @@ from omegaconf import DictConfig, open_dict
 
 from src.checkpoints import object_store
 from src.checkpoints.files import LAST, PREVIOUS, UnreadableCheckpoint, read_checkpoint
-from src.core.errors import UserError
+from src.core.errors import UserError, print_line
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +97,7 @@ def _warn(message: str) -> None:
 
     log.warning(message)
     if is_launch_rank_zero():
-        print(f"warning: {message}", file=sys.stderr, flush=True)
+        print_line(f"warning: {message}")
 
 
 def check_compatible(

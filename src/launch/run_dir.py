@@ -19,7 +19,6 @@ import json
 import logging
 import os
 import socket
-import sys
 import time
 from pathlib import Path
 from typing import Any, Iterator
@@ -27,7 +26,7 @@ from typing import Any, Iterator
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, read_write
 
-from src.core.errors import report, unwritable_run_dir
+from src.core.errors import print_line, report, unwritable_run_dir
 from src.launch import torchrun
 from src.launch.ranks import is_launch_rank_zero
 
@@ -166,7 +165,7 @@ def _earlier_run_of_this_slurm_job(holder: dict[str, Any] | None) -> bool:
 
 def _warn(message: str) -> None:
     log.warning(message)
-    print(f"warning: {message}", file=sys.stderr, flush=True)
+    print_line(f"warning: {message}")
 
 
 # -- a run dir taken up again, and how a run in it ended ---------------------------------------------------------

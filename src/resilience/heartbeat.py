@@ -19,10 +19,11 @@ import logging
 import os
 import signal
 import socket
-import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
+
+from src.core.errors import print_line
 
 log = logging.getLogger(__name__)
 
@@ -192,11 +193,7 @@ def register_stack_dump(label: str, run_dir: str | os.PathLike | None = None) ->
         return None
 
     def say(signum: int, frame: Any) -> None:
-        print(
-            f"stacks: every thread's Python stack of {label} (pid {os.getpid()}) written to {path}",
-            file=sys.stderr,
-            flush=True,
-        )
+        print_line(f"stacks: every thread's Python stack of {label} (pid {os.getpid()}) written to {path}")
 
     try:
         signal.signal(STACK_SIGNAL, say)  # the console line: Python, once the main thread runs again

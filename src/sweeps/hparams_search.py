@@ -35,7 +35,7 @@ from hydra.plugins.sweeper import Sweeper
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf
 
-from src.core.errors import FAILURE_FILE, UserError, require
+from src.core.errors import FAILURE_FILE, UserError, print_line, require
 from src.launch.ranks import is_launch_rank_zero
 from src.launch.run_dir import RESULT_FILE, read_result
 from src.sweeps.sweep import job_dir as sweep_job_dir
@@ -304,7 +304,7 @@ def write_study_report(study: Any, sweep_dir: Path, space: dict[str, Any]) -> No
     failed = [t.number for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.FAIL,))]
     if failed:
         errors = [f"trial {n}: {_failure(sweep_dir / str(n))}" for n in failed]
-        print(f"error: {len(failed)} of {len(rows)} trials failed: " + "; ".join(errors), file=sys.stderr, flush=True)
+        print_line(f"error: {len(failed)} of {len(rows)} trials failed: " + "; ".join(errors))
         sys.exit(1)
 
 

@@ -28,7 +28,7 @@ from hydra.experimental.callback import Callback
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from src.core.errors import FAILURE_FILE, UserError
+from src.core.errors import FAILURE_FILE, UserError, print_line
 from src.launch.ranks import in_sweep
 from src.launch.run_dir import RESULT_FILE, read_result
 from src.resilience import supervision
@@ -94,11 +94,9 @@ class ScalingReport(Callback):
         failed = [j for j in jobs if j.record is None]
         log.info("Scaling report: %s (%d jobs, %d failed)", sweep_dir / "scaling.md", len(jobs), len(failed))
         if failed:
-            print(
+            print_line(
                 f"error: {len(failed)} of {len(jobs)} jobs failed: "
-                + "; ".join(f"job {j.num}: {j.error}" for j in failed),
-                file=sys.stderr,
-                flush=True,
+                + "; ".join(f"job {j.num}: {j.error}" for j in failed)
             )
             sys.exit(1)
 
