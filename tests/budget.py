@@ -49,10 +49,18 @@ def fixed_work_s() -> float:
         with tempfile.TemporaryDirectory() as run_dir:
             env = {**os.environ, "PYTHONUNBUFFERED": "1", "CIFAR10_DDP_COLD": "1"}
             command = [sys.executable, "-m", "src.train", *FAST, f"hydra.run.dir={run_dir}"]
-            proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-            output = proc.stdout.read().decode(errors="replace") if proc.stdout else ""
-            _, status, usage = os.wait4(proc.pid, 0)
-            proc.returncode = os.waitstatus_to_exitcode(status)
+            with subprocess.Popen(
+                command,
+                cwd=ROOT,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                errors="replace",
+            ) as proc:
+                output = proc.stdout.read() if proc.stdout else ""
+                _, status, usage = os.wait4(proc.pid, 0)  # its CPU seconds, which Popen's own wait does not give
+                proc.returncode = os.waitstatus_to_exitcode(status)  # reaped: the with's wait returns at once
             if proc.returncode != 0:
                 raise RuntimeError(f"the budget's fixed work failed:\n{output[-4000:]}")
             best = min(best, usage.ru_utime + usage.ru_stime)
