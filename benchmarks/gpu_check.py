@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # src/ without installing the project: a GPU node runs this with its own torch
 # what the runs import (module: the package that provides it), checked before anything starts
 NEEDED = {
     "hydra": "hydra-core",

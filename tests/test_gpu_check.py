@@ -85,6 +85,22 @@ def test_a_missing_hydra_is_one_line_naming_what_to_install_and_nothing_runs(tmp
     assert "pip install hydra-core" in result.stderr and not (tmp_path / "report.json").exists()
 
 
+def test_it_runs_where_the_project_is_not_installed(tmp_path):
+    # a GPU node runs it with its own torch, from a clone: this venv's editable install of the project is hidden
+    (tmp_path / "sitecustomize.py").write_text(
+        "import sys\n"
+        "sys.meta_path[:] = [f for f in sys.meta_path if '__editable__' not in getattr(f, '__module__', '')]\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(tmp_path), "GPU_CHECK_DEVICE": "cpu"}
+    command = [sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--only=env", f"--out={tmp_path / 'out'}"]
+    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    steps = {s["name"]: s["status"] for s in json.loads((tmp_path / "out" / "report.json").read_text())["steps"]}
+    assert steps["env"] == "passed"
+    hidden = subprocess.run([sys.executable, "-c", "import src"], cwd=tmp_path, env=env, capture_output=True)
+    assert hidden.returncode == 1  # the project was not importable but through the script's own path
+
+
 def test_an_unknown_step_or_device_is_one_line_before_anything_runs(tmp_path):
     for args, device, line in (
         (["--only=speed"], "cpu", "error: --only names unknown steps (speed): the steps are env, "),
