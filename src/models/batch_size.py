@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -116,6 +117,7 @@ def _probe(trainer: Any, pl_module: Any, datamodule: Any) -> Choice:
     # convolution's algorithms afresh at each new batch. Its heuristics' choice needs about the same memory (the
     # margin is GiBs), and training autotunes once, for its own batch.
     autotune, torch.backends.cudnn.benchmark = torch.backends.cudnn.benchmark, False
+    started = time.monotonic()
     try:
         best, measured = largest_fitting(measure, capacity, cap, first)
     finally:
@@ -124,6 +126,7 @@ def _probe(trainer: Any, pl_module: Any, datamodule: Any) -> Choice:
         gc.collect()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
+    seconds = time.monotonic() - started
     local = best or first
     agreed = _smallest_over_ranks(local, device)
     gib = 2**30
@@ -131,10 +134,12 @@ def _probe(trainer: Any, pl_module: Any, datamodule: Any) -> Choice:
     tried = ", ".join(f"{b}: {'OOM' if p is None else f'{p / gib:.1f}'}" for b, p in measured.items())
     why = (
         f"auto: the largest power of two up to {cap} that fits {precision} training in {1 - MARGIN:.0%} of "
-        f"{capacity / gib:.1f} GiB (peak {'?' if peak is None else f'{peak / gib:.1f}'} GiB; probed {tried} GiB)"
+        f"{capacity / gib:.1f} GiB (peak {'?' if peak is None else f'{peak / gib:.1f}'} GiB; "
+        f"probed {tried} GiB in {seconds:.1f} s)"
     )
     if best is None:
-        why = f"auto: not even {first} images fit with a margin here (probed {tried} GiB): trying {first}"
+        why = f"auto: not even {first} images fit with a margin here (probed {tried} GiB in {seconds:.1f} s): "
+        why += f"trying {first}"
     log.info("data.batch_size=%s (%s)", agreed, why)
     return Choice(agreed, why)
 
