@@ -61,6 +61,29 @@ def test_a_rank_stopped_with_sigstop_is_named_and_every_process_ends(rank, tmp_p
     assert "Traceback" not in out
 
 
+def test_a_stopped_one_process_node_is_named_at_the_step_it_last_reported(tmp_path):
+    # one rank per node (one GPU a node, or a whole host frozen): the stopped rank is its node's reporter too, so its
+    # node never sends where it stopped; the line gives the step its node last reported
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    args = [*HANG, "strategy=ddp", "trainer.devices=1", "trainer.num_nodes=2", f"hydra.run.dir={tmp_path}"]
+    node1 = train(*args, env={**env, "NODE_RANK": "1"}, background=True)
+    node0 = start_and_wait_for_step(tmp_path, 2, *args, env={**env, "NODE_RANK": "0"})
+    os.kill(node1.pid, signal.SIGSTOP)
+    try:
+        out, seconds = finish(node0, [node0.pid], limit_s=HANG_S + 30)
+    finally:
+        if running(node1.pid):
+            node1.kill()
+    line = hang_line(out, 1)
+    assert node0.returncode == 1 and seconds < HANG_S + 30, out[-3000:]
+    assert re.search(
+        rf"pid {node1.pid}\) made no progress for \d+ s at step \d+ of epoch 0, as its node last reported", line
+    )
+    assert "it cannot run Python (stopped" in line
+    node1.communicate(timeout=30)
+    assert node1.returncode == -signal.SIGKILL  # killed by node 0's rank on the same host, not by this test
+
+
 @pytest.mark.parametrize("strategy", ["ddp", "ddp_spawn"])
 def test_a_rank_stuck_in_python_writes_its_stack_and_is_named(strategy, tmp_path):
     proc = start_and_wait_for_step(tmp_path, 2, *HANG, *SLEEP, f"strategy={strategy}", "trainer.devices=2", ranks=2)

@@ -491,6 +491,8 @@ class HangWatch:
             "position": progress.position,
             "activity": progress.activity(),
             "where": progress.where(),
+            "step": progress.step,
+            "epoch": progress.epoch,
             "waiting": progress.phase.startswith("waiting") or _in_collective(),
             "pid": os.getpid(),
             "host": socket.gethostname(),
@@ -564,8 +566,9 @@ class HangWatch:
             self._store = None
 
     def _summary(self, ranks: dict[int, tuple[dict[str, Any], float]], now: float) -> dict[str, Any]:
-        """The node's ranks, compact: [place, activity, waiting, age of its pulse in s], and where it is once it
-        has not moved for ``detail_after_s``."""
+        """The node's ranks, compact: [place, activity, waiting, age of its pulse in s, step, epoch], and where it
+        is once it has not moved for ``detail_after_s`` (a node stopped whole, SIGSTOP or a frozen host, never
+        sends that: its step and epoch say where it was last)."""
         entries = {}
         for local, (record, age) in ranks.items():
             if "rank" not in record:  # its watch has not written a record yet
@@ -573,6 +576,7 @@ class HangWatch:
             if self._moved.get(local, (None,))[0] != record["activity"]:
                 self._moved[local] = (record["activity"], now)
             entry = [record["position"], record["activity"], int(record["waiting"]), round(age, 1)]
+            entry += [record.get("step", 0), record.get("epoch", 0)]
             if max(now - self._moved[local][1], age) >= self.detail_after_s:
                 entry.append(record["where"])
             entries[record["rank"]] = entry
@@ -610,7 +614,8 @@ class HangWatch:
                     "waiting": bool(entry[2]),
                     "silent_s": max(entry[3], now - node["changed"]),
                     "node": n,
-                    "where": entry[4] if len(entry) > 4 else None,
+                    "where": entry[6] if len(entry) > 6 else None,
+                    "last": entry[4:6],  # step, epoch
                 }
         if len(records) < self.world_size:  # a rank that has not reported yet is still starting
             return
@@ -669,9 +674,10 @@ class HangWatch:
     ) -> str:
         seconds = now - self._seen[rank]["moved"]
         others = "the other ranks" if self.world_size > 2 else f"rank {1 - rank}"
+        where = record["where"] or "at step {} of epoch {}, as its node last reported".format(*record["last"])
         head = (
             f"rank {rank} (host {host}, pid {pid}) made no progress for {seconds:.0f} s "
-            f"{record['where'] or 'where it was (not reported)'}, while {others} waited for it"
+            f"{where}, while {others} waited for it"
         )
         tail = "; every rank stopped, the previous last.ckpt is intact: resume with ckpt_path=last"
         if silent:
