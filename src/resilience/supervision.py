@@ -576,7 +576,7 @@ class HangWatch:
             if self._moved.get(local, (None,))[0] != record["activity"]:
                 self._moved[local] = (record["activity"], now)
             entry = [record["position"], record["activity"], int(record["waiting"]), round(age, 1)]
-            entry += [record.get("step", 0), record.get("epoch", 0)]
+            entry += [record["step"], record["epoch"]]
             if max(now - self._moved[local][1], age) >= self.detail_after_s:
                 entry.append(record["where"])
             entries[record["rank"]] = entry
