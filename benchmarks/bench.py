@@ -12,9 +12,10 @@ counts, as timeit takes the fastest: on a shared machine the slower runs measure
            throughput logging, progress bar, SIGTERM handling) and the default number format (``auto``: what
            src/models/fast_path.py picks for this hardware), with ``data.pipeline`` and (for the DataLoader)
            ``data.num_workers`` set; the rate is throughput.json's, over the steps after the warm-up.
-  bare     ``torchrun benchmarks/bare_ddp.py``: the same batches (the project's device-resident pipeline, or a
-           DistributedSampler + DataLoader with per-image transforms and as many workers), DDP or not, SGD,
-           nothing else, given the number format the project's ``auto`` picked (bf16 autocast, channels-last).
+  bare     ``torchrun benchmarks/bare_ddp.py`` (one process without DDP: ``python benchmarks/bare_ddp.py``): the
+           same batches (the project's device-resident pipeline, or a DistributedSampler + DataLoader with
+           per-image transforms and as many workers), DDP or not, SGD, nothing else, given the number format the
+           project's ``auto`` picked (bf16 autocast, channels-last).
 DDP: ``--ddp auto`` runs one process without DDP on both sides (the project's ``strategy=auto``; the bare loop with
 ``--no-ddp``) and more with it; ``--ddp always`` gives one process DDP too (``strategy=ddp``). ``--compile``
 compiles the network on both sides. Every row of the table says its data path, DDP or not, compiled or not and
@@ -134,13 +135,13 @@ def project_command(args: argparse.Namespace, s: Setting, cuda: bool, run_dir: P
 
 def bare_command(args: argparse.Namespace, s: Setting, cuda: bool, result: Path, defaults: bool = False) -> list[str]:
     """``torchrun benchmarks/bare_ddp.py`` at setting ``s`` with the project's number format, or (``defaults``) as the
-    script comes: DataLoader without workers, DDP, fp32, contiguous, eager."""
+    script comes: DataLoader without workers, DDP, fp32, contiguous, eager. One process without DDP starts as
+    ``python benchmarks/bare_ddp.py``, as the project's side starts: it has no process group for torchrun to set up,
+    and the launch times then compare like with like."""
+    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={s.processes}"]
     command = [
         sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={s.processes}",
+        *(launcher if s.ddp or defaults else []),
         str(ROOT / "benchmarks" / "bare_ddp.py"),
         f"--arch={args.arch}",
         f"--batch-size={args.batch_size}",

@@ -4,15 +4,15 @@
                                       [--compile [MODE]] [--processes 1] [--ddp auto|always] [--steps 20] [--warmup 30]
                                       [--out outputs/profile]
 
-Both sides run at the equal settings of ``make bench`` (benchmarks/bench.py): the project as
-``python -m src.train`` with every default callback plus :class:`StepProfiler` (``+callbacks.step_profile``),
-the bare loop as ``torchrun benchmarks/bare_ddp.py --profile-steps``. torch.profiler records ``--steps`` steps
-after ``--warmup``; each step is a ``record_function`` range from one batch to the next, and inside it ranges
+Both sides run at the equal settings of ``make bench`` (benchmarks/bench.py): the project as ``python -m src.train``
+with every default callback plus :class:`StepProfiler` (``+callbacks.step_profile``), the bare loop as ``torchrun
+benchmarks/bare_ddp.py --profile-steps`` (one process without DDP: ``python``). torch.profiler records ``--steps``
+steps after ``--warmup``; each step is a ``record_function`` range from one batch to the next, and inside it ranges
 for the network's forward, the backward and the optimizer's update. Per step it reports CPU time (the whole step,
 each range, and what is outside them: data, hooks, logging), the GPU's kernel time (their sum, as busy time), and
-the host syncs (cudaStreamSynchronize / cudaDeviceSynchronize / cudaEventSynchronize / cudaMemcpy calls) and
-scalar reads (``aten::_local_scalar_dense``, what ``.item()`` runs) inside the steps. On a CPU the GPU columns
-are n/a. Writes OUT/profile.json and OUT/profile.md.
+the host syncs (cudaStreamSynchronize / cudaDeviceSynchronize / cudaEventSynchronize / cudaMemcpy calls) and scalar
+reads (``aten::_local_scalar_dense``, what ``.item()`` runs) inside the steps. On a CPU the GPU columns are n/a.
+Writes OUT/profile.json and OUT/profile.md.
 """
 
 from __future__ import annotations
