@@ -3,6 +3,7 @@ its test's process group, its command line where the tests read one; what cannot
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -41,6 +42,40 @@ def test_a_warm_run_is_a_process_of_its_own_in_the_tests_process_group_and_its_r
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0, out[-3000:]
     assert "world size 2" in out and not any(running(p) for p in ranks)
+
+
+def test_a_warm_ddp_spawn_runs_spawned_ranks_are_its_spares_given_every_descriptor_multiprocessing_passes(tmp_path):
+    """multiprocessing's spawn passes a spawned rank a descriptor for each tensor of its arguments: ResNet-50's, over
+    300, take more than one message to a spare."""
+    from src.models.resnet import build_resnet
+
+    assert len(build_resnet("resnet50", width=16).state_dict()) > warm.FDS_PER_MESSAGE
+    overrides = [item for item in FAST if not item.startswith("model.arch=")]
+    proc = train(
+        *overrides,
+        "model.arch=resnet50",
+        "strategy=ddp_spawn",
+        "trainer.devices=2",
+        "test=false",
+        f"hydra.run.dir={tmp_path}",
+        background=True,
+    )
+    assert isinstance(proc, warm.WarmProcess)
+    ranks: list[int] = []
+    while proc.poll() is None and len(ranks) < 2:
+        ranks = [p for p in descendants(proc.pid) if "spawn_main" in cmdline(p)]
+        time.sleep(0.05)
+    assert len(ranks) == 2, proc.communicate()[0][-3000:]
+    for rank in ranks:
+        assert cmdline(rank).startswith(f"{sys.executable} ") and cmdline(rank).endswith(" --multiprocessing-fork ")
+        with open(f"/proc/{rank}/cmdline") as raw:
+            assert " -m tests.warm " in raw.read().replace("\0", " ")  # a fork of the run: no new interpreter
+        with open(f"/proc/{rank}/stat") as stat:
+            assert int(stat.read().rsplit(")", 1)[1].split()[1]) == proc.pid  # the run's child, as spawn makes it
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out[-3000:]
+    assert "world size 2 | strategy ddp_spawn" in out and not any(running(p) for p in ranks)
+    assert sorted(json.loads((tmp_path / "throughput.json").read_text())["pids"]) == sorted(ranks)  # they trained
 
 
 def test_a_variable_set_in_process_by_one_test_1_of_2():

@@ -3,9 +3,10 @@
 A process that has imported the heavy packages once (and run nothing: no thread pool, no process group) forks a
 child per run; the child takes the test's pipes, environment, working directory and process group, and runs the
 module as ``python -m`` would (``runpy``, ``__main__`` and ``sys.argv`` alike). It is a real process: its own pid,
-signals, exit status and process group; only its start is skipped. Each run's local ranks (``strategy=ddp``) start
-the same way, from spare children the run forks before it runs anything, so they are the run's children as
-``subprocess.Popen`` would make them. ``popen()`` falls back to a cold ``subprocess.Popen`` where a warm start could
+signals, exit status and process group; only its start is skipped. Each run's local ranks start the same way, from
+spare children the run forks before it runs anything, so they are the run's children as ``subprocess.Popen``
+(``strategy=ddp``) or multiprocessing's spawn (``strategy=ddp_spawn``: the spare takes the descriptors spawn passes
+and runs spawn's own code) would make them. ``popen()`` falls back to a cold ``subprocess.Popen`` where a warm start could
 differ: another executable, a variable read when torch or Python load (``OMP_*``, ``TORCH*``, ``LD_*``, ...), or
 ``CIFAR10_DDP_COLD=1``. Tests whose subject is the start itself (the launchers, ``/proc``'s command lines) start
 cold. Nothing in ``src/`` knows about this.
@@ -17,9 +18,11 @@ from __future__ import annotations
 
 import atexit
 import errno
+import fcntl
 import inspect
 import io
 import json
+import multiprocessing.util
 import os
 import select
 import shutil
@@ -187,48 +190,128 @@ def recorded_cmdline(pid: int) -> str:
 
 # ---------------------------------------------------------------------------------------------- local ranks' starts
 
-_SPARES: list[tuple[int, int]] = []  # (pid, write end of its request pipe)
+_SPARES: list[tuple[int, socket.socket]] = []  # (pid, this run's end of its socket)
+_SPARE_ENV: dict[str, str] = {}  # the import-time variables the spares were forked with
+_COLD_SPAWNV_PASSFDS = multiprocessing.util.spawnv_passfds
+# a spawn child is passed a descriptor for each tensor its arguments share (torch's file_descriptor strategy); Linux
+# takes at most 253 in one message (SCM_MAX_FD)
+FDS_PER_MESSAGE = 250
+SPAWN_FLAG = "--multiprocessing-fork"  # the last word of a multiprocessing spawn child's command line
 
 
 def _fork_spares(count: int) -> None:
-    """``count`` children of this run, forked before it runs anything, each waiting to become a local rank. A spare
-    nobody asks for ends when this process does (its pipe's end)."""
+    """``count`` children of this run, forked before it runs anything, each waiting to become a local rank: a
+    ``python -m src.X`` that ``strategy=ddp`` starts (``_SparePopen``) or a child that multiprocessing's ``spawn``
+    starts (``strategy=ddp_spawn``: ``_spawn_with_spares``). A spare nobody asks for ends when this process does
+    (its socket's end)."""
     for _ in range(min(count, SPARES_MAX)):
-        read, write = os.pipe()
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         pid = os.fork()
         if pid == 0:
-            os.close(write)
+            mine.close()
             for _, other in _SPARES:
-                os.close(other)
+                other.close()
             _SPARES.clear()
-            with os.fdopen(read, "rb") as pipe:
-                data = pipe.read()
-            if not data:
-                os._exit(0)
-            request = json.loads(data)
-            _record(["-m", *request["argv"]])
-            os.chdir(request["cwd"])
-            os.environ.clear()
-            os.environ.update(request["env"])
-            import runpy
-
-            sys.argv = list(request["argv"])
-            try:
-                runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
-            except SystemExit as stop:
-                _exit(stop.code)
-            except BaseException:  # noqa: BLE001 - as the interpreter reports an uncaught exception
-                import traceback
-
-                traceback.print_exc()
-                _exit(1)
-            _exit(0)
-        os.close(read)
-        _SPARES.append((pid, write))
+            _serve_as_spare(theirs)
+        theirs.close()
+        _SPARES.append((pid, mine))
+    global _SPARE_ENV
+    _SPARE_ENV = _import_time_env(dict(os.environ))
     if count:
         import src.launch.ranks
 
         src.launch.ranks.subprocess = _SubprocessWithSpares()
+        multiprocessing.util.spawnv_passfds = _spawn_with_spares
+
+
+def _serve_as_spare(conn: socket.socket) -> None:
+    """In a spare: wait for a request, become what it asks for, and exit as that process would."""
+    parts: list[bytes] = []
+    fds: list[int] = []
+    try:
+        while True:
+            part, more, _, _ = socket.recv_fds(conn, 1 << 20, FDS_PER_MESSAGE)
+            if not part:
+                break
+            parts.append(part)
+            fds += more
+    except KeyboardInterrupt:  # a Ctrl-C to the run's process group: a spare that was never used is not there
+        os._exit(0)
+    conn.close()
+    data = b"".join(parts).rstrip(b"\0")
+    if not data:
+        os._exit(0)
+    request = json.loads(data)
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    import runpy
+
+    try:
+        if "spawn" in request:
+            # the descriptors multiprocessing passes, at the numbers its command line names (as fork_exec keeps them)
+            above = max([*request["fds"], *fds]) + 1
+            moved = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, above) for fd in fds]  # out of the targets' way
+            for fd in fds:
+                os.close(fd)
+            for number, fd in zip(request["fds"], moved):
+                os.dup2(fd, number)  # inheritable, as fork_exec leaves the descriptors it passes
+                os.close(fd)
+            _record(request["spawn"][1:])
+            sys.argv = ["-c", SPAWN_FLAG]  # as python -c CODE --multiprocessing-fork has it
+            exec(compile(request["spawn"][-2], "<string>", "exec"), {"__name__": "__main__"})  # noqa: S102
+        else:
+            _record(["-m", *request["argv"]])
+            sys.argv = list(request["argv"])
+            runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
+    except SystemExit as stop:
+        _exit(stop.code)
+    except BaseException:  # noqa: BLE001 - as the interpreter reports an uncaught exception
+        import traceback
+
+        traceback.print_exc()
+        _exit(1)
+    _exit(0)
+
+
+def _hand_to_spare(request: dict[str, Any], fds: Sequence[int] = ()) -> int | None:
+    """Give the next spare ``request`` (and ``fds``, as its own descriptors); its pid, or None where no spare is left
+    (a signal to the run's process group ends those that wait)."""
+    while _SPARES:
+        pid, conn = _SPARES.pop(0)
+        try:
+            with conn:
+                socket.send_fds(conn, [json.dumps(request).encode()], list(fds[:FDS_PER_MESSAGE]))
+                for at in range(FDS_PER_MESSAGE, len(fds), FDS_PER_MESSAGE):  # a NUL byte carries each further batch
+                    socket.send_fds(conn, [b"\0"], list(fds[at : at + FDS_PER_MESSAGE]))
+            return pid
+        except OSError:
+            continue
+    return None
+
+
+def _spawn_with_spares(path: str, args: Sequence[str], passfds: Sequence[int]) -> int:
+    """``multiprocessing.util.spawnv_passfds`` in a warm run: a spawn child (``python -c 'from multiprocessing.spawn
+    import spawn_main; spawn_main(...)' --multiprocessing-fork``) becomes a spare, which takes the descriptors it is
+    passed at their numbers and runs that code, as the new interpreter would with torch already imported; it is this
+    run's child, as fork_exec makes it. Anything else (the resource tracker), or an environment whose import-time
+    variables differ from the spare's, starts as multiprocessing starts it."""
+    words = [os.fsdecode(arg) for arg in args]  # multiprocessing passes the executable as bytes
+    usable = (
+        _SPARES
+        and os.fsdecode(path) == sys.executable
+        and words[0] == sys.executable
+        and words[1:-3] == multiprocessing.util._args_from_interpreter_flags()  # this interpreter's, as the spare's
+        and words[-3] == "-c"
+        and words[-2].startswith("from multiprocessing.spawn import spawn_main;")
+        and words[-1] == SPAWN_FLAG
+        and _import_time_env(dict(os.environ)) == _SPARE_ENV
+    )
+    if not usable:
+        return _COLD_SPAWNV_PASSFDS(path, args, passfds)
+    fds = sorted(set(map(int, passfds)))
+    pid = _hand_to_spare({"spawn": words, "env": dict(os.environ), "cwd": os.getcwd(), "fds": fds}, fds)
+    return pid if pid is not None else _COLD_SPAWNV_PASSFDS(path, args, passfds)
 
 
 def _exit(code: Any) -> None:
@@ -275,10 +358,9 @@ class _SparePopen(subprocess.Popen):
         )
         if not usable:
             return super()._execute_child(*args)
-        pid, write = _SPARES.pop(0)
-        payload = json.dumps({"argv": command[2:], "env": env, "cwd": str(a["cwd"] or os.getcwd())}).encode()
-        with os.fdopen(write, "wb") as pipe:
-            pipe.write(payload)
+        pid = _hand_to_spare({"argv": command[2:], "env": env, "cwd": str(a["cwd"] or os.getcwd())})
+        if pid is None:
+            return super()._execute_child(*args)
         self.pid = pid
         self._child_created = True
         return None
@@ -452,8 +534,9 @@ def _request(
 
 
 def local_ranks(overrides: Sequence[str]) -> int:
-    """Spare children a ``src.train``/``src.eval`` command line may use as local ranks (``strategy=ddp``): the devices
-    beyond the first; in a sweep (``-m``), that many for each of up to SPARES_MAX jobs."""
+    """Spare children a ``src.train``/``src.eval`` command line may use as local ranks: the devices beyond the first
+    (``strategy=ddp``), every device twice (``strategy=ddp_spawn``: fit, then test); in a sweep (``-m``), that many
+    for each of up to SPARES_MAX jobs."""
     devices, strategies, multirun = [1], [], False
     for item in overrides:
         if item in ("-m", "--multirun"):
@@ -463,9 +546,8 @@ def local_ranks(overrides: Sequence[str]) -> int:
             devices = [int(v) for v in value.split(",") if v.strip().isdigit()] or [1]
         if key == "strategy":
             strategies = value.split(",")
-    if strategies and all(s == "ddp_spawn" for s in strategies):
-        return 0
-    extra = max(devices) - 1
+    # ddp starts the devices beyond the first as processes; ddp_spawn spawns one per device for fit and again for test
+    extra = 2 * max(devices) if "ddp_spawn" in strategies else max(devices) - 1
     return min(SPARES_MAX, extra * SPARES_MAX if multirun else extra)
 
 
