@@ -27,7 +27,8 @@ def test_make_demo_tests_one_checkpoint_twice_with_the_same_accuracy_and_prints_
             "--no-print-directory",
             "demo",
             f"DEMO_DIR={demo}",
-            "DEMO_ARGS=data.num_train=256 trainer.limit_val_batches=2",
+            # shortened: fewer images, and the tests' narrow network (tests/conftest.py's FAST_RUN)
+            "DEMO_ARGS=data.num_train=256 trainer.limit_val_batches=2 model.stem=imagenet model.width=16",
         ],
         cwd=ROOT,
         capture_output=True,
