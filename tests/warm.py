@@ -6,9 +6,9 @@ module as ``python -m`` would (``runpy``, ``__main__`` and ``sys.argv`` alike). 
 signals, exit status and process group; only its start is skipped. Each run's local ranks start the same way, from
 spare children the run forks before it runs anything, so they are the run's children as ``subprocess.Popen``
 (``strategy=ddp``) or multiprocessing's spawn (``strategy=ddp_spawn``: the spare takes the descriptors spawn passes
-and runs spawn's own code) would make them. ``popen()`` falls back to a cold ``subprocess.Popen`` where a warm start could
-differ: another executable, a variable read when torch or Python load (``OMP_*``, ``TORCH*``, ``LD_*``, ...), or
-``CIFAR10_DDP_COLD=1``. Tests whose subject is the start itself (the launchers, ``/proc``'s command lines) start
+and runs spawn's own code) would make them. ``popen()`` falls back to a cold ``subprocess.Popen`` where a warm start
+could differ: another executable, a variable read when torch or Python load (``OMP_*``, ``TORCH*``, ``LD_*``, ...),
+or ``CIFAR10_DDP_COLD=1``. Tests whose subject is the start itself (the launchers, ``/proc``'s command lines) start
 cold. Nothing in ``src/`` knows about this.
 
 ``python -m tests.warm SOCKET`` is the parent; ``popen()`` starts it on first use and it ends with the session.
