@@ -194,9 +194,9 @@ def slow_server(body: bytes, seconds: float) -> Iterator[tuple[str, list[str]]]:
 
 
 def test_a_first_download_slower_than_the_rendezvous_timeout_ends_before_the_ranks_meet(tmp_path):
-    # Before, rank 0 downloaded after starting rank 1, which then timed out in the rendezvous (3 s here) and failed
+    # Before, rank 0 downloaded after starting rank 1, which then timed out in the rendezvous (2 s here) and failed
     # the run. Now every rank waits for the download first; it fails on its MD5 (not the release), once, in one line.
-    root, seconds, body = tmp_path / "data", 12.0, cifar_tarball(tmp_path)
+    root, seconds, body = tmp_path / "data", 6.0, cifar_tarball(tmp_path)  # 3x the rendezvous timeout
     with slow_server(body, seconds) as (url, sent):
         start = time.monotonic()
         result = train(
