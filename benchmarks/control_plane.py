@@ -334,11 +334,13 @@ class Simulation:
                     progress.tick = progress.position = 2 * step
 
     def settle(self, least_s: float) -> None:
-        """Wait at least ``least_s``, and until no connection has been made for 2 s."""
+        """Wait at least ``least_s``, and until no connection has been made for 2 s (for ``least_s``, and at least
+        0.5 s, where that is shorter: a short warm-up asks for a small world, whose connections are made at once)."""
         time.sleep(least_s)
+        quiet_s = min(2.0, max(0.5, least_s))
         while True:
             made = self.connects
-            time.sleep(2.0)
+            time.sleep(quiet_s)
             if self.connects == made:
                 return
 
