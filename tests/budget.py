@@ -79,18 +79,24 @@ def mark_fast(items: list[pytest.Item], seconds: dict[str, float]) -> None:
             item.add_marker(pytest.mark.fast)
 
 
+def scope(nodeid: str) -> str:
+    """What one worker of make test takes whole: a test file, or every file of ``tests/slurm/`` (they take turns on
+    one test cluster: on two workers, the second would wait for the first's cluster to stop, its core idle)."""
+    file = nodeid.split("::")[0]
+    return "tests/slurm" if file.startswith("tests/slurm/") else file
+
+
 def longest_files_first(items: list[pytest.Item], seconds: dict[str, float]) -> None:
     """Order the files by their recorded seconds, the longest first, each file's tests in their own order: make
     test's workers take whole files (``--dist loadfile``) in this order, so no long file starts last while the
     other workers have nothing left (a file not measured yet goes first)."""
-    per_file: dict[str, float] = {}
+    per_scope: dict[str, float] = {}
     for nodeid, took in seconds.items():
-        per_file[nodeid.split("::")[0]] = per_file.get(nodeid.split("::")[0], 0.0) + took
+        per_scope[scope(nodeid)] = per_scope.get(scope(nodeid), 0.0) + took
     position = {id(item): i for i, item in enumerate(items)}
 
     def order(item: pytest.Item) -> tuple[float, str, int]:
-        file = item.nodeid.split("::")[0]
-        return -per_file.get(file, float("inf")), file, position[id(item)]
+        return -per_scope.get(scope(item.nodeid), float("inf")), scope(item.nodeid), position[id(item)]
 
     items.sort(key=order)
 

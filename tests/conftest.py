@@ -297,6 +297,20 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     return max(1, min(len(os.sched_getaffinity(0)), 8))
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """``--dist loadfile`` (make test) with the Slurm files as one unit (``budget.scope``)."""
+    if config.getoption("dist", None) != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class Scheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return budget.scope(nodeid)
+
+    return Scheduling(config, log)
+
+
 def pytest_sessionstart(session: pytest.Session) -> None:
     session.config._budget_start = time.monotonic()  # type: ignore[attr-defined]
     _no_mpi_in_this_process()
