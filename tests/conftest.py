@@ -14,10 +14,16 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-import numpy as np
-import pytest
+# One thread of computation in each process the tests start (unless the caller set a count): the suite's parallelism
+# is its workers, one per core (make test). Two processes of two OpenMP threads each on two cores spin-wait for each
+# other: two single-process trainings side by side ran 4 to 50 times slower than at one thread each. Set before numpy
+# and torch load (read then) and before the warm parent starts (tests/warm.py: it is then every run's count).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from tests import budget, warm
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from tests import budget, warm  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 # the CIFAR-10 sample beside the project; CIFAR10_SAMPLE=DIR names another copy (a GPU node without ../shared)
