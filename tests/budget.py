@@ -94,11 +94,13 @@ def longest_files_first(items: list[pytest.Item], seconds: dict[str, float]) -> 
     other workers have nothing left (a file not measured yet goes first)."""
     per_scope: dict[str, float] = {}
     for nodeid, took in seconds.items():
-        per_scope[scope(nodeid)] = per_scope.get(scope(nodeid), 0.0) + took
+        unit = scope(nodeid)
+        per_scope[unit] = per_scope.get(unit, 0.0) + took
     position = {id(item): i for i, item in enumerate(items)}
 
     def order(item: pytest.Item) -> tuple[float, str, int]:
-        return -per_scope.get(scope(item.nodeid), float("inf")), scope(item.nodeid), position[id(item)]
+        unit = scope(item.nodeid)
+        return -per_scope.get(unit, float("inf")), unit, position[id(item)]
 
     items.sort(key=order)
 

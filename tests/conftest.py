@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import Sequence
 
 # One thread of computation in each process the tests start (unless the caller set a count): the suite's parallelism
-# is its workers (make test). Two processes of two OpenMP threads each on two cores spin-wait for each
-# other: two single-process trainings side by side ran 4 to 50 times slower than at one thread each. Set before numpy
-# and torch load (read then) and before the warm parent starts (tests/warm.py: it is then every run's count).
+# is its workers (make test). Two processes of two OpenMP threads each on two cores spin-wait for each other: two
+# single-process trainings side by side ran 4 to 50 times slower than at one thread each. Set before numpy and torch
+# load (read then) and before the warm parent starts (tests/warm.py: it is then every run's count).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import numpy as np  # noqa: E402
