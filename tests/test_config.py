@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import lightning as L
@@ -14,6 +16,7 @@ from omegaconf import OmegaConf
 import src  # noqa: F401 - registers the resolvers conf/hydra uses
 from src.core.errors import UserError
 from src.distributed.strategy import HydraDDPStrategy, build_strategy
+from src.launch.devices import slurm_detected
 from tests.conftest import ROOT
 
 CONF = ROOT / "conf"
@@ -98,6 +101,56 @@ def test_strategy_options_build_what_they_name(tmp_path):
 def test_bad_strategy_settings_are_user_errors(kwargs, words):
     with pytest.raises(UserError, match=words):
         build_strategy(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "env",
+    [{}, {"SLURM_NTASKS": "2"}, {"SLURM_NTASKS": "2", "SLURM_JOB_NAME": "train"}]
+    + [{"SLURM_NTASKS": "2", "SLURM_JOB_NAME": name} for name in ("bash", "interactive")]
+    + [{"SLURM_JOB_NAME": "train"}],
+)
+def test_the_allocation_checks_reading_of_slurm_is_lightnings(monkeypatch, env):
+    from lightning.fabric.plugins.environments import SLURMEnvironment
+
+    for key in ("SLURM_NTASKS", "SLURM_JOB_NAME"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    assert slurm_detected() == SLURMEnvironment.detect()
+
+
+SRUN_TASK = {"SLURM_STEP_ID": "0", "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0"}
+
+
+@pytest.mark.parametrize(
+    "task, overrides, line",
+    [
+        (SRUN_TASK, ["trainer.devices=1"], "the Slurm allocation runs --ntasks-per-node=2 but trainer.devices=1"),
+        ({}, ["trainer.devices=2"], "python runs in the Slurm job's batch script without srun"),
+    ],
+    ids=["srun task", "batch script"],
+)
+def test_a_slurm_allocation_that_cannot_run_is_one_line_before_lightning_loads(task, overrides, line):
+    """Every task of every node would otherwise import Lightning, torchvision and torchmetrics first: seconds from a
+    local disk, minutes from a cluster's shared filesystem at thousands of tasks. (torch loads: the device count of
+    trainer.accelerator=auto needs it.) tests/slurm/ runs the same two through a real slurmctld."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC_")) and k != "LOCAL_RANK"}
+    env.update(
+        SLURM_JOB_ID="7", SLURM_JOB_NAME="train", SLURM_NTASKS="2", SLURM_NTASKS_PER_NODE="2", SLURM_JOB_NUM_NODES="1"
+    )
+    env.update(task)
+    done = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "src.train", "data=synthetic", *overrides],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    imported = {row.rsplit("|", 1)[-1].strip() for row in done.stderr.splitlines() if row.startswith("import time:")}
+    errors = [row for row in done.stderr.splitlines() if not row.startswith("import time:")]
+    assert done.returncode == 2 and len(errors) == 1 and errors[0].startswith(f"error: {line}"), done.stderr[-2000:]
+    assert "hydra" in imported and not {"lightning", "torchvision", "torchmetrics"} & imported
 
 
 def test_trainer_builds_from_the_composed_config(tmp_path):

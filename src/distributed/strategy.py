@@ -48,7 +48,6 @@ def build_strategy(
 ) -> DDPStrategy | str:
     """Return the Trainer's strategy: Lightning's single-device choice for a world of one, else DDP."""
     resolved, local = ranks.check_strategy(name, backend, timeout_s, accelerator, devices, num_nodes)
-    check_slurm_allocation(local, num_nodes)
     hang_timeout_s = ddp_kwargs.pop("hang_timeout_s", None)
     store_bind = ddp_kwargs.pop("store_bind", "master_addr")
     if store_bind not in STORE_BINDS:
@@ -97,40 +96,6 @@ def check_hang_timeout(hang_timeout_s: Any, timeout_s: float) -> float | None:
             "a collective would give up first, without naming the stuck rank"
         )
     return float(hang_timeout_s)
-
-
-def check_slurm_allocation(devices: int, num_nodes: int) -> None:
-    """Under a Slurm job, the processes must come from srun and match the allocation, or DDP waits forever."""
-    from lightning.fabric.plugins.environments import SLURMEnvironment
-
-    if "SLURM_JOB_ID" not in os.environ or not SLURMEnvironment.detect() or torchrun.active():
-        return  # not Slurm, an interactive allocation (job name bash/interactive), or srun torchrun: its agents start
-        # the ranks (src/launch/torchrun.py matched the counts to them)
-    if ranks.ranks_started_here_under_slurm():  # a sweep in the batch script starts each job's ranks on this node
-        if num_nodes > 1:
-            raise UserError(
-                f"a -m sweep in a Slurm batch script runs its jobs on this one node, but trainer.num_nodes="
-                f"{num_nodes}: sweep multi-node jobs with python -m src.slurm_sweep, which submits each "
-                "job to Slurm"
-            )
-        return
-    if ranks.in_slurm_batch_script() and (int(os.environ.get("SLURM_NTASKS", "1")) > 1 or devices * num_nodes > 1):
-        raise UserError(
-            "python runs in the Slurm job's batch script without srun, so no other rank will start: "
-            "launch it as `srun python -m src.train ...` (slurm/train.sbatch does)"
-        )
-    per_node = os.environ.get("SLURM_NTASKS_PER_NODE", "").split("(")[0]
-    if per_node and int(per_node) != devices:
-        raise UserError(
-            f"the Slurm allocation runs --ntasks-per-node={per_node} but trainer.devices={devices}: "
-            f"make them equal (trainer.devices=$SLURM_NTASKS_PER_NODE, as slurm/train.sbatch passes)"
-        )
-    nodes = os.environ.get("SLURM_JOB_NUM_NODES") or os.environ.get("SLURM_NNODES")
-    if nodes and int(nodes) != num_nodes:
-        raise UserError(
-            f"the Slurm allocation has --nodes={nodes} but trainer.num_nodes={num_nodes}: "
-            f"make them equal (trainer.num_nodes=$SLURM_JOB_NUM_NODES, as slurm/train.sbatch passes)"
-        )
 
 
 class TaskGPU(CUDAAccelerator):

@@ -115,12 +115,18 @@ def _narrowed() -> str:
     return "" if narrowed is None else f" visible (CUDA_VISIBLE_DEVICES={narrowed})"
 
 
+def slurm_detected() -> bool:
+    """What Lightning's ``SLURMEnvironment.detect()`` answers (a Slurm job, not an interactive allocation named bash
+    or interactive), read without loading Lightning: the allocation check runs before it loads. tests/test_config.py
+    holds the two to the same answers."""
+    return "SLURM_NTASKS" in os.environ and os.environ.get("SLURM_JOB_NAME") not in ("bash", "interactive")
+
+
 def srun_task() -> bool:
     """Whether srun started this process as one task of a Slurm job step, with its rank in the Slurm variables
     (Lightning's SLURMEnvironment then holds: not an interactive allocation, not torchrun's workers)."""
     return (
-        "SLURM_NTASKS" in os.environ
-        and os.environ.get("SLURM_JOB_NAME") not in ("bash", "interactive")
+        slurm_detected()
         and "TORCHELASTIC_RUN_ID" not in os.environ
         and os.environ.get("SLURM_STEP_ID") not in (None, "batch", "4294967294")
     )

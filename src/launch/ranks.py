@@ -20,7 +20,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from src.core.errors import EXIT_USER_ERROR, UserError
-from src.launch.devices import local_device_count, srun_task, torch_cuda_available, uses_cuda
+from src.launch import torchrun
+from src.launch.devices import local_device_count, slurm_detected, srun_task, torch_cuda_available, uses_cuda
 
 BACKENDS = ("auto", "nccl", "gloo")
 STRATEGIES = ("auto", "ddp", "ddp_spawn")
@@ -95,16 +96,17 @@ def start_local_ranks(strategy: Any, ckpt_path: str | None = None) -> tuple[list
     ``strategy`` is the composed ``cfg.strategy``; ``ckpt_path`` the run's, which the ranks of a sweep's job take
     from this process (a job run again resumes: src/launch/run_dir.py). LOCAL_RANK=0 in this process then tells
     Lightning the ranks exist already (its launcher starts none). Under srun, torchrun and the like, their
-    launcher starts them. Returns the processes started and their global ranks, for src/resilience/supervision.py's
-    ``track`` to watch.
+    launcher starts them. In a Slurm job it first checks that the allocation can run this config. Returns the
+    processes started and their global ranks, for src/resilience/supervision.py's ``track`` to watch.
     """
     check_mpi()
-    if "LOCAL_RANK" in os.environ or ranks_placed_by_launcher():
+    if "LOCAL_RANK" in os.environ:  # a rank started by this project or torchrun: its launcher checked
         return [], []
     name, local = check_strategy(
         strategy.name, strategy.backend, strategy.timeout_s, strategy.accelerator, strategy.devices, strategy.num_nodes
     )
-    if name != "ddp" or local == 1:
+    check_slurm_allocation(local, strategy.num_nodes)
+    if name != "ddp" or local == 1 or ranks_placed_by_launcher():
         return [], []
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     if "MASTER_PORT" not in os.environ:  # one node (more need it set): a port held here until rank 0's store listens
@@ -140,6 +142,43 @@ def in_sweep() -> bool:
 
 
 _HELD_PORT: socket.socket | None = None
+
+
+def check_slurm_allocation(devices: int, num_nodes: int) -> None:
+    """Under a Slurm job, the processes must come from srun and match the allocation, or DDP waits forever.
+
+    Checked before Lightning loads: a job that cannot run says so at once, not after every task of every node has
+    imported Lightning, torchvision and torchmetrics (from a cluster's shared filesystem, seconds to minutes at
+    thousands of tasks).
+    """
+    if "SLURM_JOB_ID" not in os.environ or not slurm_detected() or torchrun.active():
+        return  # not Slurm, an interactive allocation (job name bash/interactive), or srun torchrun: its agents start
+        # the ranks (src/launch/torchrun.py matched the counts to them)
+    if ranks_started_here_under_slurm():  # a sweep in the batch script starts each job's ranks on this node
+        if num_nodes > 1:
+            raise UserError(
+                f"a -m sweep in a Slurm batch script runs its jobs on this one node, but trainer.num_nodes="
+                f"{num_nodes}: sweep multi-node jobs with python -m src.slurm_sweep, which submits each "
+                "job to Slurm"
+            )
+        return
+    if in_slurm_batch_script() and (int(os.environ.get("SLURM_NTASKS", "1")) > 1 or devices * num_nodes > 1):
+        raise UserError(
+            "python runs in the Slurm job's batch script without srun, so no other rank will start: "
+            "launch it as `srun python -m src.train ...` (slurm/train.sbatch does)"
+        )
+    per_node = os.environ.get("SLURM_NTASKS_PER_NODE", "").split("(")[0]
+    if per_node and int(per_node) != devices:
+        raise UserError(
+            f"the Slurm allocation runs --ntasks-per-node={per_node} but trainer.devices={devices}: "
+            f"make them equal (trainer.devices=$SLURM_NTASKS_PER_NODE, as slurm/train.sbatch passes)"
+        )
+    nodes = os.environ.get("SLURM_JOB_NUM_NODES") or os.environ.get("SLURM_NNODES")
+    if nodes and int(nodes) != num_nodes:
+        raise UserError(
+            f"the Slurm allocation has --nodes={nodes} but trainer.num_nodes={num_nodes}: "
+            f"make them equal (trainer.num_nodes=$SLURM_JOB_NUM_NODES, as slurm/train.sbatch passes)"
+        )
 
 
 def _hold_free_port() -> int:
