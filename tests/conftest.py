@@ -19,17 +19,17 @@ from typing import Sequence
 # single-process trainings side by side ran 4 to 50 times slower than at one thread each. Set before numpy and torch
 # load (read then) and before the warm parent starts (tests/warm.py: it is then every run's count).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+ROOT = Path(__file__).resolve().parents[1]
 # A cache folder of the suite's own, in the checkout (.pytest_cache/): what its one-thread runs measure (the CPU's
 # bf16 speedup, src/models/fast_path.py) is not what the user's runs at their own thread count would, and the suite
 # neither reads nor writes the user's ~/.cache.
-os.environ["XDG_CACHE_HOME"] = str(Path(__file__).resolve().parents[1] / ".pytest_cache" / "xdg")
+os.environ["XDG_CACHE_HOME"] = str(ROOT / ".pytest_cache" / "xdg")
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from tests import budget, warm  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 # the CIFAR-10 sample beside the project; CIFAR10_SAMPLE=DIR names another copy (a GPU node without ../shared)
 SAMPLE = Path(os.environ.get("CIFAR10_SAMPLE") or ROOT.parent / "shared" / "data" / "cifar10-sample")
 
