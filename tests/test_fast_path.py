@@ -40,6 +40,8 @@ def pretend_cpu(monkeypatch, avx512_bf16: bool, amx: bool, speedup: float | None
     a test can change for real. Returns the networks that were timed."""
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    for name in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"):  # the pretended CPU's oneDNN is not capped
+        monkeypatch.delenv(name, raising=False)
     timed: list[str] = []
 
     def measured(arch: str) -> dict:
@@ -81,6 +83,49 @@ def test_a_cpu_without_native_bf16_stays_32_bit_without_timing_anything(monkeypa
     assert chosen.precision == "32-true" and chosen.channels_last and "no native bf16" in chosen.why
     assert hardware_defaults(cpu_trainer(), "resnet50") == {"precision": "32-true", "benchmark": False}
     assert timed == []
+
+
+@pytest.mark.parametrize("cap", [("ONEDNN_MAX_CPU_ISA", "AVX2"), ("DNNL_MAX_CPU_ISA", "avx512_core_vnni")])
+def test_onednn_capped_below_the_cpus_native_bf16_stays_32_bit_without_timing_and_says_why(monkeypatch, cap):
+    timed = pretend_cpu(monkeypatch, True, True, speedup=3.0)
+    monkeypatch.setenv(*cap)
+    chosen = fast_path("cpu", "resnet50")
+    assert (chosen.precision, chosen.channels_last) == ("32-true", True)
+    assert chosen.why == (
+        f"{cap[0]}={cap[1].upper()} keeps oneDNN from the CPU's native bf16 (AMX): bf16 would be emulated"
+    )
+    assert timed == []  # an answer kept from before the cap (bf16, 3.0x) is not read either
+
+
+@pytest.mark.parametrize(
+    ("cap", "isa"),
+    [
+        ({"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"}, "AVX512_BF16"),  # AMX's tiles off, its AVX512_BF16 kept
+        ({"ONEDNN_MAX_CPU_ISA": "avx512_core_amx"}, "AMX"),
+        ({"ONEDNN_MAX_CPU_ISA": "ALL"}, "AMX"),  # oneDNN's own word for no cap
+        ({"ONEDNN_MAX_CPU_ISA": "AVX10_1_512_AMX_FP16", "DNNL_MAX_CPU_ISA": "AVX2"}, "AMX"),  # ONEDNN_ first
+    ],
+)
+def test_a_cap_that_leaves_native_bf16_to_onednn_times_it_under_its_own_name(monkeypatch, cap, isa):
+    timed = pretend_cpu(monkeypatch, True, True, speedup=2.0)
+    for name, value in cap.items():
+        monkeypatch.setenv(name, value)
+    chosen = fast_path("cpu", "resnet18")
+    assert chosen.precision == "bf16-mixed" and chosen.why.startswith(f"the CPU has native bf16 ({isa}) and")
+    assert timed == ["resnet18"]
+    assert [key.split(" | ")[1] for key in json.loads(fp.cache_file().read_text())] == [isa]
+
+
+def test_onednn_itself_sees_no_bf16_under_the_cap_this_project_reads():
+    """A real process: torch's own check of oneDNN's bf16 (its effective ISA) agrees with our reading of the cap."""
+    code = (
+        "import torch; from src.models.fast_path import cpu_bf16_isa;"
+        "print(cpu_bf16_isa(), torch.ops.mkldnn._is_mkldnn_bf16_supported())"
+    )
+    env = {"PATH": "/usr/bin:/bin", "ONEDNN_MAX_CPU_ISA": "AVX2", "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split() == ["None", "False"]
 
 
 def test_a_precision_the_user_set_is_kept(monkeypatch):
@@ -135,7 +180,7 @@ def test_an_unwritable_cache_still_answers(monkeypatch, tmp_path):
 
 def test_this_machine_is_read_from_what_torch_reports():
     flags = set(open("/proc/cpuinfo").read().split())
-    isa = cpu_bf16_isa()
+    isa = cpu_bf16_isa(capped=False)  # what the CPU has, whatever ONEDNN_MAX_CPU_ISA lets oneDNN use
     assert isa is None or {"AVX512_BF16": "avx512_bf16", "AMX": "amx_tile"}[isa] in flags  # never claimed wrongly
     if "avx512_bf16" in flags:
         assert isa is not None

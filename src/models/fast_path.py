@@ -7,8 +7,9 @@ The choice follows what the machine reports and what it measures, never a guess 
   cores run convolutions in NHWC). The capability is read with ``torch.cuda.get_device_capability(index)``, which
   creates no CUDA context: ``is_bf16_supported()`` would create one on GPU 0 in every rank, before each selects
   its own;
-- a CPU without native bf16 instructions: 32-bit, as bf16 autocast is emulated there (a ResNet-50 train
-  step ran at a tenth of the fp32 rate on an AVX2 AMD EPYC), and channels-last, which oneDNN runs faster;
+- a CPU without native bf16 instructions, or one whose oneDNN a user capped below them (``ONEDNN_MAX_CPU_ISA``):
+  32-bit, as bf16 autocast is emulated there (a ResNet-50 train step ran at a tenth of the fp32 rate on an AVX2
+  AMD EPYC), and channels-last, which oneDNN runs faster;
 - a CPU with native bf16 (AVX512_BF16 or AMX, as torch reports them): channels-last, and bf16 autocast only
   where it is faster. Native bf16 alone does not say so: a ResNet-50 train step ran 2.4x the fp32 rate in
   bf16 on an AVX512_BF16 AMD EPYC, and 0.8x on an AVX512_BF16 Intel Xeon without AMX (docs/performance.md,
@@ -57,13 +58,52 @@ class FastPath:
         return f"{self.precision}, {'channels-last' if self.channels_last else 'contiguous'}"
 
 
-def cpu_bf16_isa() -> str | None:
-    """'AMX' or 'AVX512_BF16' where the CPU computes in bf16 natively, else None."""
-    cpu = torch.cpu
-    if getattr(cpu, "_is_amx_tile_supported", lambda: False)():
-        return "AMX"
-    if getattr(cpu, "_is_avx512_bf16_supported", lambda: False)():
-        return "AVX512_BF16"
+# oneDNN's ISA levels as its ONEDNN_MAX_CPU_ISA names them, and their bits (dnnl_cpu_isa_t): a cap whose bits hold a
+# level's bits lets oneDNN use that level's kernels
+ONEDNN_ISA_BITS = {
+    "SSE41": 0x1,
+    "AVX": 0x3,
+    "AVX2": 0x7,
+    "AVX2_VNNI": 0xF,
+    "AVX2_VNNI_2": 0x1F,
+    "AVX512_CORE": 0x27,
+    "AVX512_CORE_VNNI": 0x67,
+    "AVX512_CORE_BF16": 0xE7,
+    "AVX10_1_512": 0x1EF,
+    "AVX512_CORE_FP16": 0x1EF,
+    "AVX10_1_512_AMX": 0xFEF,
+    "AVX512_CORE_AMX": 0xFEF,
+    "AVX10_1_512_AMX_FP16": 0x1FEF,
+    "AVX512_CORE_AMX_FP16": 0x1FEF,
+}
+# the native bf16 torch reports, widest first: its name, torch.cpu's check, the oneDNN level that uses it
+NATIVE_BF16 = (
+    ("AMX", "_is_amx_tile_supported", "AVX512_CORE_AMX"),
+    ("AVX512_BF16", "_is_avx512_bf16_supported", "AVX512_CORE_BF16"),
+)
+
+
+def onednn_isa_cap() -> tuple[str, int] | None:
+    """The cap a user put on oneDNN's kernels, as ``('ONEDNN_MAX_CPU_ISA=AVX2', bits)``, or None. oneDNN reads
+    ``ONEDNN_MAX_CPU_ISA``, else ``DNNL_MAX_CPU_ISA``; a name it does not know (``ALL``, ``DEFAULT``, a newer level)
+    caps nothing known here."""
+    for name in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"):
+        value = os.environ.get(name, "").strip().upper()
+        if value:
+            bits = ONEDNN_ISA_BITS.get(value)
+            return None if bits is None else (f"{name}={value}", bits)
+    return None
+
+
+def cpu_bf16_isa(capped: bool = True) -> str | None:
+    """'AMX' or 'AVX512_BF16': the widest native bf16 the CPU has (as torch reports it) that oneDNN may use, else
+    None. A user's ``ONEDNN_MAX_CPU_ISA`` counts: capped at AVX2 on such a CPU, oneDNN ran a bf16 convolution at a
+    fiftieth of the fp32 rate. ``capped=False``: what the CPU has, whatever oneDNN is let use of it."""
+    cap = onednn_isa_cap() if capped else None
+    for isa, check, level in NATIVE_BF16:
+        bits = ONEDNN_ISA_BITS[level]
+        if getattr(torch.cpu, check, lambda: False)() and (cap is None or cap[1] & bits == bits):
+            return isa
     return None
 
 
@@ -89,6 +129,10 @@ def fast_path(device_type: str, arch: str = "resnet50", gpus: tuple[int, ...] = 
     if device_type == "cpu":
         isa = cpu_bf16_isa()
         if isa is None:
+            cap, found = onednn_isa_cap(), cpu_bf16_isa(capped=False)
+            if cap is not None and found is not None:
+                why = f"{cap[0]} keeps oneDNN from the CPU's native bf16 ({found}): bf16 would be emulated"
+                return FastPath("32-true", True, why)
             return FastPath("32-true", True, f"the CPU has no native bf16 ({cpu_capability()}): bf16 would be emulated")
         speedup = bf16_speedup(arch)
         measured = f"a {arch} train step measured {speedup:.2f}x the fp32 rate in bf16 on this CPU"
