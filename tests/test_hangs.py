@@ -61,6 +61,35 @@ def test_a_rank_stopped_with_sigstop_is_named_and_every_process_ends(rank, tmp_p
     assert "Traceback" not in out
 
 
+def test_the_store_hosts_silence_says_where_rank_0_last_was_even_where_this_rank_judged_it_earlier(tmp_path):
+    """The line of the case above, in-process: node 0's rank 1 reported and judged for a few rounds while rank 0 was
+    slow to publish (a loaded machine) and kept that early record, without where rank 0 was; when rank 0 stops, the
+    line says where rank 0 last was, from rank 0's own record on the node's board. A rank on another node has only
+    the judge's record: its step and epoch, where it lacks the place."""
+    from src.resilience.node_board import NodeBoard
+    from src.resilience.supervision import HangWatch
+
+    def silent_store_line(watch: HangWatch) -> str:
+        watch.end = lambda *args, **kwargs: None
+        watch._store_host_silent(watch._rank_zero(), 6.0)
+        note = watch.board.read("end")
+        assert note is not None
+        return note["line"]
+
+    rank_0, rank_1 = (NodeBoard("t", 0, local, 2, stale_s=3.0, folder=tmp_path / "node0") for local in (0, 1))
+    rank_0.publish({"rank": 0, "where": "at step 7 of epoch 0, in the optimizer step", "step": 7, "epoch": 0})
+    host = {"host": "node0", "pid": 42}
+    same_node = HangWatch(1, 0, 1, 2, HANG_S, None, rank_1, 1, host=host)
+    same_node._seen[0] = {"record": {"where": None, "last": [1, 0]}, "moved": 0.0}  # judged at step 1
+    assert (
+        "rank 0 (host node0, pid 42), which hosts the run's store, stopped answering for 6 s (last seen at step 7 of "
+        "epoch 0, in the optimizer step): it cannot run (stopped"
+    ) in silent_store_line(same_node)
+    other_node = HangWatch(1, 1, 0, 2, HANG_S, None, NodeBoard("t", 1, 0, 1, 3.0, tmp_path / "node1"), 2, host=host)
+    other_node._seen[0] = {"record": {"where": None, "last": [5, 0]}, "moved": 0.0}
+    assert "(last seen at step 5 of epoch 0, as its node last reported): it cannot run" in silent_store_line(other_node)
+
+
 def test_a_stopped_one_process_node_is_named_at_the_step_it_last_reported(tmp_path):
     # one rank per node (one GPU a node, or a whole host frozen): the stopped rank is its node's reporter too, so its
     # node never sends where it stopped; the line gives the step its node last reported

@@ -534,10 +534,15 @@ class HangWatch:
             time.sleep(self.poll_s)
 
     def _rank_zero(self) -> dict[str, Any] | None:
-        """Rank 0's latest record, as this rank knows it: as the judge, or from node 0's board."""
-        if 0 in self._seen:
-            return self._seen[0]["record"]
-        return self.board.ranks().get(0, (None, 0.0))[0] if self.node_rank == 0 else None
+        """Rank 0's latest record, as this rank knows it: on node 0, the one rank 0 itself last left on the node's
+        board (where it is, always); elsewhere the judge's, as node 0 last reported it. Not the judge's on node 0:
+        a rank that judged for a few rounds (node 0's reporter while rank 0 was slow to publish, under load) keeps
+        that early record, without where rank 0 was and steps behind it."""
+        if self.node_rank == 0:
+            own = self.board.ranks().get(0, (None, 0.0))[0]
+            if own is not None and "rank" in own:
+                return own
+        return self._seen[0]["record"] if 0 in self._seen else None
 
     def _round(self, now: float) -> None:
         """Leave this rank's record on the board; answer a verdict; as the node's reporter, carry the node's
@@ -709,7 +714,11 @@ class HangWatch:
             who = "rank 0, which hosts the run's store,"
         else:
             who = f"rank 0 (host {host['host']}, pid {host['pid']}), which hosts the run's store,"
-        where = f" (last seen {last['where']})" if last and last.get("where") else ""
+        where = last.get("where") if last else None
+        if where is None and last is not None:  # the judge's record: where once rank 0 had stood still a while
+            step, epoch = last["last"] if "last" in last else (last.get("step"), last.get("epoch"))
+            where = f"at step {step} of epoch {epoch}, as its node last reported" if step is not None else None
+        where = f" (last seen {where})" if where else ""
         line = (
             f"{who} stopped answering for {seconds:.0f} s{where}: it cannot run (stopped, e.g. by SIGSTOP or a "
             "debugger, or stuck in C code) or its host is gone; every rank stopped, the previous last.ckpt is "
