@@ -679,7 +679,7 @@ class HangWatch:
     ) -> str:
         seconds = now - self._seen[rank]["moved"]
         others = "the other ranks" if self.world_size > 2 else f"rank {1 - rank}"
-        where = record["where"] or "at step {} of epoch {}, as its node last reported".format(*record["last"])
+        where = last_place(record)
         head = (
             f"rank {rank} (host {host}, pid {pid}) made no progress for {seconds:.0f} s "
             f"{where}, while {others} waited for it"
@@ -714,11 +714,7 @@ class HangWatch:
             who = "rank 0, which hosts the run's store,"
         else:
             who = f"rank 0 (host {host['host']}, pid {host['pid']}), which hosts the run's store,"
-        where = last.get("where") if last else None
-        if where is None and last is not None:  # the judge's record: where once rank 0 had stood still a while
-            step, epoch = last["last"] if "last" in last else (last.get("step"), last.get("epoch"))
-            where = f"at step {step} of epoch {epoch}, as its node last reported" if step is not None else None
-        where = f" (last seen {where})" if where else ""
+        where = f" (last seen {last_place(last)})" if last else ""
         line = (
             f"{who} stopped answering for {seconds:.0f} s{where}: it cannot run (stopped, e.g. by SIGSTOP or a "
             "debugger, or stuck in C code) or its host is gone; every rank stopped, the previous last.ckpt is "
@@ -732,6 +728,12 @@ class HangWatch:
             publish=False,
             stuck=stuck,
         )
+
+
+def last_place(record: dict[str, Any]) -> str:
+    """Where a rank was, from its record: a rank's own (on its node's board) always says; the judge's says once the
+    rank had not moved for ``detail_after_s``, and otherwise gives the step and epoch its node last reported."""
+    return record.get("where") or "at step {} of epoch {}, as its node last reported".format(*record["last"])
 
 
 def culprits(records: dict[int, dict[str, Any]], silent_s: float) -> list[int]:
