@@ -1,8 +1,12 @@
 """cifar10-ddp: ResNet on CIFAR-10 with Lightning + Hydra, from one CPU to many GPU nodes."""
 
-from omegaconf import OmegaConf
+from src.core import startup
 
-from src.launch.ranks import rank_log_suffix, rank_zero_only
+startup.pause()  # python -m src.train (eval, export, predict): the garbage collector off while they load
+
+from omegaconf import OmegaConf  # noqa: E402
+
+from src.launch.ranks import rank_log_suffix, rank_zero_only  # noqa: E402
 
 # conf/hydra/default.yaml uses these to keep per-process files apart; they must exist before Hydra composes.
 OmegaConf.register_new_resolver("rank_log_suffix", rank_log_suffix, replace=True)

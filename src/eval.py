@@ -14,6 +14,7 @@ from src.checkpoints import object_store
 from src.checkpoints.files import read_checkpoint
 from src.checkpoints.resume import model_from
 from src.cli.entry import handle_errors, run
+from src.core import startup
 from src.core.errors import UserError
 from src.launch.ranks import start_local_ranks
 from src.resilience import supervision
@@ -26,6 +27,7 @@ log = logging.getLogger("src.eval")
 @handle_errors
 def main(cfg: DictConfig) -> dict[str, float]:
     """Evaluate ``ckpt_path`` on the test set; print and save ``test_metrics.json``."""
+    startup.resume()  # loaded: the garbage collector on again (src/core/startup.py)
     if OmegaConf.is_missing(cfg, "ckpt_path") or not cfg.ckpt_path:
         raise UserError(
             "ckpt_path=PATH is required: the checkpoint to evaluate (e.g. outputs/.../checkpoints/last.ckpt)"

@@ -19,6 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from src.checkpoints import object_store
 from src.cli.entry import handle_errors, overridden_keys, run
+from src.core import startup
 from src.core.errors import UserError, require
 from src.serving.exporter import (
     PACKAGES,
@@ -40,6 +41,7 @@ log = logging.getLogger("src.export")
 @handle_errors
 def main(cfg: DictConfig) -> dict[str, Any]:
     """Export ``ckpt_path`` in each of ``format``; validate; record the figures in ``export.json``."""
+    startup.resume()  # loaded: the garbage collector on again (src/core/startup.py)
     if OmegaConf.is_missing(cfg, "ckpt_path") or not cfg.ckpt_path:
         raise UserError("ckpt_path=PATH is required: the checkpoint to export (e.g. outputs/.../checkpoints/last.ckpt)")
     formats = chosen_formats(cfg.format)

@@ -18,6 +18,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from src.cli.entry import handle_errors, run
+from src.core import startup
 from src.core.errors import UserError
 from src.serving.formats import load_model
 from src.serving.images import image_files, read_image
@@ -29,6 +30,7 @@ log = logging.getLogger("src.predict")
 @handle_errors
 def main(cfg: DictConfig) -> list[dict[str, Any]]:
     """Classify ``images`` with ``ckpt_path``; print each image's top ``top_k`` classes (or JSON)."""
+    startup.resume()  # loaded: the garbage collector on again (src/core/startup.py)
     if OmegaConf.is_missing(cfg, "ckpt_path") or not cfg.ckpt_path:
         raise UserError("ckpt_path=PATH is required: a .ckpt of src.train, or a .onnx / .safetensors of src.export")
     if OmegaConf.is_missing(cfg, "images") or not cfg.images:

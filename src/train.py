@@ -14,6 +14,7 @@ import hydra
 from omegaconf import DictConfig
 
 from src.cli.entry import handle_errors, run
+from src.core import startup
 from src.launch import torchrun
 from src.launch.ranks import is_launch_rank_zero, start_local_ranks
 from src.resilience import supervision
@@ -26,6 +27,7 @@ log = logging.getLogger("src.train")
 def main(cfg: DictConfig) -> float | None:
     """Train; return the best validation accuracy (what a sweep's search maximises)."""
     if cfg.get("dry_run"):  # one rank's view of the configured world, on torch's fake process group: nothing trains
+        startup.resume()
         from src.distributed.dry_run import run as dry_run
 
         dry_run(cfg)
@@ -49,6 +51,7 @@ def main(cfg: DictConfig) -> float | None:
         test_summary,
     )
 
+    startup.resume()  # loaded: the garbage collector on again (src/core/startup.py)
     route_lightning_logs()
     log_trial(cfg)  # in a search, every rank says the values it trains with
     L.seed_everything(cfg.seed, workers=True)

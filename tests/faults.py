@@ -244,6 +244,24 @@ class RecordGroupEnv(L.Callback):
         torch.distributed.init_process_group = recording
 
 
+class RecordCollector(L.Callback):
+    """Record, in ``folder``/gc_rank_N.json, the garbage collector's state as training starts: on or off, and how
+    many objects are frozen (src/core/startup.py)."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        import gc
+        import json
+        import os
+
+        os.makedirs(self.folder, exist_ok=True)
+        state = {"enabled": gc.isenabled(), "frozen": gc.get_freeze_count()}
+        with open(os.path.join(self.folder, f"gc_rank_{trainer.global_rank}.json"), "w") as f:
+            json.dump(state, f)
+
+
 class RecordBatches(L.Callback):
     """Append to ``path``, on global rank 0, one line per training batch: the epoch, and the batch's labels (which
     images it holds, in order)."""

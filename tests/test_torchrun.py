@@ -98,6 +98,8 @@ def test_two_workers_of_torchrun_train_one_ddp_world_with_the_launchers_counts(n
         "test=false",
         "+callbacks.probe._target_=tests.faults.RecordGroupEnv",
         f"+callbacks.probe.folder={tmp_path}",
+        "+callbacks.collector._target_=tests.faults.RecordCollector",
+        f"+callbacks.collector.folder={tmp_path}",
         background=True,
         env={"TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(mine)},
     )
@@ -120,6 +122,11 @@ def test_two_workers_of_torchrun_train_one_ddp_world_with_the_launchers_counts(n
         # torchrun's agent gives its workers TORCH_NCCL_ASYNC_ERROR_HANDLING=1 (tear down), kept as a user's would be
         assert seen["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1" and seen["TORCH_NCCL_ENABLE_MONITORING"] == "1"
     assert mine.parent.is_dir()  # made, for NCCL to write in
+    # each worker (python -u -m src.train, started cold by the agent) loaded with the collector off, then turned it
+    # on and froze what it had loaded (src/core/startup.py): only a process that paused it freezes anything
+    for rank in (0, 1):
+        collector = json.loads((tmp_path / f"gc_rank_{rank}.json").read_text())
+        assert collector["enabled"] and collector["frozen"] > 100_000, collector
 
 
 def test_a_count_that_disagrees_with_torchrun_is_one_line_naming_both(new_run_dirs):

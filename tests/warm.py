@@ -81,14 +81,18 @@ def _import_time_env(env: dict[str, str]) -> dict[str, str]:
 def serve(path: str) -> dict[str, Any]:
     """Import, listen, fork a child per request and report each child's exit status on its connection. Returns
     only in a child, with its request."""
+    import gc
     import importlib
     import importlib.util
 
+    gc.disable()  # loaded as the commands load it, the collector off, then frozen (src/core/startup.py)
     for name in HEAVY:
         importlib.import_module(name)
     for name in HEAVY_IF_INSTALLED:
         if importlib.util.find_spec(name) is not None:
             importlib.import_module(name)
+    gc.freeze()
+    gc.enable()
     global _RECORDS
     _RECORDS = os.path.dirname(path)
     parent = os.getppid()
