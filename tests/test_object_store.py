@@ -227,3 +227,75 @@ def test_the_server_stopped_mid_run_is_one_line_and_the_checkpoint_before_stays_
         assert store.load(f"{url}/last.ckpt")["global_step"] >= 2  # whole: it loads, with its step
     finally:
         server.stop()
+
+
+# -- this user's node-local folder: staged and downloaded checkpoints (in-process, and one process killed holding one)
+
+
+@pytest.fixture
+def node_tmp(tmp_path, monkeypatch):
+    """TMPDIR as ``tmp_path``, for this process (tempfile's cached answer too) and the processes it starts."""
+    import tempfile
+
+    from src.checkpoints import object_store
+
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(object_store, "_swept", False)
+    return tmp_path
+
+
+def test_a_staged_file_whose_process_was_killed_is_removed_and_one_in_use_is_kept(node_tmp):
+    import subprocess
+    import sys
+
+    from src.checkpoints import object_store
+    from tests.conftest import ROOT
+
+    folder = object_store.node_folder()
+    assert folder == node_tmp / f"cifar10-ddp-{os.getuid()}" and (folder.stat().st_mode & 0o777) == 0o700
+    holder = subprocess.Popen(  # stages a checkpoint, says where, and holds it as a put under way would
+        [
+            sys.executable,
+            "-c",
+            "import time\nfrom src.checkpoints import object_store\nwith object_store.staged('last.ckpt') as path:\n"
+            "    path.write_bytes(b'x' * 1000)\n    print(path, flush=True)\n    time.sleep(120)",
+        ],
+        cwd=ROOT,
+        env={**os.environ, "TMPDIR": str(node_tmp)},
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        killed = Path(holder.stdout.readline().strip())
+        assert killed.parent == folder and killed.name.startswith(".last.ckpt.tmp-"), killed
+        assert object_store.remove_stale_stages(folder, older_than_s=0) == []  # its process holds it
+    finally:
+        holder.kill()
+        holder.wait()
+    with object_store.staged("best.ckpt") as in_use:  # this process's, under way
+        young = folder / ".last.ckpt.tmp-young"
+        young.write_bytes(b"")  # as if just made, not locked yet
+        kept = folder / "0123abcd-4567.ckpt"  # a downloaded copy
+        kept.write_bytes(b"")
+        old = time.time() - 3600
+        for path in (killed, in_use, kept):
+            os.utime(path, (old, old))
+        assert object_store.remove_stale_stages(folder, older_than_s=60) == [killed]
+        assert in_use.exists() and young.exists() and kept.exists()
+    assert not in_use.exists()  # removed as its use ended
+
+
+def test_a_node_folder_another_user_holds_is_one_line_naming_it_and_tmpdir_before_any_rank_starts(node_tmp):
+    from src.checkpoints import object_store
+    from src.core.errors import StorageError, UserError
+
+    if os.geteuid() != 0:
+        pytest.skip("only root can give a folder to another user here")
+    taken = node_tmp / f"cifar10-ddp-{os.getuid()}"
+    taken.mkdir()
+    os.chown(taken, 65534, 65534)
+    with pytest.raises(StorageError, match=r"is not a folder of this user's \(uid 0\).*point TMPDIR at a folder"):
+        object_store.node_folder()  # a put or a download mid-run: the run stops with its one line
+    with pytest.raises(UserError, match=rf"^paths.checkpoints=s3://b/x: {taken} is not a folder of this user's"):
+        object_store.check_store("s3://b/x")  # before any rank starts, before the store is asked anything

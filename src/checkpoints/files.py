@@ -96,16 +96,17 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             tmp.unlink(missing_ok=True)
 
     def _put(self, checkpoint: dict[str, Any], url: str) -> None:
-        """Stage the checkpoint in node-local temp, then put it as one object; ``last.ckpt``'s previous generation is
-        copied to ``last.prev.ckpt`` on the server first."""
+        """Stage the checkpoint in this user's node-local folder (src/checkpoints/object_store.py's ``node_folder``),
+        then put it as one object; ``last.ckpt``'s previous generation is copied to ``last.prev.ckpt`` on the server
+        first."""
         folder, name = url.rsplit("/", 1)
         previous = f"{folder}/{PREVIOUS}" if name == LAST else None
-        fd, staged = tempfile.mkstemp(prefix=f".{name}{_TMP_MARK}", suffix=".ckpt")
         try:
-            with os.fdopen(fd, "wb") as f:
-                torch.save(checkpoint, f)
-            intact = f"the previous {LAST} in {folder} is kept" if name == LAST else f"{folder} is as it was"
-            object_store.put(Path(staged), url, previous, intact)
+            with object_store.staged(name) as stage:
+                with open(stage, "wb") as f:
+                    torch.save(checkpoint, f)
+                intact = f"the previous {LAST} in {folder} is kept" if name == LAST else f"{folder} is as it was"
+                object_store.put(stage, url, previous, intact)
         except OSError as err:
             refused = storage_error_in(err)
             if refused is None:
@@ -114,8 +115,6 @@ class AtomicCheckpointIO(TorchCheckpointIO):
                 f"cannot stage {url} in {tempfile.gettempdir()} ({refused.strerror}): the store is as it was; free "
                 "space there (or point TMPDIR elsewhere) and resume with ckpt_path=last"
             ) from err
-        finally:
-            Path(staged).unlink(missing_ok=True)
 
     def _make_dir(self, directory: Path) -> None:
         """Create the checkpoint folder once; if it is gone later, something removed it under the run."""

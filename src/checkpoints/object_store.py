@@ -22,15 +22,17 @@ none is in the config, and no line of the project names a secret.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import logging
 import os
 import re
+import stat
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from src.core.errors import StorageError, UserError, require
 
@@ -41,6 +43,9 @@ SCHEMES = ("s3",)
 # botocore's own retries (standard mode) bound a request; a store that stops answering fails a write in about a minute
 CONNECT_TIMEOUT_S, READ_TIMEOUT_S, ATTEMPTS = 10, 60, 3
 RESUMED: set[str] = set()  # the checkpoints this process resumed from: never deleted by this run
+STAGE_MARK = ".tmp-"  # a staged file's name: .NAME.tmp-RANDOM, in node_folder()
+STALE_STAGE_S = 60.0
+_swept = False  # this process removed the stale staged files once
 
 
 def is_url(path: Any) -> bool:
@@ -132,10 +137,15 @@ def _chain(err: BaseException | None) -> list[BaseException]:
 
 
 def check_store(url: str) -> None:
-    """Before any rank trains: the bucket is there, the credentials are taken (a listing under the prefix), the endpoint
-    answers. Each failure is one UserError naming what to change. Nothing is written: a store without the right to
-    write there fails the first save, in one line too."""
+    """Before any rank trains: this node's folder for staged checkpoints is this user's, the bucket is there, the
+    credentials are taken (a listing under the prefix), the endpoint answers. Each failure is one UserError naming what
+    to change. Nothing is written to the store: a store without the right to write there fails the first save, in one
+    line too."""
     check_url(url)
+    try:
+        node_folder()
+    except StorageError as err:
+        raise UserError(f"{KEY}={url}: {err}") from None
     fs = filesystem()
     bucket = _key(url).split("/", 1)[0]
     try:
@@ -193,7 +203,7 @@ def remove(url: str) -> None:
 
 
 def local_copy(url: str) -> Path:
-    """A node-local copy of the object at ``url`` (in the system temp dir), downloaded once a node: the first rank
+    """A node-local copy of the object at ``url`` (in ``node_folder()``), downloaded once a node: the first rank
     that asks downloads it under a lock while the node's others wait, and it is fetched again only when the object
     changed. A missing object is FileNotFoundError; the store's other failures, OSError with ``why``'s words."""
     fs = filesystem()
@@ -204,8 +214,7 @@ def local_copy(url: str) -> Path:
     except Exception as err:  # noqa: BLE001
         raise OSError(why(err)) from None
     version = str(info.get("ETag") or info.get("LastModified") or info.get("size")).strip('"')
-    folder = Path(tempfile.gettempdir()) / "cifar10-ddp-checkpoints"
-    folder.mkdir(parents=True, exist_ok=True)
+    folder = node_folder()
     name = hashlib.sha256(str(url).encode()).hexdigest()[:16]
     copy = folder / f"{name}-{hashlib.sha256(version.encode()).hexdigest()[:12]}.ckpt"
     with open(folder / f"{name}.lock", "w") as lock:
@@ -213,15 +222,79 @@ def local_copy(url: str) -> Path:
         if copy.exists():
             return copy
         started = time.perf_counter()
-        staged = copy.with_name(f".{copy.name}.tmp-{os.getpid()}")
-        try:
-            fs.get_file(_key(url), str(staged))
-            os.replace(staged, copy)
-        except Exception as err:  # noqa: BLE001
-            staged.unlink(missing_ok=True)
-            raise OSError(why(err)) from None
+        with staged(copy.name) as download:
+            try:
+                fs.get_file(_key(url), str(download))
+            except Exception as err:  # noqa: BLE001
+                raise OSError(why(err)) from None
+            os.replace(download, copy)
         for older in folder.glob(f"{name}-*.ckpt"):  # one copy an object: the newest
             if older != copy:
                 older.unlink(missing_ok=True)
         log.info("downloaded %s (%.0f MB) in %.1f s", url, copy.stat().st_size / 2**20, time.perf_counter() - started)
     return copy
+
+
+def node_folder() -> Path:
+    """This user's folder in the node's temp dir (``TMPDIR``), made on first use: the copies downloaded, and the
+    checkpoints staged before a put. One a user, its mode 0700: every job of a node shares /tmp, and a folder of one
+    user's would refuse another's ranks (and show them its checkpoints). The staged files of processes killed half way
+    (SIGKILL, the OOM killer: no ``finally`` runs; a checkpoint's size each) are removed on first use in a process."""
+    global _swept
+    folder = Path(tempfile.gettempdir()) / f"cifar10-ddp-{os.getuid()}"
+    try:
+        folder.mkdir(mode=0o700, exist_ok=True)
+        found = folder.lstat()
+    except OSError as err:
+        raise StorageError(
+            f"cannot make {folder} for the checkpoints this node stages ({err.strerror}): point TMPDIR at a writable "
+            "local folder"
+        ) from None
+    if not stat.S_ISDIR(found.st_mode) or found.st_uid != os.getuid():
+        raise StorageError(
+            f"{folder} is not a folder of this user's (uid {os.getuid()}): another user or a link holds its name; "
+            "point TMPDIR at a folder of your own"
+        )
+    if not _swept:
+        _swept = True
+        remove_stale_stages(folder)
+    return folder
+
+
+@contextlib.contextmanager
+def staged(name: str) -> Iterator[Path]:
+    """A new file in ``node_folder()`` for ``name`` on its way to or from the store, locked (flock) while in use and
+    removed after, unless it was renamed meanwhile."""
+    fd, path = tempfile.mkstemp(prefix=f".{name}{STAGE_MARK}", dir=node_folder())
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # held until closed: remove_stale_stages passes over it, from any process
+        yield Path(path)
+    finally:
+        Path(path).unlink(missing_ok=True)
+        os.close(fd)
+
+
+def remove_stale_stages(folder: Path, older_than_s: float = STALE_STAGE_S) -> list[Path]:
+    """Remove the staged files in ``folder`` that no process holds (its lock went with it) and that were last written
+    more than ``older_than_s`` ago (a file is locked an instant after it is made)."""
+    removed = []
+    now = time.time()
+    for path in folder.glob(f".*{STAGE_MARK}*"):
+        try:
+            if now - path.stat().st_mtime < older_than_s:
+                continue
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:  # its process, or another's sweep, removed it meanwhile
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:  # in use
+            continue
+        else:
+            path.unlink(missing_ok=True)
+            removed.append(path)
+        finally:
+            os.close(fd)
+    if removed:
+        log.info("removed %d staged checkpoint file(s) that killed processes left in %s", len(removed), folder)
+    return removed
