@@ -18,7 +18,7 @@ import torch
 
 from tests.conftest import FAST, ROOT, descendants, free_port, output, process_environ, running
 from tests.test_security import assert_loopback_only
-from tests.test_serving import watch_listeners
+from tests.test_serving import listeners_of
 
 RUNS = ROOT / "outputs" / "runs"
 
@@ -84,51 +84,6 @@ def wait_for(condition, timeout: float, what: str, proc: subprocess.Popen | None
     pytest.fail(f"no {what} within {timeout:.0f} s")
 
 
-def test_two_workers_of_torchrun_train_one_ddp_world_with_the_launchers_counts(new_run_dirs, tmp_path):
-    """The command a torchrun user types first: no trainer.devices, no strategy, no hydra.run.dir."""
-    # NCCL's environment is set before the group forms (torchrun's is formed first, on its attempt's keys), and a
-    # user's dump path under torch's older name is the one both names carry; the probe records it as the group forms
-    mine = tmp_path / "my-traces" / "rank_"
-    agent = torchrun(
-        "--standalone",
-        "--nproc-per-node=2",
-        "-m",
-        "src.train",
-        *FAST,
-        "test=false",
-        "+callbacks.probe._target_=tests.faults.RecordGroupEnv",
-        f"+callbacks.probe.folder={tmp_path}",
-        "+callbacks.collector._target_=tests.faults.RecordCollector",
-        f"+callbacks.collector.folder={tmp_path}",
-        background=True,
-        env={"TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(mine)},
-    )
-    result, listeners = watch_listeners(agent)
-    assert result.returncode == 0, output(result)[-3000:]
-    assert "world size 2 | strategy ddp | backend gloo" in result.stdout
-    # the workers (gloo) listen on loopback only; the agent's two stores (the rendezvous and the workers') listen on
-    # every interface: torch gives them no address to bind (docs/security.md)
-    assert_loopback_only({found for found in listeners if found[2] != agent.pid}, "torchrun's workers")
-    (run_dir,) = new_run_dirs()
-    assert re.fullmatch(r"torchrun-[0-9a-f-]{36}", run_dir.name)  # the id --standalone makes
-    assert sorted(p.name for p in run_dir.glob("*.log")) == ["train.log", "train_rank1.log"]
-    last = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
-    assert last["saved_by"]["world_size"] == 2 and last["global_step"] == 2
-    for rank in (0, 1):
-        seen = json.loads((tmp_path / f"rank_{rank}.json").read_text())
-        assert seen["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == seen["TORCH_FR_DUMP_TEMP_FILE"] == str(mine), seen
-        assert seen["TORCH_NCCL_TRACE_BUFFER_SIZE"] == seen["TORCH_FR_BUFFER_SIZE"] == "2000"
-        assert seen["TORCH_NCCL_DUMP_ON_TIMEOUT"] == seen["TORCH_FR_DUMP_ON_TIMEOUT"] == "1"
-        # torchrun's agent gives its workers TORCH_NCCL_ASYNC_ERROR_HANDLING=1 (tear down), kept as a user's would be
-        assert seen["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1" and seen["TORCH_NCCL_ENABLE_MONITORING"] == "1"
-    assert mine.parent.is_dir()  # made, for NCCL to write in
-    # each worker (python -u -m src.train, started cold by the agent) loaded with the collector off, then turned it
-    # on and froze what it had loaded (src/core/startup.py): only a process that paused it freezes anything
-    for rank in (0, 1):
-        collector = json.loads((tmp_path / f"gc_rank_{rank}.json").read_text())
-        assert collector["enabled"] and collector["frozen"] > 100_000, collector
-
-
 def test_a_count_that_disagrees_with_torchrun_is_one_line_naming_both(new_run_dirs):
     result = torchrun("--standalone", "--nproc-per-node=2", "-m", "src.train", *FAST, "trainer.devices=3")
     assert result.returncode != 0
@@ -141,11 +96,17 @@ def test_a_count_that_disagrees_with_torchrun_is_one_line_naming_both(new_run_di
     assert str(ROOT / "src") not in output(result)  # no worker's traceback (torchrun adds its own report)
 
 
-def test_a_restart_resumes_in_the_same_run_dir_and_ends_at_the_uninterrupted_step(new_run_dirs, tmp_path):
-    """docs/torchrun.md's restart run, a third of its length (3 epochs of 20 steps, not 60) on the tests' narrow
-    network: a worker SIGKILLed after the first last.ckpt (rank 1 holds at step 8 until then, once: not again after
-    the restart); torchrun restarts the group once."""
+def test_two_workers_train_one_world_with_the_launchers_counts_and_a_restart_resumes_in_the_same_run_dir(
+    new_run_dirs, tmp_path
+):
+    """The command a torchrun user types first (no trainer.devices, no strategy, no hydra.run.dir), and
+    docs/torchrun.md's restart run, a third of its length (3 epochs of 20 steps, not 60) on the tests' narrow network:
+    a worker SIGKILLed after the first last.ckpt (rank 1 holds at step 8 until then, once: not again after the
+    restart); torchrun restarts the group once."""
     held = tmp_path / "held"
+    # NCCL's environment is set before the group forms (torchrun's is formed first, on its attempt's keys), and a
+    # user's dump path under torch's older name is the one both names carry; the probe records it as the group forms
+    mine = tmp_path / "my-traces" / "rank_"
     args = [
         *FAST,
         "data.num_train=400",
@@ -158,14 +119,30 @@ def test_a_restart_resumes_in_the_same_run_dir_and_ends_at_the_uninterrupted_ste
         "+callbacks.hold.step=8",
         "+callbacks.hold.seconds=240",
         f"+callbacks.hold.once={held}",
+        "+callbacks.probe._target_=tests.faults.RecordGroupEnv",
+        f"+callbacks.probe.folder={tmp_path}",
+        "+callbacks.collector._target_=tests.faults.RecordCollector",
+        f"+callbacks.collector.folder={tmp_path}",
     ]
     started = time.monotonic()
     agent = torchrun(
-        "--standalone", "--nproc-per-node=2", "--max-restarts=1", "-m", "src.train", *args, background=True
+        "--standalone",
+        "--nproc-per-node=2",
+        "--max-restarts=1",
+        "-m",
+        "src.train",
+        *args,
+        background=True,
+        env={"TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(mine)},
     )
+    listeners: set = set()  # (address, port, pid) the agent and its workers listened on, until the worker is killed
+
+    def listening_until(condition):
+        return lambda: listeners.update(listeners_of([agent.pid, *descendants(agent.pid)])) or condition()
+
     try:
-        run_dir = wait_for(lambda: next(iter(new_run_dirs()), None), 120, "run dir", agent)
-        wait_for(held.exists, 180, "rank 1 held at step 8", agent)
+        run_dir = wait_for(listening_until(lambda: next(iter(new_run_dirs()), None)), 120, "run dir", agent)
+        wait_for(listening_until(held.exists), 180, "rank 1 held at step 8", agent)
         assert (run_dir / "checkpoints" / "last.ckpt").exists()  # step 5's
         victim = workers(agent.pid)[1]
         os.kill(victim, signal.SIGKILL)
@@ -174,17 +151,36 @@ def test_a_restart_resumes_in_the_same_run_dir_and_ends_at_the_uninterrupted_ste
         if agent.poll() is None:
             os.killpg(agent.pid, signal.SIGKILL)
     assert agent.returncode == 0, out[-4000:]
+    assert "world size 2 | strategy ddp | backend gloo" in out
+    # the workers (gloo) listen on loopback only; the agent's two stores (the rendezvous and the workers') listen on
+    # every interface: torch gives them no address to bind (docs/security.md)
+    assert_loopback_only({found for found in listeners if found[2] != agent.pid}, "torchrun's workers")
     assert new_run_dirs() == [run_dir]  # the restart wrote the same dir
+    assert re.fullmatch(r"torchrun-[0-9a-f-]{36}", run_dir.name)  # the id --standalone makes
+    assert sorted(p.name for p in run_dir.glob("*.log")) == ["train.log", "train_rank1.log"]
     log = (run_dir / "train.log").read_text()
     resumed = re.findall(r"restart 1 of 1: resuming from step (\d+) of (\S+)", log)
     assert resumed and int(resumed[0][0]) > 0 and resumed[0][1] == str(run_dir / "checkpoints" / "last.ckpt"), log
     assert "world size 2 | strategy ddp" in log
     last = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
     assert last["global_step"] == 60 and last["saved_by"]["world_size"] == 2
+    for rank in (0, 1):  # as the restarted group formed
+        seen = json.loads((tmp_path / f"rank_{rank}.json").read_text())
+        assert seen["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == seen["TORCH_FR_DUMP_TEMP_FILE"] == str(mine), seen
+        assert seen["TORCH_NCCL_TRACE_BUFFER_SIZE"] == seen["TORCH_FR_BUFFER_SIZE"] == "2000"
+        assert seen["TORCH_NCCL_DUMP_ON_TIMEOUT"] == seen["TORCH_FR_DUMP_ON_TIMEOUT"] == "1"
+        # torchrun's agent gives its workers TORCH_NCCL_ASYNC_ERROR_HANDLING=1 (tear down), kept as a user's would be
+        assert seen["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1" and seen["TORCH_NCCL_ENABLE_MONITORING"] == "1"
+        # each worker (python -u -m src.train, started cold by the agent) loaded with the collector off, then turned
+        # it on and froze what it had loaded (src/core/startup.py): only a process that paused it freezes anything
+        collector = json.loads((tmp_path / f"gc_rank_{rank}.json").read_text())
+        assert collector["enabled"] and collector["frozen"] > 100_000, collector
+    assert mine.parent.is_dir()  # made, for NCCL to write in
 
 
 def test_a_node_lost_leaves_the_other_to_finish_alone_with_the_same_global_batch(new_run_dirs, tmp_path):
-    """Two agents, --nnodes=1:2; the second is SIGKILLed mid-run: its worker stops, the first finishes alone."""
+    """Two agents, --nnodes=1:2; the second is SIGKILLed mid-run: its worker does not outlive it (it stops and says
+    why, on the console it inherited from its agent), and the first finishes alone."""
     port, run_id = free_port(), f"elastic{os.getpid()}"
     args = [
         "--nnodes=1:2",
@@ -216,12 +212,14 @@ def test_a_node_lost_leaves_the_other_to_finish_alone_with_the_same_global_batch
         (orphan,) = workers(second.pid).values()
         os.kill(second.pid, signal.SIGKILL)  # the agent itself: its worker must not go on as an orphan
         wait_for(lambda: not running(orphan), 30, "end of the killed agent's worker")
+        said, _ = second.communicate(timeout=30)  # the worker wrote to the agent's console, which it inherited
         out, _ = first.communicate(timeout=300)
     finally:
         for agent in (first, second):
             if agent.poll() is None:
                 os.killpg(agent.pid, signal.SIGKILL)
     assert first.returncode == 0, out[-4000:]
+    assert f"its torchrun agent (pid {second.pid}) died; this rank stopped too" in said, said[-3000:]
     log = "".join(p.read_text() for p in run_dir.glob("train*.log"))
     assert "world size 2 -> 1: global batch 8 kept (data.batch_size 4 -> 8 per process)" in log, log[-4000:]
     last = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
@@ -279,40 +277,6 @@ def test_a_node_that_joins_scales_the_run_up_keeping_the_global_batch(new_run_di
     assert "world size 1 -> 2: global batch 8 kept (data.batch_size 8 -> 4 per process)" in log
     last = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
     assert last["saved_by"]["world_size"] == 2 and last["global_step"] == 2 * 30
-
-
-def test_workers_do_not_outlive_a_torchrun_agent_killed_with_sigkill(new_run_dirs):
-    agent = torchrun(
-        "--standalone",
-        "--nproc-per-node=2",
-        "-m",
-        "src.train",
-        *FAST,
-        "data.num_train=2000",
-        "trainer.limit_train_batches=null",
-        "test=false",
-        background=True,
-    )
-    try:
-        run_dir = wait_for(lambda: next(iter(new_run_dirs()), None), 120, "run dir", agent)
-        wait_for(
-            lambda: (run_dir / "train.log").exists() and "Run:" in (run_dir / "train.log").read_text(),
-            120,
-            "training",
-            agent,
-        )
-        pids = list(workers(agent.pid).values())
-        assert len(pids) == 2
-        agent.kill()
-        agent.wait()
-        wait_for(lambda: not any(running(pid) for pid in pids), 30, "end of the orphaned workers")
-    finally:
-        if agent.poll() is None:
-            agent.kill()
-        for pid in descendants(agent.pid):
-            os.kill(pid, signal.SIGKILL)
-    said = agent.stdout.read()  # the workers wrote to the agent's console, which they inherited
-    assert f"its torchrun agent (pid {agent.pid}) died; this rank stopped too" in said, said[-3000:]
 
 
 # -- the rules, in-process (torchrun's environment set by hand; the runs above start the real thing) -----------
