@@ -395,8 +395,9 @@ def _comparable(env: dict[str, str]) -> dict[str, str]:
 
 
 class _ParentPopen(subprocess.Popen):
-    """``subprocess.Popen`` inside a warm run (make gpu-check, a benchmark): ``python -m src.X ...`` starts warm,
-    forked by the parent. It is not this process's child: its exit status comes on the connection the request went
+    """``subprocess.Popen`` inside a warm run (make gpu-check, a benchmark): ``python -m src.X ...`` and ``python
+    benchmarks/X.py ...`` (the bare loop of make bench, the control-plane simulator's hosts) start warm, forked by the
+    parent. It is not this process's child: its exit status comes on the connection the request went
     on, and wait/poll read it there. Anything else starts as Popen starts it."""
 
     _conn: socket.socket | None = None
@@ -407,9 +408,7 @@ class _ParentPopen(subprocess.Popen):
         env = dict(a["env"] if a["env"] is not None else os.environ)
         usable = (
             _SOCKET
-            and len(command) > 2
-            and command[:2] == [sys.executable, "-m"]
-            and command[2].startswith("src.")
+            and startable(command)
             and a["executable"] is None
             and not a["shell"]
             and a["preexec_fn"] is None
