@@ -106,4 +106,6 @@ def test_one_checkpoint_gives_the_same_count_accuracy_and_loss_at_world_sizes_1_
     correct = [round(r["test/acc"] * r["test/images"]) for r in results.values()]
     assert correct == [correct[0]] * 3 and abs(results[1]["test/acc"] * TESTED - correct[0]) < 1e-4
     assert 0 < correct[0] < TESTED  # a model with something to get right and wrong
-    assert max(r["test/loss"] for r in results.values()) - min(r["test/loss"] for r in results.values()) <= 1e-6
+    # the mean loss of the same 25 images: in fp32 a logit's last bits differ with the batch's shape (oneDNN picks its
+    # kernel by it), 1.4e-6 apart at most seen; one image lost or counted twice moves it by about a hundredth
+    assert max(r["test/loss"] for r in results.values()) - min(r["test/loss"] for r in results.values()) <= 1e-5

@@ -157,8 +157,12 @@ def test_every_encoding_of_an_image_gives_the_classes_and_probabilities_of_the_i
             probabilities = dict(zip(names, classify(torch.stack([read[name][0] for name in names])).softmax(1)))
         for encoded, plain in pairs:
             got, want = probabilities[encoded], probabilities[plain]
-            assert got.topk(3).indices.tolist() == want.topk(3).indices.tolist(), (n, encoded)
             assert (got - want).abs().max() < 0.01, (n, encoded, (got - want).abs().max())
+            # the top 3 in the plain file's order, wherever it has them more than 0.02 apart: a near tie may fall
+            # either way between two JPEG encodings of one picture (classes 0.003 apart swapped, in fp32)
+            top = want.topk(3).indices.tolist()
+            apart = [(a, b) for i, a in enumerate(top) for b in top[i + 1 :] if want[a] - want[b] > 0.02]
+            assert all(got[a] > got[b] for a, b in apart) and got.topk(1).indices.item() == top[0], (n, encoded)
         assert (probabilities["rgb16.png"] - probabilities["rgb.png"]).abs().max() < 1e-4  # the same pixels exactly
 
 
