@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-# on the reference CPU: 5 min 45 s to 5 min 57 s measured from fresh clones (three workers; four: no faster), and a
+# on the reference CPU: 5 min 33 s to 5 min 57 s measured from fresh clones (three workers; four: no faster), and a
 # quarter for the spread between runs
 BUDGET_S = 7.5 * 60
 DURATIONS = Path(__file__).with_name("durations.json")
