@@ -19,7 +19,7 @@ import torch
 
 from tests.conftest import FAST, output, run_module, train
 from tests.s3server import SECRET, start
-from tests.test_checkpoints import EXACT, assert_same_training
+from tests.test_checkpoints import EXACT, assert_same_training, small_disk  # noqa: F401 - the fixture: a tmpfs
 
 # EXACT, shorter: 2 epochs of 6 steps, last.ckpt every 2 (a save to the store is the slow part here)
 SHORT = [*EXACT, "trainer.limit_train_batches=6", "trainer.max_epochs=2"]
@@ -299,3 +299,23 @@ def test_a_node_folder_another_user_holds_is_one_line_naming_it_and_tmpdir_befor
         object_store.node_folder()  # a put or a download mid-run: the run stops with its one line
     with pytest.raises(UserError, match=rf"^paths.checkpoints=s3://b/x: {taken} is not a folder of this user's"):
         object_store.check_store("s3://b/x")  # before any rank starts, before the store is asked anything
+
+
+def test_a_full_node_folder_while_staging_is_one_line_naming_it_and_leaves_nothing_staged(small_disk, monkeypatch):
+    """A checkpoint of 16 MB staged on a 10 MB tmpfs: the store is never reached (no server here), and the line
+    names the node folder that filled, not TMPDIR's parent."""
+    import tempfile
+
+    from src.checkpoints.files import AtomicCheckpointIO
+    from src.core.errors import StorageError
+
+    monkeypatch.setenv("TMPDIR", str(small_disk))
+    monkeypatch.setattr(tempfile, "tempdir", str(small_disk))
+    folder = small_disk / f"cifar10-ddp-{os.getuid()}"
+    with pytest.raises(StorageError) as raised:
+        AtomicCheckpointIO().save_checkpoint({"weights": torch.zeros(4 * 2**20)}, "s3://b/x/last.ckpt")
+    assert str(raised.value) == (
+        f"cannot stage s3://b/x/last.ckpt in {folder} (No space left on device): the store is as it was; free space "
+        "there (or point TMPDIR elsewhere) and resume with ckpt_path=last"
+    )
+    assert list(folder.iterdir()) == []

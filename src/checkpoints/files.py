@@ -13,7 +13,6 @@ import errno
 import os
 import pickle
 import shutil
-import tempfile
 import time
 import zipfile
 from pathlib import Path
@@ -27,7 +26,6 @@ from src.core.errors import StorageError, UserError, storage_error_in
 
 LAST = "last.ckpt"
 PREVIOUS = "last.prev.ckpt"  # the last.ckpt before the current one
-_TMP_MARK = ".tmp-"
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -72,7 +70,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         if object_store.is_url(path):
             return self._put(checkpoint, str(path))
         final = Path(path)
-        tmp = final.with_name(f".{final.name}{_TMP_MARK}{os.getpid()}")
+        tmp = final.with_name(f".{final.name}{object_store.TMP_MARK}{os.getpid()}")
         previous = final.with_name(PREVIOUS) if final.name == LAST else None
         try:
             self._make_dir(final.parent)
@@ -107,13 +105,13 @@ class AtomicCheckpointIO(TorchCheckpointIO):
                     torch.save(checkpoint, f)
                 intact = f"the previous {LAST} in {folder} is kept" if name == LAST else f"{folder} is as it was"
                 object_store.put(stage, url, previous, intact)
-        except OSError as err:
+        except Exception as err:  # torch.save's zip writer buries a full disk's OSError under a RuntimeError
             refused = storage_error_in(err)
             if refused is None:
                 raise
             raise StorageError(
-                f"cannot stage {url} in {tempfile.gettempdir()} ({refused.strerror}): the store is as it was; free "
-                "space there (or point TMPDIR elsewhere) and resume with ckpt_path=last"
+                f"cannot stage {url} in {object_store.node_folder_path()} ({refused.strerror}): the store is as it "
+                "was; free space there (or point TMPDIR elsewhere) and resume with ckpt_path=last"
             ) from err
 
     def _make_dir(self, directory: Path) -> None:
@@ -127,7 +125,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
 def _keep_as(current: Path, previous: Path) -> None:
     """Make ``previous`` a second name of ``current`` (a hard link, staged and renamed: never half there)."""
-    staged = previous.with_name(f".{previous.name}{_TMP_MARK}{os.getpid()}")
+    staged = previous.with_name(f".{previous.name}{object_store.TMP_MARK}{os.getpid()}")
     try:
         os.link(current, staged)
         os.replace(staged, previous)
@@ -195,7 +193,7 @@ def _fsync_dir(directory: Path) -> None:
 
 def remove_stale_temp_files(directory: Path) -> list[Path]:
     """Temp files of writes that were killed half way (their final names were never touched)."""
-    stale = sorted(directory.glob(f".*.ckpt{_TMP_MARK}*")) if directory.is_dir() else []
+    stale = sorted(directory.glob(f".*.ckpt{object_store.TMP_MARK}*")) if directory.is_dir() else []
     for path in stale:
         path.unlink(missing_ok=True)
     return stale

@@ -43,7 +43,9 @@ SCHEMES = ("s3",)
 # botocore's own retries (standard mode) bound a request; a store that stops answering fails a write in about a minute
 CONNECT_TIMEOUT_S, READ_TIMEOUT_S, ATTEMPTS = 10, 60, 3
 RESUMED: set[str] = set()  # the checkpoints this process resumed from: never deleted by this run
-STAGE_MARK = ".tmp-"  # a staged file's name: .NAME.tmp-RANDOM, in node_folder()
+# a file on its way: .NAME.tmp-PID beside a local checkpoint (src/checkpoints/files.py), .NAME.tmp-RANDOM when staged
+# in node_folder()
+TMP_MARK = ".tmp-"
 STALE_STAGE_S = 60.0
 _swept = False  # this process removed the stale staged files once
 
@@ -222,7 +224,7 @@ def local_copy(url: str) -> Path:
         if copy.exists():
             return copy
         started = time.perf_counter()
-        with staged(copy.name) as download:
+        with staged(copy.name, folder) as download:
             try:
                 fs.get_file(_key(url), str(download))
             except Exception as err:  # noqa: BLE001
@@ -241,7 +243,7 @@ def node_folder() -> Path:
     user's would refuse another's ranks (and show them its checkpoints). The staged files of processes killed half way
     (SIGKILL, the OOM killer: no ``finally`` runs; a checkpoint's size each) are removed on first use in a process."""
     global _swept
-    folder = Path(tempfile.gettempdir()) / f"cifar10-ddp-{os.getuid()}"
+    folder = node_folder_path()
     try:
         folder.mkdir(mode=0o700, exist_ok=True)
         found = folder.lstat()
@@ -261,11 +263,16 @@ def node_folder() -> Path:
     return folder
 
 
+def node_folder_path() -> Path:
+    """Where ``node_folder()`` is, made or not: ``$TMPDIR/cifar10-ddp-UID``."""
+    return Path(tempfile.gettempdir()) / f"cifar10-ddp-{os.getuid()}"
+
+
 @contextlib.contextmanager
-def staged(name: str) -> Iterator[Path]:
-    """A new file in ``node_folder()`` for ``name`` on its way to or from the store, locked (flock) while in use and
-    removed after, unless it was renamed meanwhile."""
-    fd, path = tempfile.mkstemp(prefix=f".{name}{STAGE_MARK}", dir=node_folder())
+def staged(name: str, folder: Path | None = None) -> Iterator[Path]:
+    """A new file in ``folder`` (``node_folder()`` by default) for ``name`` on its way to or from the store, locked
+    (flock) while in use and removed after, unless it was renamed meanwhile."""
+    fd, path = tempfile.mkstemp(prefix=f".{name}{TMP_MARK}", dir=folder or node_folder())
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)  # held until closed: remove_stale_stages passes over it, from any process
         yield Path(path)
@@ -279,7 +286,7 @@ def remove_stale_stages(folder: Path, older_than_s: float = STALE_STAGE_S) -> li
     more than ``older_than_s`` ago (a file is locked an instant after it is made)."""
     removed = []
     now = time.time()
-    for path in folder.glob(f".*{STAGE_MARK}*"):
+    for path in folder.glob(f".*{TMP_MARK}*"):
         try:
             if now - path.stat().st_mtime < older_than_s:
                 continue
