@@ -319,3 +319,30 @@ def test_a_full_node_folder_while_staging_is_one_line_naming_it_and_leaves_nothi
         "there (or point TMPDIR elsewhere) and resume with ckpt_path=last"
     )
     assert list(folder.iterdir()) == []
+
+
+def test_a_full_node_folder_while_downloading_is_one_line_naming_it_not_the_object(small_disk, s3_store, monkeypatch):
+    """``ckpt_path=s3://...`` of 16 MB copied to a 10 MB tmpfs: the object is fine, this node's disk is not."""
+    import tempfile
+
+    from src.checkpoints import object_store
+    from src.checkpoints.files import read_checkpoint
+    from src.core.errors import StorageError
+
+    url = s3_store.url(f"full-{uuid.uuid4().hex[:8]}/big.ckpt")
+    blob = io.BytesIO()
+    torch.save({"weights": torch.zeros(4 * 2**20)}, blob)
+    Store(s3_store).fs.pipe_file(url.split("://")[1], blob.getvalue())
+    for name, value in s3_store.env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("TMPDIR", str(small_disk))
+    monkeypatch.setattr(tempfile, "tempdir", str(small_disk))
+    monkeypatch.setattr(object_store, "_FS", None)  # a client made with this environment
+    folder = small_disk / f"cifar10-ddp-{os.getuid()}"
+    with pytest.raises(StorageError) as raised:
+        read_checkpoint(url)
+    assert str(raised.value) == (
+        f"cannot copy {url} to {folder} (No space left on device): free space there, or point TMPDIR at a larger "
+        "node-local folder"
+    )
+    assert [p.suffix for p in folder.iterdir()] == [".lock"]  # the object's download lock; nothing half copied

@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
-from src.core.errors import StorageError, UserError, require
+from src.core.errors import StorageError, UserError, require, storage_error_in
 
 log = logging.getLogger(__name__)
 
@@ -228,6 +228,12 @@ def local_copy(url: str) -> Path:
             try:
                 fs.get_file(_key(url), str(download))
             except Exception as err:  # noqa: BLE001
+                full = storage_error_in(err)
+                if full is not None:  # this node's disk, not the store
+                    raise StorageError(
+                        f"cannot copy {url} to {folder} ({full.strerror}): free space there, or point TMPDIR at a "
+                        "larger node-local folder"
+                    ) from None
                 raise OSError(why(err)) from None
             os.replace(download, copy)
         for older in folder.glob(f"{name}-*.ckpt"):  # one copy an object: the newest
