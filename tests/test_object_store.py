@@ -346,3 +346,35 @@ def test_a_full_node_folder_while_downloading_is_one_line_naming_it_not_the_obje
         "node-local folder"
     )
     assert [p.suffix for p in folder.iterdir()] == [".lock"]  # the object's download lock; nothing half copied
+
+
+def test_downloaded_copies_unused_for_a_week_are_removed_and_read_or_held_ones_kept(node_tmp, s3_store, monkeypatch):
+    import fcntl
+
+    from src.checkpoints import object_store
+
+    for name, value in s3_store.env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(object_store, "_FS", None)
+    url = s3_store.url(f"copies-{uuid.uuid4().hex[:8]}/last.ckpt")
+    blob = io.BytesIO()
+    torch.save({"global_step": 1}, blob)
+    Store(s3_store).fs.pipe_file(url.split("://")[1], blob.getvalue())
+    folder = object_store.node_folder()
+    week, old = object_store.UNUSED_COPY_S, time.time() - object_store.UNUSED_COPY_S - 3600
+    read = object_store.local_copy(url)  # downloaded, then read again a week later: the read renews its time
+    os.utime(read.with_name(read.name.split("-")[0] + ".lock"), (old, old))
+    assert object_store.local_copy(url) == read
+    copies = {}
+    for name, age in (("unused", week + 3600), ("recent", week - 3600), ("held", week + 3600)):
+        copies[name] = folder / f"{name}-0123abcd.ckpt"
+        copies[name].write_bytes(b"x")
+        (folder / f"{name}.lock").write_bytes(b"")
+        os.utime(folder / f"{name}.lock", (time.time() - age, time.time() - age))
+    (folder / "notes.txt").write_text("not ours")
+    with open(folder / "held.lock") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # a process reading or downloading it now
+        assert object_store.remove_unused_copies(folder) == [copies["unused"]]
+    assert not (folder / "unused.lock").exists()
+    assert copies["recent"].exists() and copies["held"].exists() and read.exists()
+    assert (folder / "notes.txt").exists()

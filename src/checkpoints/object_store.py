@@ -47,6 +47,9 @@ RESUMED: set[str] = set()  # the checkpoints this process resumed from: never de
 # in node_folder()
 TMP_MARK = ".tmp-"
 STALE_STAGE_S = 60.0
+# a downloaded copy no process has used for this long is removed (each is a checkpoint's size, 90 to 190 MB): the
+# node's next use of the folder sweeps them, and a later read downloads the object again
+UNUSED_COPY_S = 7 * 24 * 3600.0
 _swept = False  # this process removed the stale staged files once
 
 
@@ -266,7 +269,43 @@ def node_folder() -> Path:
     if not _swept:
         _swept = True
         remove_stale_stages(folder)
+        remove_unused_copies(folder)
     return folder
+
+
+def remove_unused_copies(folder: Path, older_than_s: float = UNUSED_COPY_S) -> list[Path]:
+    """Remove the downloaded copies in ``folder`` that no process has read for ``older_than_s``: each object's lock
+    file is rewritten at every read (``local_copy``), so its time is the copy's last use. A copy whose lock a process
+    holds (a download, a read) stays."""
+    removed = []
+    now = time.time()
+    for lock_path in folder.glob("*.lock"):
+        try:
+            if now - lock_path.stat().st_mtime < older_than_s:
+                continue
+            fd = os.open(lock_path, os.O_RDONLY)
+        except FileNotFoundError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:  # in use
+            continue
+        else:
+            copies = list(folder.glob(f"{lock_path.stem}-*.ckpt"))
+            for copy in copies:
+                copy.unlink(missing_ok=True)
+            lock_path.unlink(missing_ok=True)
+            removed += copies
+        finally:
+            os.close(fd)
+    if removed:
+        log.info(
+            "removed %d downloaded checkpoint(s) unused for %d days from %s",
+            len(removed),
+            older_than_s // 86400,
+            folder,
+        )
+    return removed
 
 
 def node_folder_path() -> Path:
