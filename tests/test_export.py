@@ -98,10 +98,11 @@ def test_the_documented_loader_rebuilds_torchvisions_network_with_the_same_logit
     assert (scope["logits"] - expected).abs().max() <= 1e-5
 
 
+@pytest.mark.parametrize("width", [16, 64])  # the project's NarrowResNet; torchvision's own builder
 @pytest.mark.parametrize("stem", ["cifar", "imagenet"])
-def test_a_narrow_networks_safetensors_is_rebuilt_by_src_predicts_loader_with_the_same_logits(stem, tmp_path):
-    model = ImageClassifier(arch="resnet18", stem=stem, width=16).eval()
-    meta = {"arch": "resnet18", "stem": stem, "width": 16, "num_classes": 10, "class_names": list("abcdefghij")}
+def test_a_safetensors_of_either_width_is_rebuilt_by_src_predicts_loader_with_the_same_logits(stem, width, tmp_path):
+    model = ImageClassifier(arch="resnet18", stem=stem, width=width).eval()
+    meta = {"arch": "resnet18", "stem": stem, "width": width, "num_classes": 10, "class_names": list("abcdefghij")}
     images = torch.rand(4, 3, 32, 32)
     with torch.inference_mode():
         expected = Normalised(model.net).eval()(images)

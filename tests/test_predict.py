@@ -143,8 +143,13 @@ def test_every_encoding_of_an_image_gives_the_classes_and_probabilities_of_the_i
     sample_checkpoint, sample_pngs, tmp_path
 ):
     """16-bit, grey-scale, palette, alpha, GIF, WebP and an EXIF-turned JPEG read as a viewer shows them: the same
-    top classes with the same probabilities (within 0.01) as the plain file. Top-1 alone would not do: a ReLU network
-    scales with its input, so an image read 257 times too bright can keep its top class."""
+    top classes with the same probabilities (within 0.01; the turned JPEG within 0.02 of the upright one) as the
+    plain file. Top-1 alone would not do: a ReLU network scales with its input, so an image read 257 times too bright
+    can keep its top class.
+
+    The two JPEGs are two lossy encodings of one picture, on block grids turned against each other: on the first 8
+    of the sample's images they differed by up to 0.012 for the sample's model, and by 0.07 to 0.72 where the turn
+    the EXIF tag asks for was left out (the other pairs: 0.002 at most)."""
     classify, _ = load_model(sample_checkpoint / "checkpoints" / "last.ckpt", trusted=False)
     _, images = sample_pngs
     for n, image in enumerate(images[:3]):
@@ -157,7 +162,8 @@ def test_every_encoding_of_an_image_gives_the_classes_and_probabilities_of_the_i
             probabilities = dict(zip(names, classify(torch.stack([read[name][0] for name in names])).softmax(1)))
         for encoded, plain in pairs:
             got, want = probabilities[encoded], probabilities[plain]
-            assert (got - want).abs().max() < 0.01, (n, encoded, (got - want).abs().max())
+            within = 0.02 if encoded.endswith(".jpg") else 0.01
+            assert (got - want).abs().max() < within, (n, encoded, (got - want).abs().max())
             # the top 3 in the plain file's order, wherever it has them more than 0.02 apart: a near tie may fall
             # either way between two JPEG encodings of one picture (classes 0.003 apart swapped, in fp32)
             top = want.topk(3).indices.tolist()
