@@ -244,9 +244,10 @@ def measure_bf16_speedup(arch: str) -> dict[str, object]:
 
     What a step takes: with one thread, the thread's own CPU time, which other processes on a busy machine do
     not add to (a ResNet-18 probe read 1.56 to 1.64 beside two busy loops on 2 cores and 1.57 alone, where its
-    wall time read 1.40 to 1.61, and once 0.68 under a test suite's load). Several threads wait for each other,
-    and a thread another process holds back stalls the rest while they spin: their wall time then, with the
-    share of the CPU the probe had (``cpu_share``) saying whether it ran alone (``busy`` below BUSY_SHARE).
+    wall time read 1.40 to 1.61; the best of two rounds by wall time once read 0.68 under a test suite's load).
+    Several threads wait for each other, and a thread another process holds back stalls the rest while they spin:
+    their wall time then, with the share of the CPU the probe had (``cpu_share``) saying whether it ran alone
+    (``busy`` below BUSY_SHARE).
     """
     from src.models.resnet import build_resnet
 
