@@ -277,27 +277,13 @@ def remove_unused_copies(folder: Path, older_than_s: float = UNUSED_COPY_S) -> l
     """Remove the downloaded copies in ``folder`` that no process has read for ``older_than_s``: each object's lock
     file is rewritten at every read (``local_copy``), so its time is the copy's last use. A copy whose lock a process
     holds (a download, a read) stays."""
-    removed = []
-    now = time.time()
-    for lock_path in folder.glob("*.lock"):
-        try:
-            if now - lock_path.stat().st_mtime < older_than_s:
-                continue
-            fd = os.open(lock_path, os.O_RDONLY)
-        except FileNotFoundError:
-            continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:  # in use
-            continue
-        else:
-            copies = list(folder.glob(f"{lock_path.stem}-*.ckpt"))
-            for copy in copies:
-                copy.unlink(missing_ok=True)
-            lock_path.unlink(missing_ok=True)
-            removed += copies
-        finally:
-            os.close(fd)
+    removed: list[Path] = []
+    for lock_path in _idle(folder, "*.lock", older_than_s):
+        copies = list(folder.glob(f"{lock_path.stem}-*.ckpt"))
+        for copy in copies:
+            copy.unlink(missing_ok=True)
+        lock_path.unlink(missing_ok=True)
+        removed += copies
     if removed:
         log.info(
             "removed %d downloaded checkpoint(s) unused for %d days from %s",
@@ -330,8 +316,20 @@ def remove_stale_stages(folder: Path, older_than_s: float = STALE_STAGE_S) -> li
     """Remove the staged files in ``folder`` that no process holds (its lock went with it) and that were last written
     more than ``older_than_s`` ago (a file is locked an instant after it is made)."""
     removed = []
+    for path in _idle(folder, f".*{TMP_MARK}*", older_than_s):
+        path.unlink(missing_ok=True)
+        removed.append(path)
+    if removed:
+        log.info("removed %d staged checkpoint file(s) that killed processes left in %s", len(removed), folder)
+    return removed
+
+
+def _idle(folder: Path, pattern: str, older_than_s: float) -> Iterator[Path]:
+    """The files in ``folder`` matching ``pattern``, last written more than ``older_than_s`` ago, that no process
+    holds a lock (flock) on: each yielded while this process holds it, so what the caller removes then is in no
+    one's use."""
     now = time.time()
-    for path in folder.glob(f".*{TMP_MARK}*"):
+    for path in folder.glob(pattern):
         try:
             if now - path.stat().st_mtime < older_than_s:
                 continue
@@ -339,14 +337,10 @@ def remove_stale_stages(folder: Path, older_than_s: float = STALE_STAGE_S) -> li
         except FileNotFoundError:  # its process, or another's sweep, removed it meanwhile
             continue
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:  # in use
-            continue
-        else:
-            path.unlink(missing_ok=True)
-            removed.append(path)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:  # in use
+                continue
+            yield path
         finally:
             os.close(fd)
-    if removed:
-        log.info("removed %d staged checkpoint file(s) that killed processes left in %s", len(removed), folder)
-    return removed
