@@ -368,3 +368,43 @@ def test_a_cuda_rank_gets_nccl_watchdog_and_flight_recorder_dumping_into_the_run
     assert heartbeat.write_nccl_trace(0) is None  # no CUDA process group here: nothing to write, no error
     if not torch.cuda.is_available():
         assert not list(folder.iterdir())
+
+
+def test_a_ctrl_c_that_comes_after_the_stop_ends_the_process_with_the_stops_status_and_its_line_once():
+    """``ddp_spawn``'s parent passes the terminal's Ctrl-C on to its ranks. On a busy machine it came after a rank had
+    stopped and Lightning's teardown had put back the handler it found at fit's start: that rank died 'killed by
+    SIGINT', and the run ended with exit 1 instead of 130. The handler found there is the project's own
+    (src/resilience/failure.py); a real process here, with Lightning's record and restore of it."""
+    code = (
+        "import os, signal, sys, time\n"
+        "from src.resilience import failure\n"
+        "failure.install_sigint_handler()\n"
+        "found = signal.getsignal(signal.SIGINT)  # what Lightning records at fit's start and puts back at its end\n"
+        "try:\n"
+        "    os.kill(os.getpid(), signal.SIGINT); time.sleep(5)\n"
+        "except KeyboardInterrupt:\n"
+        "    print('before a stop: KeyboardInterrupt', flush=True)\n"
+        "signal.signal(signal.SIGINT, lambda *_: None)  # GracefulStop's own, while the steps run\n"
+        "err = failure.stopping(failure.Terminated(signal.SIGINT, 'interrupted (Ctrl-C) at step 4'), True)\n"
+        "signal.signal(signal.SIGINT, found)  # Lightning's teardown\n"
+        "os.kill(os.getpid(), signal.SIGINT); time.sleep(5)\n"
+        "print('not reached', flush=True)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert (result.returncode, result.stdout) == (130, "before a stop: KeyboardInterrupt\n"), result.stderr[-2000:]
+    assert result.stderr == "interrupted (Ctrl-C) at step 4\n"
+    # a shell's background job ignores SIGINT: it keeps ignoring it
+    ignored = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import signal; from src.resilience import failure; failure.install_sigint_handler();"
+            "print(signal.getsignal(signal.SIGINT) is signal.SIG_IGN)",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+    )
+    assert ignored.stdout == "True\n", ignored.stderr[-2000:]

@@ -39,7 +39,7 @@ from src.checkpoints.files import LAST
 from src.checkpoints.last import LastCheckpoint
 from src.core.errors import UserError, print_line
 from src.launch import torchrun
-from src.resilience import heartbeat, supervision
+from src.resilience import failure, heartbeat, supervision
 from src.resilience.failure import Terminated
 
 SAME_PRESS_S = 1.0  # SIGINTs this close together are one Ctrl-C (the terminal's, and ddp_spawn's parent passing it on)
@@ -129,7 +129,7 @@ class GracefulStop(L.Callback):
     def _release_sigint(self) -> None:
         # the code after fit, or a sweep's next job, must not leave a Ctrl-C to this callback's flag
         if threading.current_thread() is threading.main_thread() and not self._saved_stop:
-            signal.signal(signal.SIGINT, signal.default_int_handler)
+            signal.signal(signal.SIGINT, failure.on_sigint)
 
     def _install(self) -> None:
         if threading.current_thread() is threading.main_thread():
@@ -207,17 +207,23 @@ class GracefulStop(L.Callback):
         path = self._save(trainer)
         self._saved_stop = True
         if self._signal_or_sigterm() == signal.SIGINT:
-            raise Terminated(
-                signal.SIGINT,
-                f"interrupted (Ctrl-C) at step {trainer.global_step} of epoch "
-                f"{trainer.current_epoch}; {path} written; resume with hydra.run.dir={path.parent.parent} "
-                "ckpt_path=last",
+            raise failure.stopping(
+                Terminated(
+                    signal.SIGINT,
+                    f"interrupted (Ctrl-C) at step {trainer.global_step} of epoch "
+                    f"{trainer.current_epoch}; {path} written; resume with hydra.run.dir={path.parent.parent} "
+                    "ckpt_path=last",
+                ),
+                self._rank_zero,
             )
         then = "torchrun's next attempt resumes from there" if torchrun.active() else f"resume with ckpt_path={path}"
-        raise Terminated(
-            self._signal_or_sigterm(),
-            f"{self._name()} after step {trainer.global_step}: every rank stopped "
-            f"there and {path} holds that step; {then}",
+        raise failure.stopping(
+            Terminated(
+                self._signal_or_sigterm(),
+                f"{self._name()} after step {trainer.global_step}: every rank stopped "
+                f"there and {path} holds that step; {then}",
+            ),
+            self._rank_zero,
         )
 
     def on_test_batch_end(
@@ -237,9 +243,12 @@ class GracefulStop(L.Callback):
         if stop:
             self._saved_stop = True
             what = "interrupted (Ctrl-C)" if self._signal_or_sigterm() == signal.SIGINT else self._name()
-            raise Terminated(
-                self._signal_or_sigterm(),
-                f"{what} during the test pass; training had finished and its checkpoints are complete",
+            raise failure.stopping(
+                Terminated(
+                    self._signal_or_sigterm(),
+                    f"{what} during the test pass; training had finished and its checkpoints are complete",
+                ),
+                self._rank_zero,
             )
 
     def _agreement_batch(self) -> bool:

@@ -83,6 +83,7 @@ def exit_now(code: Any) -> NoReturn:
 
 def _run(main: Callable[[], Any]) -> Any:
     os.environ.setdefault(USER_FULL_ERROR, os.environ.get("HYDRA_FULL_ERROR", ""))  # a local rank keeps its parent's
+    failure.install_sigint_handler()  # what Lightning puts back after a stage (failure.on_sigint)
     if wants_traceback():
         return main()
     os.environ["HYDRA_FULL_ERROR"] = "1"

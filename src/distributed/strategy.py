@@ -453,6 +453,7 @@ class HydraSpawnLauncher(_MultiProcessingLauncher):
         from src.core.console import spawned_rank_console
 
         spawned_rank_console()
+        failure.install_sigint_handler()  # what Lightning puts back after a stage (failure.on_sigint)
         set_backend_flags(self._backend_flags)
         # torch makes a spawned rank get SIGINT when its parent dies; that KeyboardInterrupt races the watch
         # below and ends the rank without a word. One owner: the watch, which says what happened.

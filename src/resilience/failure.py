@@ -29,9 +29,10 @@ import os
 import re
 import signal
 import sys
+import threading
 import traceback
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from src.core.errors import (
     EXIT_FAILED,
@@ -65,6 +66,46 @@ class Terminated(Exception):
         return str(self) if self.signum == signal.SIGINT else f"stopped: {self}"
 
 
+# the stop on request this process raised at the agreed step, whether its line is this process's to say, and whether
+# it was said: what a SIGINT after it means (on_sigint)
+_stop: dict[str, Any] = {}
+
+
+def stopping(err: Terminated, speaks: bool) -> Terminated:
+    """Note ``err`` as this process raises it at the agreed step; ``speaks``: rank zero's, which says its line."""
+    _stop.update(err=err, speaks=speaks)
+    return err
+
+
+def _say_stop_line(err: Terminated, speaks: bool) -> None:
+    if speaks and not _stop.get("said"):
+        _stop["said"] = True
+        print_line(err.line)
+
+
+def on_sigint(signum: int, frame: Any) -> None:
+    """SIGINT where no training step listens: before fit, and after Lightning's teardown, which puts back the handler
+    it found at fit's start. Before a stop: Python's KeyboardInterrupt (one line, src/cli/entry.py). After this
+    process raised its stop at the agreed step: the same Ctrl-C arriving late (``ddp_spawn``'s parent passes the
+    terminal's on to its ranks, seconds late on a busy machine) or a second press ends it at once, with the stop's
+    own status and line. As a KeyboardInterrupt there, it had ended a rank 'killed by SIGINT', and the run exit 1."""
+    err = _stop.get("err")
+    if err is None:
+        raise KeyboardInterrupt
+    _say_stop_line(err, bool(_stop.get("speaks")))
+    supervision.stop_processes(supervision.STARTED, grace_s=2.0)
+    os._exit(err.exit_code)
+
+
+def install_sigint_handler() -> None:
+    """Make ``on_sigint`` this process's SIGINT handler where Python's own is: not where SIGINT is ignored (a job a
+    shell started in the background keeps ignoring the terminal's Ctrl-C)."""
+    if threading.current_thread() is threading.main_thread() and (
+        signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    ):
+        signal.signal(signal.SIGINT, on_sigint)
+
+
 def fail(err: BaseException, log_dir: str | None = None, rank_zero: bool | None = None) -> None:
     """End this process for ``err``, which ended its task: an entry point's, or a ``ddp_spawn`` rank's. Returns only
     in a sweep's job (the sweep goes on). ``log_dir``: where a traceback goes when logging has no file;
@@ -72,8 +113,8 @@ def fail(err: BaseException, log_dir: str | None = None, rank_zero: bool | None 
     rank_zero = ranks.is_launch_rank_zero() if rank_zero is None else rank_zero
     if isinstance(err, Terminated):
         supervision.stop_watching_failures()  # every rank stops at this very step: a good end of sorts
-        if rank_zero:
-            print_line(err.line)
+        _stop.setdefault("err", err)
+        _say_stop_line(err, rank_zero)
         supervision.reap_started(grace_s=60)  # they stop at the same batch; let them finish writing
         if rank_zero and ranks.in_sweep():
             print_line(stopped_line())
