@@ -19,6 +19,8 @@ failed under way, ``128 + signal`` for a run stopped on request (130 Ctrl-C, 143
 5. **A stop on request** is no failure: ``Terminated`` is raised on every rank after the same step
    (``src/callbacks/graceful_stop.py``), rank zero prints where it stopped and how to resume, and every process exits
    with ``128 + signal``. Ctrl-C where no step can stop (while starting, between a sweep's jobs): ``interrupted()``.
+   Every command's process and every spawned rank handles SIGINT with ``on_sigint`` wherever no step listens: after
+   its stop, a Ctrl-C (late, or pressed again) ends it at once with the stop's own status.
 """
 
 from __future__ import annotations
