@@ -390,7 +390,14 @@ def test_a_ctrl_c_that_comes_after_the_stop_ends_the_process_with_the_stops_stat
         "os.kill(os.getpid(), signal.SIGINT); time.sleep(5)\n"
         "print('not reached', flush=True)\n"
     )
-    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    result = subprocess.run(  # SIGINT at its default, as a terminal's job has it (pytest-xdist's workers ignore it)
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     assert (result.returncode, result.stdout) == (130, "before a stop: KeyboardInterrupt\n"), result.stderr[-2000:]
     assert result.stderr == "interrupted (Ctrl-C) at step 4\n"
     # a shell's background job ignores SIGINT: it keeps ignoring it
