@@ -105,6 +105,8 @@ class AtomicCheckpointIO(TorchCheckpointIO):
                     torch.save(checkpoint, f)
                 intact = f"the previous {LAST} in {folder} is kept" if name == LAST else f"{folder} is as it was"
                 object_store.put(stage, url, previous, intact)
+        except UserError:  # the store's own line (put), or the node folder's: said as they are
+            raise
         except Exception as err:  # torch.save's zip writer buries a full disk's OSError under a RuntimeError
             refused = storage_error_in(err)
             if refused is None:
