@@ -232,17 +232,35 @@ def test_the_server_stopped_mid_run_is_one_line_and_the_checkpoint_before_stays_
 # -- this user's node-local folder: staged and downloaded checkpoints (in-process, and one process killed holding one)
 
 
-@pytest.fixture
-def node_tmp(tmp_path, monkeypatch):
-    """TMPDIR as ``tmp_path``, for this process (tempfile's cached answer too) and the processes it starts."""
+def use_tmpdir(monkeypatch, folder: Path) -> Path:
+    """TMPDIR as ``folder``, for this process (tempfile's cached answer too, and a first use of the node folder that
+    sweeps it) and the processes it starts."""
     import tempfile
 
     from src.checkpoints import object_store
 
-    monkeypatch.setenv("TMPDIR", str(tmp_path))
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setenv("TMPDIR", str(folder))
+    monkeypatch.setattr(tempfile, "tempdir", str(folder))
     monkeypatch.setattr(object_store, "_swept", False)
-    return tmp_path
+    return folder
+
+
+def use_store(monkeypatch, server, url: str, checkpoint: dict) -> None:
+    """This process a client of ``server`` as a run is (its variables, a filesystem made with them), and
+    ``checkpoint`` saved at ``url`` there."""
+    from src.checkpoints import object_store
+
+    for name, value in server.env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(object_store, "_FS", None)
+    blob = io.BytesIO()
+    torch.save(checkpoint, blob)
+    Store(server).fs.pipe_file(url.split("://")[1], blob.getvalue())
+
+
+@pytest.fixture
+def node_tmp(tmp_path, monkeypatch):
+    return use_tmpdir(monkeypatch, tmp_path)
 
 
 def test_a_staged_file_whose_process_was_killed_is_removed_and_one_in_use_is_kept(node_tmp):
@@ -304,13 +322,10 @@ def test_a_node_folder_another_user_holds_is_one_line_naming_it_and_tmpdir_befor
 def test_a_full_node_folder_while_staging_is_one_line_naming_it_and_leaves_nothing_staged(small_disk, monkeypatch):
     """A checkpoint of 16 MB staged on a 10 MB tmpfs: the store is never reached (no server here), and the line
     names the node folder that filled, not TMPDIR's parent."""
-    import tempfile
-
     from src.checkpoints.files import AtomicCheckpointIO
     from src.core.errors import StorageError
 
-    monkeypatch.setenv("TMPDIR", str(small_disk))
-    monkeypatch.setattr(tempfile, "tempdir", str(small_disk))
+    use_tmpdir(monkeypatch, small_disk)
     folder = small_disk / f"cifar10-ddp-{os.getuid()}"
     with pytest.raises(StorageError) as raised:
         AtomicCheckpointIO().save_checkpoint({"weights": torch.zeros(4 * 2**20)}, "s3://b/x/last.ckpt")
@@ -323,21 +338,12 @@ def test_a_full_node_folder_while_staging_is_one_line_naming_it_and_leaves_nothi
 
 def test_a_full_node_folder_while_downloading_is_one_line_naming_it_not_the_object(small_disk, s3_store, monkeypatch):
     """``ckpt_path=s3://...`` of 16 MB copied to a 10 MB tmpfs: the object is fine, this node's disk is not."""
-    import tempfile
-
-    from src.checkpoints import object_store
     from src.checkpoints.files import read_checkpoint
     from src.core.errors import StorageError
 
     url = s3_store.url(f"full-{uuid.uuid4().hex[:8]}/big.ckpt")
-    blob = io.BytesIO()
-    torch.save({"weights": torch.zeros(4 * 2**20)}, blob)
-    Store(s3_store).fs.pipe_file(url.split("://")[1], blob.getvalue())
-    for name, value in s3_store.env.items():
-        monkeypatch.setenv(name, value)
-    monkeypatch.setenv("TMPDIR", str(small_disk))
-    monkeypatch.setattr(tempfile, "tempdir", str(small_disk))
-    monkeypatch.setattr(object_store, "_FS", None)  # a client made with this environment
+    use_store(monkeypatch, s3_store, url, {"weights": torch.zeros(4 * 2**20)})
+    use_tmpdir(monkeypatch, small_disk)
     folder = small_disk / f"cifar10-ddp-{os.getuid()}"
     with pytest.raises(StorageError) as raised:
         read_checkpoint(url)
@@ -353,13 +359,8 @@ def test_downloaded_copies_unused_for_a_week_are_removed_and_read_or_held_ones_k
 
     from src.checkpoints import object_store
 
-    for name, value in s3_store.env.items():
-        monkeypatch.setenv(name, value)
-    monkeypatch.setattr(object_store, "_FS", None)
     url = s3_store.url(f"copies-{uuid.uuid4().hex[:8]}/last.ckpt")
-    blob = io.BytesIO()
-    torch.save({"global_step": 1}, blob)
-    Store(s3_store).fs.pipe_file(url.split("://")[1], blob.getvalue())
+    use_store(monkeypatch, s3_store, url, {"global_step": 1})
     folder = object_store.node_folder()
     week, old = object_store.UNUSED_COPY_S, time.time() - object_store.UNUSED_COPY_S - 3600
     read = object_store.local_copy(url)  # downloaded, then read again a week later: the read renews its time
