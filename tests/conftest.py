@@ -130,7 +130,7 @@ def cifar_root(tmp_path: Path) -> Path:
 @pytest.fixture
 def sample_root() -> Path:
     if not (SAMPLE / "cifar-10-batches-py").is_dir():
-        pytest.skip(f"the CIFAR-10 sample is not at {SAMPLE} (it comes with ../shared)")
+        pytest.skip(f"the CIFAR-10 sample is not at {SAMPLE} (../shared has it; CIFAR10_SAMPLE=DIR names a copy)")
     return SAMPLE
 
 
@@ -212,7 +212,7 @@ def sample_checkpoint(tmp_path_factory) -> Path:
     CIFAR-10 sample: better than chance (21% of the sample's first 1,000 test images on the reference CPU),
     so its predictions have something to agree on. Its run dir; the checkpoint is checkpoints/last.ckpt."""
     if not (SAMPLE / "cifar-10-batches-py").is_dir():
-        pytest.skip(f"the CIFAR-10 sample is not at {SAMPLE} (it comes with ../shared)")
+        pytest.skip(f"the CIFAR-10 sample is not at {SAMPLE} (../shared has it; CIFAR10_SAMPLE=DIR names a copy)")
     with shared_between_workers(tmp_path_factory, "sample") as (folder, made):
         run_dir = folder / "run"
         if not made:

@@ -11,7 +11,7 @@ import torch
 from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
 
 from src.data.device_batches import DeviceBatches, shard_indices
-from tests.conftest import SAMPLE, free_port, output, run_module
+from tests.conftest import free_port, output, run_module
 
 CPU = torch.device("cpu")
 TESTED = 25  # in batches of 4: shards of 13 + 12 images at world size 2, 9 + 8 + 8 at 3; rank 0 has a batch more
@@ -36,13 +36,14 @@ def test_evaluation_shards_hold_each_image_once_as_lightnings_unrepeated_sampler
 
 
 @pytest.fixture
-def small_test_set(tmp_path: Path) -> Path:
-    """data.root with the sample's training batches and its first TESTED test images as the test set."""
+def small_test_set(sample_root: Path, tmp_path: Path) -> Path:
+    """data.root with the sample's training batches and its first TESTED test images as the test set (the test skips
+    where the sample is not: a GPU node without ../shared)."""
     folder = tmp_path / "data" / "cifar-10-batches-py"
     folder.mkdir(parents=True)
     for name in [f"data_batch_{i}" for i in range(1, 6)] + ["batches.meta"]:
-        (folder / name).symlink_to(SAMPLE / "cifar-10-batches-py" / name)
-    with open(SAMPLE / "cifar-10-batches-py" / "test_batch", "rb") as f:
+        (folder / name).symlink_to(sample_root / "cifar-10-batches-py" / name)
+    with open(sample_root / "cifar-10-batches-py" / "test_batch", "rb") as f:
         test = pickle.load(f, encoding="latin1")
     with open(folder / "test_batch", "wb") as f:
         pickle.dump({"data": test["data"][:TESTED], "labels": test["labels"][:TESTED], "batch_label": "test"}, f)

@@ -153,8 +153,6 @@ SAMPLE_FIT = [
 
 
 def test_two_cuda_ranks_fit_validate_and_test_and_one_checkpoint_evaluates_alike_on_1_2_and_3(small_test_set, tmp_path):
-    if not (SAMPLE / "cifar-10-batches-py").is_dir():
-        pytest.skip(f"the CIFAR-10 sample is not at {SAMPLE} (CIFAR10_SAMPLE=DIR names a copy)")
     fit = tmp_path / "fit"
     outs, _ = finish_nodes(start_nodes(2, fit, *on_gpu(SAMPLE_FIT)), 300)
     assert all("error:" not in out and "Traceback" not in out for out in outs), outs[0][-3000:] + outs[1][-3000:]
