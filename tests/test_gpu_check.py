@@ -15,7 +15,7 @@ import time
 import pytest
 import torch
 
-from benchmarks.gpu_check import STEPS, GpuCheck, StepFailed, tail
+from benchmarks.gpu_check import STEPS, GpuCheck, StepFailed, tail, xdist_options
 from src.models.fast_path import cpu_model
 from tests.conftest import ROOT, cmdline, descendants, run_script, running
 
@@ -123,6 +123,15 @@ def test_a_step_that_would_overrun_the_budget_is_skipped_with_a_note(tmp_path):
     assert all(
         step["note"] == "left out (--only, --skip)" for name, step in steps.items() if name not in ("env", "nccl")
     )
+
+
+def test_on_a_gpu_the_tests_run_on_a_worker_per_two_cores_and_in_the_cpu_mode_in_one_process(monkeypatch):
+    for cores, cuda, options in ((16, True, ["-n", "8"]), (64, True, ["-n", "8"]), (6, True, ["-n", "3"])) + (
+        (3, True, []),  # one worker: no pytest-xdist
+        (16, False, []),  # the CPU mode, a test of the CPU suite: one process
+    ):
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid, n=cores: set(range(n)))
+        assert xdist_options(cuda) == options, (cores, cuda)
 
 
 def test_a_command_past_its_time_is_stopped_with_every_process_it_started(tmp_path):
