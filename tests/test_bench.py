@@ -106,6 +106,8 @@ def test_the_precision_comparison_trains_fp32_and_bf16_alike_and_reports_their_t
         f"--out={tmp_path}",
         "--",
         "data.batch_size=8",
+        "model.width=16",
+        "model.stem=imagenet",
         "trainer.limit_train_batches=2",
         "trainer.limit_val_batches=1",
         "trainer.limit_test_batches=2",
