@@ -15,7 +15,16 @@ import time
 import pytest
 import torch
 
-from benchmarks.gpu_check import STEPS, GpuCheck, StepFailed, tail, xdist_options
+from benchmarks.gpu_check import (
+    ESTIMATE_S,
+    SERIAL_GPU_TESTS_S,
+    STEPS,
+    GpuCheck,
+    StepFailed,
+    estimate_s,
+    tail,
+    xdist_options,
+)
 from src.models.fast_path import cpu_model
 from tests.conftest import ROOT, cmdline, descendants, run_script, running
 
@@ -125,13 +134,17 @@ def test_a_step_that_would_overrun_the_budget_is_skipped_with_a_note(tmp_path):
     )
 
 
-def test_on_a_gpu_the_tests_run_on_a_worker_per_two_cores_and_in_the_cpu_mode_in_one_process(monkeypatch):
+def test_on_a_gpu_the_tests_run_on_a_worker_per_two_cores_and_the_budget_plans_for_how_they_run(monkeypatch):
     for cores, cuda, options in ((16, True, ["-n", "8"]), (64, True, ["-n", "8"]), (6, True, ["-n", "3"])) + (
         (3, True, []),  # one worker: no pytest-xdist
         (16, False, []),  # the CPU mode, a test of the CPU suite: one process
     ):
         monkeypatch.setattr(os, "sched_getaffinity", lambda pid, n=cores: set(range(n)))
         assert xdist_options(cuda) == options, (cores, cuda)
+        # the budget plans the step by how it will run: one process on a GPU takes about twice as long
+        serial = cuda and not options
+        assert estimate_s("tests", cuda) == (SERIAL_GPU_TESTS_S if serial else ESTIMATE_S["tests"][not cuda])
+        assert estimate_s("nccl", cuda) == ESTIMATE_S["nccl"][not cuda]
 
 
 def test_a_command_past_its_time_is_stopped_with_every_process_it_started(tmp_path):
