@@ -813,8 +813,7 @@ def xdist_options(cuda: bool) -> list[str]:
     """pytest-xdist's options for the tests step: on a GPU node, a worker per two cores, at most 8. Each GPU test
     starts training processes that mostly wait for the GPU, so they share it well: one after another they took 246 s
     on one H200 (13 tests, 2026-11-27), 8 at a time 96 s. In the CPU mode, or without pytest-xdist, one process."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    workers = min(8, cores // 2)
+    workers = min(8, len(os.sched_getaffinity(0)) // 2)
     if not cuda or workers < 2 or importlib.util.find_spec("xdist") is None:
         return []
     return ["-n", str(workers)]
