@@ -127,11 +127,16 @@ def cifar_root(tmp_path: Path) -> Path:
     return write_cifar_folder(tmp_path / "cifar")
 
 
-@pytest.fixture
-def sample_root() -> Path:
+def needs_sample() -> Path:
+    """The CIFAR-10 sample's folder; the test skips where it is not (a node without ../shared), naming the variable."""
     if not (SAMPLE / "cifar-10-batches-py").is_dir():
         pytest.skip(f"the CIFAR-10 sample is not at {SAMPLE} (../shared has it; CIFAR10_SAMPLE=DIR names a copy)")
     return SAMPLE
+
+
+@pytest.fixture
+def sample_root() -> Path:
+    return needs_sample()
 
 
 def process_environ(pid: int) -> dict[str, str] | None:
@@ -211,8 +216,7 @@ def sample_checkpoint(tmp_path_factory) -> Path:
     """A narrow ResNet-18 (the FAST runs' width 16, ImageNet stem: cheap at 32x32) trained for 60 steps on the
     CIFAR-10 sample: better than chance (21% of the sample's first 1,000 test images on the reference CPU),
     so its predictions have something to agree on. Its run dir; the checkpoint is checkpoints/last.ckpt."""
-    if not (SAMPLE / "cifar-10-batches-py").is_dir():
-        pytest.skip(f"the CIFAR-10 sample is not at {SAMPLE} (../shared has it; CIFAR10_SAMPLE=DIR names a copy)")
+    needs_sample()  # session-scoped: sample_root, a test's fixture, cannot be asked for here
     with shared_between_workers(tmp_path_factory, "sample") as (folder, made):
         run_dir = folder / "run"
         if not made:

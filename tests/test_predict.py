@@ -18,7 +18,7 @@ from src.data.in_memory import eval_transform
 from src.predict import json_flag
 from src.serving.formats import load_classifier, load_model
 from src.serving.images import image_files, read_image
-from tests.conftest import SAMPLE, output, run_module
+from tests.conftest import needs_sample, output, run_module
 
 COUNT = 6  # PNG files written from the sample's first test images
 
@@ -26,7 +26,7 @@ COUNT = 6  # PNG files written from the sample's first test images
 @pytest.fixture(scope="module")
 def sample_pngs(tmp_path_factory) -> tuple[Path, torch.Tensor]:
     """The sample's first COUNT test images as PNG files (a folder), and the same images as uint8 tensors."""
-    with open(SAMPLE / "cifar-10-batches-py" / "test_batch", "rb") as f:
+    with open(needs_sample() / "cifar-10-batches-py" / "test_batch", "rb") as f:
         test = pickle.load(f, encoding="latin1")
     images = test["data"][:COUNT].reshape(-1, 3, 32, 32)
     folder = tmp_path_factory.mktemp("pngs")
