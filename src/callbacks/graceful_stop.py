@@ -205,26 +205,22 @@ class GracefulStop(L.Callback):
     def _stop(self, trainer: L.Trainer) -> None:
         """Write last.ckpt at this step on every rank and end the run with the signal's exit status."""
         path = self._save(trainer)
-        self._saved_stop = True
         if self._signal_or_sigterm() == signal.SIGINT:
-            raise failure.stopping(
-                Terminated(
-                    signal.SIGINT,
-                    f"interrupted (Ctrl-C) at step {trainer.global_step} of epoch "
-                    f"{trainer.current_epoch}; {path} written; resume with hydra.run.dir={path.parent.parent} "
-                    "ckpt_path=last",
-                ),
-                self._rank_zero,
+            raise self._terminated(
+                f"interrupted (Ctrl-C) at step {trainer.global_step} of epoch "
+                f"{trainer.current_epoch}; {path} written; resume with hydra.run.dir={path.parent.parent} "
+                "ckpt_path=last"
             )
         then = "torchrun's next attempt resumes from there" if torchrun.active() else f"resume with ckpt_path={path}"
-        raise failure.stopping(
-            Terminated(
-                self._signal_or_sigterm(),
-                f"{self._name()} after step {trainer.global_step}: every rank stopped "
-                f"there and {path} holds that step; {then}",
-            ),
-            self._rank_zero,
+        raise self._terminated(
+            f"{self._name()} after step {trainer.global_step}: every rank stopped there and {path} holds that step; "
+            f"{then}"
         )
+
+    def _terminated(self, line: str) -> Terminated:
+        """The stop this rank raises at the agreed step, noted as such (``failure.on_sigint``: a Ctrl-C after it)."""
+        self._saved_stop = True
+        return failure.stopping(Terminated(self._signal_or_sigterm(), line), self._rank_zero)
 
     def on_test_batch_end(
         self,
@@ -241,14 +237,9 @@ class GracefulStop(L.Callback):
         if batch_idx + 1 < self._shared_batches:
             self._send(None)
         if stop:
-            self._saved_stop = True
             what = "interrupted (Ctrl-C)" if self._signal_or_sigterm() == signal.SIGINT else self._name()
-            raise failure.stopping(
-                Terminated(
-                    self._signal_or_sigterm(),
-                    f"{what} during the test pass; training had finished and its checkpoints are complete",
-                ),
-                self._rank_zero,
+            raise self._terminated(
+                f"{what} during the test pass; training had finished and its checkpoints are complete"
             )
 
     def _agreement_batch(self) -> bool:
