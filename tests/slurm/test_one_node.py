@@ -7,6 +7,7 @@ import json
 import re
 import subprocess
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -169,6 +170,45 @@ def test_python_without_srun_in_a_multi_task_job_fails_fast(cluster):
     info = cluster.wait(job, timeout=120)
     assert info["JobState"] == "FAILED"
     assert "without srun" in cluster.log(job)
+
+
+def requeue_with(scontrol: str | None, tmp_path, monkeypatch, caplog) -> list[str]:
+    """SlurmRequeue's SIGUSR1 work on rank zero of job 4242, in-process, with ``scontrol`` (a shell script) the one
+    on PATH (None: none there); the lines it logged. No cluster needed."""
+    from src.callbacks import slurm_requeue
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(parents=True)
+    if scontrol is not None:
+        (bin_dir / "scontrol").write_text(f"#!/bin/sh\n{scontrol}\n")
+        (bin_dir / "scontrol").chmod(0o755)
+    monkeypatch.setenv("PATH", str(bin_dir))
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    monkeypatch.delenv("SLURM_ARRAY_JOB_ID", raising=False)
+    with caplog.at_level("WARNING", logger=slurm_requeue.__name__):
+        slurm_requeue.SlurmRequeue._requeue(types.SimpleNamespace(is_global_zero=True))
+    return [record.getMessage() for record in caplog.records]
+
+
+def test_the_requeues_answer_survives_slurm_stopping_the_job_before_scontrol_exits(tmp_path, monkeypatch, caplog):
+    """Slurm stops every process of the job as soon as slurmctld takes the requeue, scontrol too where it has not
+    exited yet: on the loaded test cluster the job was requeued and resumed while its log said the requeue had
+    failed. The stand-in scontrol gets that SIGTERM before it answers, as the real one then did."""
+    said = requeue_with('kill -TERM $$; echo "$@" > "${0%/*}/asked"', tmp_path, monkeypatch, caplog)
+    assert (tmp_path / "bin" / "asked").read_text() == "requeue 4242\n"
+    assert said == ["SIGUSR1: requeued Slurm job 4242; it will resume from checkpoints/last.ckpt"]
+
+
+def test_a_requeue_that_cannot_run_or_gets_no_answer_is_one_line_and_training_goes_on(tmp_path, monkeypatch, caplog):
+    """No scontrol on PATH raised in the signal handler, in the middle of a training step; an scontrol that never
+    answers held rank zero there, and with it every rank, until the hang watch ended the run."""
+    [said] = requeue_with(None, tmp_path, monkeypatch, caplog)
+    assert said.startswith("SIGUSR1: scontrol requeue 4242 failed: ") and said.endswith("scontrol: not found"), said
+    caplog.clear()
+    monkeypatch.setattr("src.callbacks.slurm_requeue.ANSWER_S", 0.5)
+    assert requeue_with("exec /bin/sleep 30", tmp_path / "slow", monkeypatch, caplog) == [
+        "SIGUSR1: scontrol requeue 4242 gave no answer in 0.5 s: the job is not known to be requeued"
+    ]
 
 
 def test_a_search_in_one_job_starts_each_trials_ranks_itself_and_a_requeue_ends_with_exactly_n_trials(
