@@ -107,9 +107,10 @@ TEST_WORKERS ?= auto
 test: install
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
-## the inner loop, in at most 2 minutes: the tests of at most a second (tests/durations.json) and one smoke run
+## the inner loop, in at most 2 minutes: the tests of at most a second (tests/durations.json) and one smoke run, on
+## every core as make test (TEST_WORKERS=0: one process)
 test-fast: install
-	$(PY) -m pytest -m fast $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m fast $(PYTEST_ARGS)
 
 ## ruff's lint and format check, and mypy on the packages typed throughout (pyproject.toml says which and why);
 ## the suite runs the same (tests/test_lint.py). make lint FIX=1 lets ruff fix and format what it can.
