@@ -199,7 +199,9 @@ def test_the_requeues_answer_survives_slurm_stopping_the_job_before_scontrol_exi
     assert said == ["SIGUSR1: requeued Slurm job 4242; it will resume from checkpoints/last.ckpt"]
 
 
-def test_a_requeue_that_cannot_run_or_gets_no_answer_is_one_line_and_training_goes_on(tmp_path, monkeypatch, caplog):
+def test_a_requeue_that_cannot_run_or_gets_no_answer_is_one_line_not_an_exception_or_a_wait(
+    tmp_path, monkeypatch, caplog
+):
     """No scontrol on PATH raised in the signal handler, in the middle of a training step; an scontrol that never
     answers held rank zero there, and with it every rank, until the hang watch ended the run."""
     [said] = requeue_with(None, tmp_path, monkeypatch, caplog)
