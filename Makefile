@@ -104,13 +104,14 @@ train: install
 ## the test suite (CPU, gloo, a local Slurm cluster where the tests need one)
 ## everything, on every core (pytest-xdist; a test file's tests on one worker, in order; TEST_WORKERS=0: one process)
 TEST_WORKERS ?= auto
+XDIST = -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 test: install
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
+	$(PY) -m pytest $(XDIST) $(PYTEST_ARGS)
 
 ## the inner loop, in at most 2 minutes: the tests of at most a second (tests/durations.json) and one smoke run, on
 ## every core as make test (TEST_WORKERS=0: one process)
 test-fast: install
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m fast $(PYTEST_ARGS)
+	$(PY) -m pytest $(XDIST) -m fast $(PYTEST_ARGS)
 
 ## ruff's lint and format check, and mypy on the packages typed throughout (pyproject.toml says which and why);
 ## the suite runs the same (tests/test_lint.py). make lint FIX=1 lets ruff fix and format what it can.
