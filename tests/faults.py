@@ -89,10 +89,11 @@ class CountAlive(L.Callback):
 
 class SignalAt(L.Callback):
     """Send ``signal`` (a name: SIGTERM, SIGINT) to this process when training starts the batch after ``step`` steps
-    on one rank: a preemption that lands at a known batch (``step`` 11 of an epoch of 12: its last)."""
+    on one rank: a preemption that lands at a known batch (``step`` 11 of an epoch of 12: its last). ``group``: to
+    this process's whole process group, as a terminal's Ctrl-C reaches every process of its job; it says so."""
 
-    def __init__(self, rank: int = 0, step: int = 3, signal: str = "SIGTERM") -> None:
-        self.rank, self.step, self.signal = rank, step, signal
+    def __init__(self, rank: int = 0, step: int = 3, signal: str = "SIGTERM", group: bool = False) -> None:
+        self.rank, self.step, self.signal, self.group = rank, step, signal, group
 
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
@@ -101,7 +102,11 @@ class SignalAt(L.Callback):
         import signal
 
         if trainer.global_rank == self.rank and trainer.global_step == self.step:
-            os.kill(os.getpid(), signal.Signals[self.signal])
+            if self.group:
+                print(f"SignalAt: {self.signal} to process group {os.getpgrp()} at step {self.step}", flush=True)
+                os.killpg(os.getpgrp(), signal.Signals[self.signal])
+            else:
+                os.kill(os.getpid(), signal.Signals[self.signal])
 
 
 class SleepAt(L.Callback):

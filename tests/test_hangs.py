@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests import warm
 from tests.conftest import FAST, ROOT, descendants, free_port, output, running, train
 from tests.test_supervision import LONG, error_lines, finish, last_step, rank_pids, start_and_wait_for_step
 
@@ -266,6 +267,33 @@ def test_ctrl_c_in_a_sweep_stops_the_job_and_says_the_same_command_resumes_it(tm
         "finished jobs are skipped and job 0 goes on from its last.ckpt"
     ) in out
     assert not (tmp_path / "1").exists() and "Traceback" not in out
+
+
+def test_a_run_started_with_ctrl_c_ignored_trains_on_through_a_ctrl_c_to_its_process_group(tmp_path):
+    """A job a shell starts in the background (``python -m src.train ... &`` in a script) has SIGINT ignored: the
+    terminal's Ctrl-C reaches the script's whole process group, and is not for that job. Python keeps SIGINT ignored,
+    and so does the run: ddp_spawn's parent and both ranks train on through fit and test, and exit 0."""
+    ctrl_c = [
+        "+callbacks.ctrl_c._target_=tests.faults.SignalAt",
+        "+callbacks.ctrl_c.step=1",
+        "+callbacks.ctrl_c.signal=SIGINT",
+        "+callbacks.ctrl_c.group=true",
+    ]
+    cmd = [sys.executable, "-m", "src.train", *FAST, "trainer.limit_train_batches=4", *ctrl_c]
+    proc = warm.popen(
+        [*cmd, "strategy=ddp_spawn", "trainer.devices=2", f"hydra.run.dir={tmp_path}"],
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,  # the signal reaches this group only
+        ignore_sigint=True,
+    )
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out[-3000:]
+    assert "SignalAt: SIGINT to process group" in out and "test accuracy" in out, out[-3000:]
+    assert "interrupted" not in out and "Traceback" not in out and not error_lines(out)
+    assert last_step(tmp_path) == 4
 
 
 # 9 validation images at batch 4: rank 0's shard has 2 batches, rank 1's has 1 (the sanity check's too); 4 steps an

@@ -148,6 +148,9 @@ def become(request: dict[str, Any]) -> None:
         os.dup2(fd, target)
     for fd in {stdin, stdout, stderr} - {0, 1, 2}:
         os.close(fd)
+    # the SIGINT a cold start would have: ignored where its starter ignores it or asked for that (a shell's background
+    # job), else Python's own handler; before the spares are forked, which are its local ranks
+    signal.signal(signal.SIGINT, signal.SIG_IGN if request["sigint_ignored"] else signal.default_int_handler)
     if request["new_session"]:
         os.setsid()
     else:
@@ -518,9 +521,18 @@ def startable(cmd: Sequence[str]) -> bool:
 
 
 def _request(
-    cmd: Sequence[str], env: dict[str, str], cwd: Any, new_session: bool, pgid: int, fds: list[int], path: str
+    cmd: Sequence[str],
+    env: dict[str, str],
+    cwd: Any,
+    new_session: bool,
+    pgid: int,
+    fds: list[int],
+    path: str,
+    ignore_sigint: bool = False,
 ) -> socket.socket:
-    """Ask the parent at ``path`` to start ``cmd`` with stdio ``fds``; the connection its pid and status come on."""
+    """Ask the parent at ``path`` to start ``cmd`` with stdio ``fds``; the connection its pid and status come on.
+    ``ignore_sigint``: SIGINT ignored, as a child started with it ignored has it; so does a child of a process that
+    ignores it (an ignored signal stays ignored across exec)."""
     module = cmd[2] if cmd[1] == "-m" else ""
     request = {
         "argv": list(cmd[1:]),
@@ -528,6 +540,7 @@ def _request(
         "cwd": str(cwd),
         "new_session": new_session,
         "pgid": pgid,
+        "sigint_ignored": ignore_sigint or signal.getsignal(signal.SIGINT) is signal.SIG_IGN,
         "spares": local_ranks(cmd[3:]) if module in ("src.train", "src.eval") else 0,
     }
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -567,6 +580,7 @@ class WarmProcess:
         stderr: Any,
         text: bool,
         start_new_session: bool,
+        ignore_sigint: bool = False,
     ) -> None:
         self.args = list(cmd)
         self.returncode: int | None = None
@@ -581,7 +595,9 @@ class WarmProcess:
             err_fd = out_fd
         else:
             err_fd = w_err if w_err is not None else (stderr.fileno() if hasattr(stderr, "fileno") else 2)
-        self._conn = _request(self.args, env, cwd, start_new_session, os.getpgrp(), [0, out_fd, err_fd], _socket_path())
+        self._conn = _request(
+            self.args, env, cwd, start_new_session, os.getpgrp(), [0, out_fd, err_fd], _socket_path(), ignore_sigint
+        )
         for fd in (w_out, w_err):
             if fd is not None:
                 os.close(fd)
@@ -690,12 +706,22 @@ def popen(
     stderr: Any = None,
     text: bool = True,
     start_new_session: bool = False,
+    ignore_sigint: bool = False,
 ) -> Any:
-    """``subprocess.Popen(cmd, ...)``, warm where that cannot differ (see the module's docstring)."""
+    """``subprocess.Popen(cmd, ...)``, warm where that cannot differ (see the module's docstring). ``ignore_sigint``:
+    the process starts with SIGINT ignored, as a shell starts a job in the background."""
     if warm_possible(cmd, env):
-        return WarmProcess(cmd, env, cwd, stdout, stderr, text, start_new_session)
+        return WarmProcess(cmd, env, cwd, stdout, stderr, text, start_new_session, ignore_sigint)
+    ignore = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if ignore_sigint else None
     return subprocess.Popen(
-        list(cmd), cwd=cwd, env=env, stdout=stdout, stderr=stderr, text=text, start_new_session=start_new_session
+        list(cmd),
+        cwd=cwd,
+        env=env,
+        stdout=stdout,
+        stderr=stderr,
+        text=text,
+        start_new_session=start_new_session,
+        preexec_fn=ignore,
     )
 
 

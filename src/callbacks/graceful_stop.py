@@ -128,13 +128,15 @@ class GracefulStop(L.Callback):
 
     def _release_sigint(self) -> None:
         # the code after fit, or a sweep's next job, must not leave a Ctrl-C to this callback's flag
-        if threading.current_thread() is threading.main_thread() and not self._saved_stop:
+        main = threading.current_thread() is threading.main_thread()
+        if main and not self._saved_stop and not failure.sigint_ignored():
             signal.signal(signal.SIGINT, failure.on_sigint)
 
     def _install(self) -> None:
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self._on_signal)
-            signal.signal(signal.SIGINT, self._on_signal)
+            if not failure.sigint_ignored():  # a background job's: the terminal's Ctrl-C is not for it
+                signal.signal(signal.SIGINT, self._on_signal)
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         if signum == signal.SIGINT:

@@ -427,11 +427,10 @@ class HydraSpawnLauncher(_MultiProcessingLauncher):
         self._killed = multiprocessing.get_context("spawn").Value("i", 0)
         if threading.current_thread() is not threading.main_thread():
             return self._launch(function, *args, trainer=trainer, **kwargs)
-        # Ctrl-C reaches the ranks from the terminal too; they take a second one within a second for the same
-        previous = {
-            signum: signal.signal(signum, lambda signum, frame: self.kill(signum))
-            for signum in (signal.SIGTERM, signal.SIGINT)
-        }
+        # Ctrl-C reaches the ranks from the terminal too; they take a second one within a second for the same. A
+        # process that ignores SIGINT (a shell's background job) keeps ignoring it, as its ranks do.
+        signums = (signal.SIGTERM,) if failure.sigint_ignored() else (signal.SIGTERM, signal.SIGINT)
+        previous = {signum: signal.signal(signum, lambda signum, frame: self.kill(signum)) for signum in signums}
         try:
             return self._launch(function, *args, trainer=trainer, **kwargs)
         finally:

@@ -20,7 +20,8 @@ failed under way, ``128 + signal`` for a run stopped on request (130 Ctrl-C, 143
    (``src/callbacks/graceful_stop.py``), rank zero prints where it stopped and how to resume, and every process exits
    with ``128 + signal``. Ctrl-C where no step can stop (while starting, between a sweep's jobs): ``interrupted()``.
    Every command's process and every spawned rank handles SIGINT with ``on_sigint`` wherever no step listens: after
-   its stop, a Ctrl-C (late, or pressed again) ends it at once with the stop's own status.
+   its stop, a Ctrl-C (late, or pressed again) ends it at once with the stop's own status. A process started with
+   SIGINT ignored (a shell's background job) keeps ignoring it everywhere (``sigint_ignored``), as Python does.
 """
 
 from __future__ import annotations
@@ -97,6 +98,12 @@ def on_sigint(signum: int, frame: Any) -> None:
     _say_stop_line(err, bool(_stop.get("speaks")))
     supervision.stop_processes(supervision.STARTED, grace_s=2.0)
     os._exit(err.exit_code)
+
+
+def sigint_ignored() -> bool:
+    """Whether this process ignores SIGINT: started so (a job a shell started in the background, whose process group
+    gets the terminal's Ctrl-C too), which Python keeps, and so does every handler of the project's."""
+    return signal.getsignal(signal.SIGINT) is signal.SIG_IGN
 
 
 def install_sigint_handler() -> None:
