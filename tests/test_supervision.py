@@ -199,7 +199,8 @@ def test_a_rank_whose_store_host_ends_as_it_connects_records_its_failure_within_
     record = supervision.FailureRecord(1, 0, 1, 2, False, board)
     began = time.monotonic()
     assert record.publish("rank 1: the process that launched it (pid 1) died; this rank stopped too", 1)
-    assert time.monotonic() - began < 2 * 1.0 + 2  # two tries of END_CONNECT_S, not two of 30 s
+    # two tries of END_CONNECT_S, not two of 30 s: 4.3 s once on a loaded 2-core machine, hence the margin
+    assert time.monotonic() - began < 2 * 1.0 + 15
     assert board.read("failure")["rank"] == 1  # this node's ranks still read it, from the board
 
 

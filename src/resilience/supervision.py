@@ -588,11 +588,17 @@ class HangWatch:
         return {"pulse": self._pulse, "by": self.rank, "ranks": entries}
 
     def _tell_who(self, store: Any, ranks: dict[int, tuple[dict[str, Any], float]]) -> None:
-        """Who the node's ranks are (host, pid, stack log), for a verdict's line: written when it changes."""
+        """Who the node's ranks are (host, pid, stack log), for a verdict's line: a key per rank, written when its
+        entry changes (once per run, and again by a reporter that takes over). Per rank, so that a late write (the
+        node's previous reporter, slow on a loaded machine, writing what it saw before the next one wrote every
+        rank) repeats what it says of each rank and drops none: one record for the whole node could lose a rank so,
+        and a verdict on that rank then had no host, pid or log to name."""
         who = {str(r["rank"]): [r["host"], r["pid"], r["log"]] for r, _ in ranks.values() if "rank" in r}
-        if who != self._told:
-            store.set(f"{self._prefix}who{self.node_rank}", json.dumps(who))
-            self._told = who
+        told = self._told or {}
+        changed = {rank: entry for rank, entry in who.items() if told.get(rank) != entry}
+        if changed:
+            store.multi_set([f"{self._prefix}who/{r}" for r in changed], [json.dumps(e) for e in changed.values()])
+            self._told = {**told, **changed}
 
     def _judge_silent(self, store: Any, now: float) -> bool:
         """The standby's look at node 0's record: has it stopped changing (its reporter cannot run)?"""
@@ -644,12 +650,9 @@ class HangWatch:
         rank = held_back_by[0]
         silent = [r for r, record in records.items() if record["silent_s"] >= self.silent_s]
         record = self._seen[rank]["record"]
-        raw = (
-            store.get(f"{self._prefix}who{record['node']}")
-            if store.check([f"{self._prefix}who{record['node']}"])
-            else b"{}"
-        )
-        host, pid, log = json.loads(raw).get(str(rank), ["?", None, None])
+        who = f"{self._prefix}who/{rank}"
+        unknown: list[Any] = ["?", None, None]
+        host, pid, log = json.loads(store.get(who)) if store.check([who]) else unknown
         verdict = {
             "rank": rank,
             "can_run": rank not in silent,
@@ -669,8 +672,7 @@ class HangWatch:
             self._last_ok = time.monotonic()  # waiting for it, not for the store
         self.end(
             verdict["line"].split("; its Python stack")[0] + "; it did not answer, so its stack could not be "
-            "written: look at it with py-spy dump --pid "
-            f"{verdict['pid']} on {verdict['host']}; every rank stopped",
+            f"written: look at it with py-spy dump {_pid_on_host(verdict['pid'], verdict['host'])}; every rank stopped",
             EXIT_FAILED,
         )
 
@@ -680,18 +682,15 @@ class HangWatch:
         seconds = now - self._seen[rank]["moved"]
         others = "the other ranks" if self.world_size > 2 else f"rank {1 - rank}"
         where = last_place(record)
-        head = (
-            f"rank {rank} (host {host}, pid {pid}) made no progress for {seconds:.0f} s "
-            f"{where}, while {others} waited for it"
-        )
+        who = f"host {host}, pid {pid}" if pid is not None else "host and pid not reported"
+        head = f"rank {rank} ({who}) made no progress for {seconds:.0f} s {where}, while {others} waited for it"
         tail = "; every rank stopped, the previous last.ckpt is intact: resume with ckpt_path=last"
         if silent:
             return (
                 f"{head}; it cannot run Python (stopped, e.g. by SIGSTOP or a debugger, or stuck in C code), so "
-                f"its stack could not be written: look at it with py-spy dump --native --pid {pid} on "
-                f"{host}{tail}"
+                f"its stack could not be written: look at it with py-spy dump --native {_pid_on_host(pid, host)}{tail}"
             )
-        return f"{head}; its Python stack is in {log}{tail}"
+        return f"{head}; its Python stack is in {log or 'its log'}{tail}"
 
     def _answer(self, verdict: dict[str, Any]) -> None:
         """The judge found this rank stuck: its stack goes to its log, then the run ends with the verdict's line."""
@@ -832,6 +831,11 @@ def watch_failures(
             host=run,
         )
         HANGS.start()
+
+
+def _pid_on_host(pid: int | None, host: str) -> str:
+    """py-spy's target, as a verdict's line names it: ``--pid 123 on node7``, or where it is not known, a pattern."""
+    return f"--pid {pid} on {host}" if pid is not None else "--pid PID on its host"
 
 
 def _this_run(rank: int) -> dict[str, Any]:
