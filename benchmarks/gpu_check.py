@@ -695,7 +695,9 @@ class GpuCheck:
         if not self.cuda:
             return f"{i.get('cpu')} (CPU mode)"
         names = [g["name"] for g in i["gpus"]]
-        return f"{len(names)} x {names[0]}" if len(set(names)) == 1 else ", ".join(names)
+        gpus = f"{len(names)} x {names[0]}" if len(set(names)) == 1 else ", ".join(names)
+        # the host too: the rows a step's host work bounds (eager at small batches) differ between nodes by its CPU
+        return f"{gpus} (host: {i.get('cpu')}, {len(os.sched_getaffinity(0))} cores)"
 
     def versions(self) -> str:
         i = self.info
