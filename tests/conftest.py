@@ -64,16 +64,18 @@ def run_module(
     timeout: float = 300,
     background: bool = False,
     prefix: Sequence[str] = (),
+    **start: bool,
 ):
     """Run ``python -m <module> overrides...`` from the project root, as a user would (``prefix``: e.g. taskset);
-    started warm where that cannot differ (tests/warm.py)."""
+    started warm where that cannot differ (tests/warm.py). ``start``, in the background: ``warm.popen``'s
+    ``start_new_session`` and ``ignore_sigint``."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     for key in ("RANK", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         if env is None or key not in env:
             full_env.pop(key, None)
     cmd = [*prefix, sys.executable, "-m", module, *overrides]
     if background:
-        return warm.popen(cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        return warm.popen(cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, **start)
     return warm.run(cmd, cwd=ROOT, env=full_env, timeout=timeout)
 
 

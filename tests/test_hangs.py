@@ -17,7 +17,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests import warm
 from tests.conftest import FAST, ROOT, descendants, free_port, output, running, train
 from tests.test_supervision import LONG, error_lines, finish, last_step, rank_pids, start_and_wait_for_step
 
@@ -279,13 +278,14 @@ def test_a_run_started_with_ctrl_c_ignored_trains_on_through_a_ctrl_c_to_its_pro
         "+callbacks.ctrl_c.signal=SIGINT",
         "+callbacks.ctrl_c.group=true",
     ]
-    cmd = [sys.executable, "-m", "src.train", *FAST, "trainer.limit_train_batches=4", *ctrl_c]
-    proc = warm.popen(
-        [*cmd, "strategy=ddp_spawn", "trainer.devices=2", f"hydra.run.dir={tmp_path}"],
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
+    proc = train(
+        *FAST,
+        "trainer.limit_train_batches=4",
+        *ctrl_c,
+        "strategy=ddp_spawn",
+        "trainer.devices=2",
+        f"hydra.run.dir={tmp_path}",
+        background=True,
         start_new_session=True,  # the signal reaches this group only
         ignore_sigint=True,
     )
