@@ -142,12 +142,17 @@ def sample_root() -> Path:
 
 
 def process_environ(pid: int) -> dict[str, str] | None:
-    """The environment process ``pid`` was started with (/proc/PID/environ), or None where it is gone. A forked
-    process that was not exec'd, a warm start's, shows its parent's."""
+    """The environment process ``pid`` was started with (/proc/PID/environ), or None where it is gone; for a warm
+    start (tests/warm.py), whose /proc shows the warm parent's, the one it was given."""
     try:
         raw = Path(f"/proc/{pid}/environ").read_text(errors="replace")
+        started = Path(f"/proc/{pid}/cmdline").read_text(errors="replace").replace("\0", " ")
     except OSError:
         return None
+    if " -m tests.warm " in started:
+        raw = warm.recorded_environ(pid)
+        if raw is None:
+            return None  # the parent, or a spare not yet given a run: none of the test's processes yet
     return dict(item.split("=", 1) for item in raw.split("\0") if "=" in item)
 
 

@@ -269,15 +269,7 @@ def test_two_processes_train_into_one_run_dir_and_rank_zero_writes_the_one_check
 def test_the_port_the_launcher_picks_is_held_until_rank_zeros_store_listens_on_it(tmp_path):
     """From the moment local rank 1 is started with MASTER_PORT, no other process can bind that port (torch's own
     store binds with SO_REUSEADDR, as this probe does): picked and released, it stayed free while the ranks started."""
-    # cold: a warm start's ranks are forks, whose /proc/PID/environ does not show what they were given
-    proc = train(
-        *FAST,
-        "strategy=ddp",
-        "trainer.devices=2",
-        f"hydra.run.dir={tmp_path}/run",
-        background=True,
-        env={"CIFAR10_DDP_COLD": "1"},
-    )
+    proc = train(*FAST, "strategy=ddp", "trainer.devices=2", f"hydra.run.dir={tmp_path}/run", background=True)
     port, deadline = None, time.monotonic() + 60
     while port is None and proc.poll() is None and time.monotonic() < deadline:
         port = next(

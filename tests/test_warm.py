@@ -10,7 +10,7 @@ import sys
 import time
 
 from tests import warm
-from tests.conftest import FAST, ROOT, cmdline, descendants, running, train
+from tests.conftest import FAST, ROOT, cmdline, descendants, process_environ, running, train
 
 BAD = ["data=nope", *FAST[1:]]  # Hydra's own error for an unknown group option, after every import
 
@@ -40,6 +40,10 @@ def test_a_warm_run_is_a_process_of_its_own_in_the_tests_process_group_and_its_r
     assert cmdline(proc.pid).startswith(f"{sys.executable} -m src.train ")
     with open(f"/proc/{ranks[0]}/stat") as stat:
         assert int(stat.read().rsplit(")", 1)[1].split()[1]) == proc.pid  # the rank's parent is the run itself
+    # what the run gave its rank, as /proc/PID/environ shows a cold rank's (/proc shows the warm parent's here)
+    given, parent = process_environ(ranks[0]), process_environ(proc.pid)
+    assert given is not None and parent is not None and given["LOCAL_RANK"] == "1" and "LOCAL_RANK" not in parent
+    assert given["MASTER_PORT"].isdigit() and given["WORLD_SIZE"] == "2"
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0, out[-3000:]
     assert "world size 2" in out and not any(running(p) for p in ranks)

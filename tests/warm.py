@@ -180,7 +180,11 @@ _RECORDS = ""  # the parent's folder: the command line each warm process stands 
 
 
 def _record(argv: Sequence[str]) -> None:
-    """Note the command line this process runs as (/proc shows the parent's: ``python -m tests.warm``)."""
+    """Note the command line this process runs as, and the environment it was given (/proc shows the parent's:
+    ``python -m tests.warm``, and the environment the parent was started with)."""
+    environ = Path(_RECORDS, f"{os.getpid()}.environ")
+    environ.with_suffix(".part").write_text("".join(f"{k}={v}\0" for k, v in os.environ.items()))
+    environ.with_suffix(".part").rename(environ)  # whole or not there, for a test that reads it as the run starts
     Path(_RECORDS, f"{os.getpid()}.cmdline").write_text("\0".join([sys.executable, *argv]) + "\0")
 
 
@@ -193,6 +197,17 @@ def recorded_cmdline(pid: int) -> str:
         return Path(os.path.dirname(_parent["path"]), f"{pid}.cmdline").read_text().replace("\0", " ")
     except OSError:
         return ""
+
+
+def recorded_environ(pid: int) -> str | None:
+    """For a warm process, the environment it runs with, in /proc/PID/environ's form (NUL after each
+    ``KEY=VALUE``), as a cold start's /proc would show it; None for the parent, or a spare that runs nothing yet."""
+    if "path" not in _parent:
+        return None
+    try:
+        return Path(os.path.dirname(_parent["path"]), f"{pid}.environ").read_text(errors="replace")
+    except OSError:
+        return None
 
 
 # ---------------------------------------------------------------------------------------------- local ranks' starts
