@@ -122,6 +122,20 @@ class NodeBoard:
         except (OSError, ValueError):
             return None
 
+    def count(self, local_rank: int) -> bool:
+        """Take ``local_rank``'s place in the count of ranks that have read the run's failure (the store's
+        ``seen``): True for the one caller that takes it. The rank itself takes it before it writes to the store
+        (the store's host then waits for it), the node's reporter for every rank that reads the failure here. A rank
+        whose place the reporter took must not go to the store: its host may have gone. Where the folder cannot be
+        written, both take it: the host may go early, as the count is then too high, never wait too long."""
+        try:
+            os.close(os.open(self.path / f"counted{local_rank}", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return False
+        except OSError:
+            return True
+        return True
+
     def finish(self) -> bool:
         """This rank is done with the run: True for the one rank that makes the node complete (it tells the store
         for the node, and removes the folder)."""

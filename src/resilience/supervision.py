@@ -252,6 +252,7 @@ class FailureRecord:
         self._waiter: threading.Thread | None = None
         self._ticks = 0
         self.echoing = False  # this rank has read another rank's failure
+        self._counted = False  # this rank took its own place in the failure's count (NodeBoard.count)
 
     def _call(self, method: str, *args: Any) -> Any:
         """A store call, or None once closed or when the store is gone (its host, rank 0, has ended)."""
@@ -270,6 +271,11 @@ class FailureRecord:
         """Write this rank's failure unless one is there already; True if this one is the run's failure.
 
         ``stuck``: the host and pid of a rank that cannot run Python, for its host's ranks to kill."""
+        if not self._counted and not self.board.count(self.local_rank):
+            # the node's reporter has brought the run's failure to the board and counted this rank as having read
+            # it: that failure came first, and the store's host (rank 0) may have gone on that count
+            return False
+        self._counted = True  # the store's host waits for this rank's own count
         record = json.dumps(
             {
                 "rank": self.rank,
@@ -322,7 +328,10 @@ class FailureRecord:
                 if record.get("ended"):  # rank 0's word that the run ended well: no failure to wait for
                     return
                 self.board.post("failure", record)
-                store.add(self._prefix + "seen", self.board.local_world - (record["node"] == self.node_rank))
+                # every local rank that does not write to the store itself (the failing one, one ending as this
+                # arrived) reads the failure here: one count for the node
+                counted = sum(self.board.count(local) for local in range(self.board.local_world))
+                store.add(self._prefix + "seen", counted)
                 return
         except Exception:  # noqa: BLE001 - the store's host is gone: the hang watch says so, if it must
             return
