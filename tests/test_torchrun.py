@@ -178,6 +178,57 @@ def test_two_workers_train_one_world_with_the_launchers_counts_and_a_restart_res
     assert mine.parent.is_dir()  # made, for NCCL to write in
 
 
+def test_a_sigterm_to_the_agent_stops_its_workers_at_one_step_and_the_line_says_how_to_resume_either_way(
+    new_run_dirs, tmp_path
+):
+    """scancel, kubectl delete, a preempted VM: SIGTERM to the torchrun agent, which passes it on to its workers and
+    ends, with no next attempt. The same SIGTERM from the agent restarts the group when a node joins (the scale-up
+    test), so the workers' line gives both ways on; last.ckpt holds the step it names, and no worker is left."""
+    held = tmp_path / "held"
+    agent = torchrun(
+        "--standalone",
+        "--nproc-per-node=2",
+        "-m",
+        "src.train",
+        *FAST,
+        "trainer.limit_train_batches=8",
+        "test=false",
+        # rank 0 waits in step 3 until the signal; rank 1 waits for it in that step's all-reduce
+        "+callbacks.wait._target_=tests.faults.SleepAt",
+        "+callbacks.wait.rank=0",
+        "+callbacks.wait.step=3",
+        "+callbacks.wait.seconds=120",
+        "+callbacks.wait.until_signal=true",
+        f"+callbacks.wait.once={held}",
+        background=True,
+    )
+    try:
+        wait_for(held.exists, 120, "rank 0 held at step 3", agent)
+        ranks = workers(agent.pid)
+        assert sorted(ranks) == [0, 1]
+        os.kill(agent.pid, signal.SIGTERM)  # the agent alone, as a container's runtime stops it
+        out, _ = agent.communicate(timeout=60)
+    finally:
+        if agent.poll() is None:
+            os.killpg(agent.pid, signal.SIGKILL)
+    assert agent.returncode != 0, out[-4000:]  # torchrun's own report of the signal it got
+    (run_dir,) = new_run_dirs()
+    path = run_dir / "checkpoints" / "last.ckpt"
+    stops = re.findall(
+        r"stopped: SIGTERM after step (\d+): every rank stopped there and (\S+) holds that step; (.*)", out
+    )
+    assert len(stops) == 1, out[-4000:]
+    step, named, then = stops[0]
+    assert named == str(path)
+    assert (
+        then
+        == f"torchrun's next attempt resumes from there; if torchrun itself was stopped, resume with ckpt_path={path}"
+    )
+    last = torch.load(path, map_location="cpu", weights_only=True)
+    assert last["global_step"] == int(step) >= 3
+    assert not [pid for pid in ranks.values() if running(pid)]
+
+
 def test_a_node_lost_leaves_the_other_to_finish_alone_with_the_same_global_batch(new_run_dirs, tmp_path):
     """Two agents, --nnodes=1:2; the second is SIGKILLed mid-run: its worker does not outlive it (it stops and says
     why, on the console it inherited from its agent), and the first finishes alone."""
@@ -272,6 +323,10 @@ def test_a_node_that_joins_scales_the_run_up_keeping_the_global_batch(new_run_di
             if agent is not None and agent.poll() is None:
                 os.killpg(agent.pid, signal.SIGKILL)
     assert first.returncode == 0 and second.returncode == 0, out[-4000:]
+    # the agent stopped its worker with SIGTERM to take the second node in: the worker's line says so
+    assert re.search(r"stopped: SIGTERM after step \d+: .*; torchrun's next attempt resumes from there;", out), out[
+        -4000:
+    ]
     log = (run_dir / "train.log").read_text()
     assert re.search(r"torchrun \(re\)formed the group: resuming from step [1-9]\d* of ", log), log[-4000:]
     assert "world size 1 -> 2: global batch 8 kept (data.batch_size 8 -> 4 per process)" in log

@@ -213,7 +213,9 @@ class GracefulStop(L.Callback):
                 f"{trainer.current_epoch}; {path} written; resume with hydra.run.dir={path.parent.parent} "
                 "ckpt_path=last"
             )
-        then = "torchrun's next attempt resumes from there" if torchrun.active() else f"resume with ckpt_path={path}"
+        then = f"resume with ckpt_path={path}"
+        if torchrun.active():  # its agent stops its workers to restart them, and when it is stopped itself
+            then = f"torchrun's next attempt resumes from there; if torchrun itself was stopped, {then}"
         raise self._terminated(
             f"{self._name()} after step {trainer.global_step}: every rank stopped there and {path} holds that step; "
             f"{then}"
