@@ -324,9 +324,8 @@ def test_a_node_that_joins_scales_the_run_up_keeping_the_global_batch(new_run_di
                 os.killpg(agent.pid, signal.SIGKILL)
     assert first.returncode == 0 and second.returncode == 0, out[-4000:]
     # the agent stopped its worker with SIGTERM to take the second node in: the worker's line says so
-    assert re.search(r"stopped: SIGTERM after step \d+: .*; torchrun's next attempt resumes from there;", out), out[
-        -4000:
-    ]
+    restarted = r"stopped: SIGTERM after step \d+: .*; torchrun's next attempt resumes from there;"
+    assert re.search(restarted, out), out[-4000:]
     log = (run_dir / "train.log").read_text()
     assert re.search(r"torchrun \(re\)formed the group: resuming from step [1-9]\d* of ", log), log[-4000:]
     assert "world size 1 -> 2: global batch 8 kept (data.batch_size 8 -> 4 per process)" in log
