@@ -18,7 +18,7 @@ import torch
 
 from src.checkpoints.files import AtomicCheckpointIO, remove_stale_temp_files
 from src.checkpoints.resume import resume_from
-from src.core.errors import UserError
+from src.core.errors import StorageError, UserError
 from tests.conftest import FAST, descendants, output, running, train
 from tests.test_supervision import LONG, error_lines, finish, last_step, start_and_wait_for_step
 
@@ -210,6 +210,36 @@ def test_last_ckpt_keeps_its_previous_generation_beside_it(tmp_path):
         io.save_checkpoint({"global_step": step}, tmp_path / "last.ckpt")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt", "last.prev.ckpt"]  # no temp file either
     assert load(tmp_path / "last.ckpt")["global_step"] == 3 and load(tmp_path / "last.prev.ckpt")["global_step"] == 2
+
+
+def test_a_folder_that_turns_read_only_between_the_write_and_the_rename_is_one_line_naming_last_ckpt(
+    tmp_path, monkeypatch
+):
+    """The remount lands after the temp file is open (it stays writable) and before it is renamed: the rename fails,
+    and so does the temp file's removal. The line names last.ckpt, not the temp file nor the removal's error."""
+    if os.geteuid() != 0:
+        pytest.skip("a read-only bind mount needs root")
+    folder = tmp_path / "checkpoints"
+    io = AtomicCheckpointIO()
+    io.save_checkpoint({"global_step": 4}, folder / "last.ckpt")
+    rename = os.replace
+
+    def remount_then_rename(src, dst):
+        monkeypatch.setattr(os, "replace", rename)
+        subprocess.run(["mount", "--bind", str(folder), str(folder)], check=True)
+        subprocess.run(["mount", "-o", "remount,bind,ro", str(folder)], check=True)
+        return rename(src, dst)
+
+    monkeypatch.setattr(os, "replace", remount_then_rename)
+    try:
+        with pytest.raises(StorageError) as raised:
+            io.save_checkpoint({"global_step": 8}, folder / "last.ckpt")
+    finally:
+        subprocess.run(["umount", "-l", str(folder)], check=False)
+    assert str(raised.value) == (
+        f"cannot write {folder}/last.ckpt (Read-only file system): the previous last.ckpt (step 4) is intact; "
+        f"make {folder} writable and resume with ckpt_path=last"
+    )
 
 
 @pytest.fixture

@@ -85,13 +85,13 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             os.replace(tmp, final)
             _fsync_dir(final.parent)  # the rename itself survives a power cut only once the directory is synced
         except Exception as err:
-            tmp.unlink(missing_ok=True)
+            _discard(tmp)  # first: a full disk's line counts the space it held as free
             refused = storage_error_in(err)
             if refused is None:
                 raise
             raise StorageError(refused_write(refused, final, final.parent, _tensor_bytes(checkpoint))) from err
         finally:
-            tmp.unlink(missing_ok=True)
+            _discard(tmp)
 
     def _put(self, checkpoint: dict[str, Any], url: str) -> None:
         """Stage the checkpoint in this user's node-local folder (src/checkpoints/object_store.py's ``node_folder``),
@@ -132,10 +132,19 @@ def _keep_as(current: Path, previous: Path) -> None:
         os.link(current, staged)
         os.replace(staged, previous)
     except OSError as err:
-        staged.unlink(missing_ok=True)
+        _discard(staged)
         if storage_error_in(err) is not None and err.errno != errno.EPERM:
             raise
         os.replace(current, previous)  # no hard links here: moved instead (resume falls back to it meanwhile)
+
+
+def _discard(path: Path) -> None:
+    """Remove a file on its way, if it is there and can be: on a filesystem that turned read-only after it was
+    opened, its removal fails too, and that must not replace the error being reported (which names the target)."""
+    try:
+        path.unlink(missing_ok=True)
+    except OSError:
+        pass
 
 
 def refused_write(err: OSError, target: Path | None, checkpoints: Path | None, needed: int | None = None) -> str:
