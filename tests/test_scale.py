@@ -261,7 +261,14 @@ def test_under_mpirun_without_mpi4py_the_other_ranks_exit_quietly_with_rank_zero
 
 def test_a_nodes_reporter_is_its_lowest_local_rank_with_a_fresh_pulse_and_the_first_note_stays(tmp_path):
     boards = [NodeBoard("run", 3, local, 3, stale_s=3.0, folder=tmp_path / "node3") for local in range(3)]
-    assert boards[0].reporter() is None  # nobody has a pulse yet
+    boards[2].publish({"rank": 26})
+    # local ranks 0 and 1 not seen yet: each gets stale_s to appear, so rank 2 does not take the role by ticking first
+    assert [b.reporter() for b in boards] == [0, 0, 0]
+    late = NodeBoard("run", 3, 2, 3, stale_s=0.2, folder=tmp_path / "node3-late")
+    late.publish({"rank": 26})
+    time.sleep(0.25)
+    late.beat()  # its watch beats every tick
+    assert late.reporter() == 2  # the ranks below it never came: it reports
     for board in boards:
         board.publish({"rank": 24 + board.local_rank})
     assert boards[2].reporter() == 0

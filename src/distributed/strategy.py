@@ -149,7 +149,9 @@ class HydraDDPStrategy(DDPStrategy):
         """
         launcher_pid = ranks.launcher_pid()
         if launcher_pid is not None:
-            supervision.watch_launcher(self.node_rank * self.num_processes + self.local_rank, launcher_pid)
+            # node 0's launcher is rank 0, which hosts the run's store
+            rank = self.node_rank * self.num_processes + self.local_rank
+            supervision.watch_launcher(rank, launcher_pid, hosts_store=self.node_rank == 0)
         run_dir = self._run_dir()
         try:
             if not torch.distributed.is_initialized():

@@ -42,6 +42,7 @@ class NodeBoard:
         self.path = folder or root() / f"cifar10-ddp-{run_id}-node{node_rank}"
         self.path.mkdir(parents=True, exist_ok=True)
         self._own = self.path / f"r{local_rank}.json"
+        self._opened = time.time()
         self._record: dict[str, Any] = {}
         self.closed = False  # this rank is done with the run: it writes nothing more here
         self._warned = False
@@ -96,13 +97,18 @@ class NodeBoard:
         return found
 
     def reporter(self, ranks: dict[int, tuple[dict[str, Any], float]] | None = None) -> int | None:
-        """The lowest local rank whose pulse is fresh: the one that talks to the store for the node."""
+        """The lowest local rank whose pulse is fresh: the one that talks to the store for the node. A lower rank
+        not seen yet gets ``stale_s`` from this rank's start to appear, as a silent one gets to beat again: a rank
+        that took the role only because it ticked first would hold a store wait beside the real reporter's."""
         if ranks is not None:
             return min((local for local, (_, age) in ranks.items() if age < self.stale_s), default=None)
         now = time.time()
         for local in range(self.local_world):
             try:
                 if now - (self.path / f"r{local}.json").stat().st_mtime < self.stale_s:
+                    return local
+            except FileNotFoundError:
+                if now - self._opened < self.stale_s:
                     return local
             except OSError:
                 continue

@@ -194,15 +194,19 @@ def watch_children(
 _launcher: tuple[int, int, str] | None = None  # (this rank, the pid of the process that started it, what it is)
 
 
-def watch_launcher(rank: int, launcher_pid: int, what: str = "the process that launched it") -> threading.Thread:
-    """In a started rank: when the process that launched it is gone, report and exit."""
+def watch_launcher(
+    rank: int, launcher_pid: int, what: str = "the process that launched it", hosts_store: bool = False
+) -> threading.Thread:
+    """In a started rank: when the process that launched it is gone, report and exit. ``hosts_store``: the launcher
+    was rank 0, the store's host (node 0 under ``ddp``): the failure has no store to go to then (a client dialling it
+    under load once found the port still accepting, and waited out its timeout twice, logging each try)."""
     global _launcher
     _launcher = (rank, launcher_pid, what)
 
     def watch() -> None:
         while os.getppid() == launcher_pid:
             time.sleep(POLL_S)
-        end_run(launcher_gone(), EXIT_FAILED)
+        end_run(launcher_gone(), EXIT_FAILED, publish=not hosts_store)
 
     thread = threading.Thread(target=watch, name="launcher-watch", daemon=True)
     thread.start()
