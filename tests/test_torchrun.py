@@ -229,6 +229,49 @@ def test_a_sigterm_to_the_agent_stops_its_workers_at_one_step_and_the_line_says_
     assert not [pid for pid in ranks.values() if running(pid)]
 
 
+def test_an_agent_killed_with_the_store_it_hosts_ends_its_workers_with_their_lines_and_no_cpp_stack(
+    new_run_dirs, tmp_path
+):
+    """--standalone: the agent hosts the store the workers use. SIGKILLed, it takes the store with it; its node's
+    reporter (src/resilience/supervision.py) asks that store at the board's pace rather than waiting in it, so
+    torch's warning about a broken store call (`TCPStore.cpp ... recvValueWithTimeout failed`, a C++ stack) is not
+    printed: each worker prints its line and ends."""
+    held = tmp_path / "held"
+    agent = torchrun(
+        "--standalone",
+        "--nproc-per-node=2",
+        "-m",
+        "src.train",
+        *FAST,
+        "trainer.limit_train_batches=8",
+        "test=false",
+        # rank 0 waits in step 2 (rank 1 in that step's all-reduce): the workers' watches and the reporter's store
+        # connection have long been up
+        "+callbacks.wait._target_=tests.faults.SleepAt",
+        "+callbacks.wait.rank=0",
+        "+callbacks.wait.step=2",
+        "+callbacks.wait.seconds=120",
+        f"+callbacks.wait.once={held}",
+        background=True,
+    )
+    try:
+        wait_for(held.exists, 120, "rank 0 held at step 2", agent)
+        ranks = workers(agent.pid)
+        assert sorted(ranks) == [0, 1]
+        time.sleep(1)  # the reporter's first look (every 4th tick of POLL_S) has come
+        os.kill(agent.pid, signal.SIGKILL)
+        wait_for(lambda: not [pid for pid in ranks.values() if running(pid)], 30, "the workers' end")
+        out, _ = agent.communicate(timeout=30)  # the workers wrote to the console they inherited from the agent
+    finally:
+        if agent.poll() is None:
+            os.killpg(agent.pid, signal.SIGKILL)
+    errors = [line for line in out.splitlines() if line.startswith("error:")]
+    assert sorted(errors) == [
+        f"error: rank {rank}: its torchrun agent (pid {agent.pid}) died; this rank stopped too" for rank in (0, 1)
+    ], out[-4000:]
+    assert "TCPStore.cpp" not in out and "frame #" not in out and "Traceback" not in out, out[-4000:]
+
+
 def test_a_node_lost_leaves_the_other_to_finish_alone_with_the_same_global_batch(new_run_dirs, tmp_path):
     """Two agents, --nnodes=1:2; the second is SIGKILLed mid-run: its worker does not outlive it (it stops and says
     why, on the console it inherited from its agent), and the first finishes alone."""

@@ -113,7 +113,12 @@ def handle_errors(task: Callable[..., Any]) -> Callable[..., Any]:
         try:
             check_group_choices()
             if torchrun.active():  # its process counts; a worker never outlives its agent
-                supervision.watch_launcher(int(os.environ["RANK"]), os.getppid(), what="its torchrun agent")
+                supervision.watch_launcher(
+                    int(os.environ["RANK"]),
+                    os.getppid(),
+                    what="its torchrun agent",
+                    hosts_store=torchrun.agent_hosts_store(),
+                )
                 torchrun.adopt(cfg, overridden_keys())
             # every torchrun attempt resumes (torchrun does not count the restart it makes when a node joins: a worker
             # cannot tell that attempt from a first start), and so does a sweep's job run again

@@ -21,6 +21,7 @@ Nothing here loads Lightning.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -41,6 +42,34 @@ RUN_ID = "TORCHELASTIC_RUN_ID"
 def active() -> bool:
     """Whether torchrun (or another TorchElastic agent: TorchX, Kubeflow's PyTorchJob) started this process."""
     return RUN_ID in os.environ
+
+
+def agent_hosts_store() -> bool:
+    """Whether this worker's agent (its parent) hosts the store the workers use: torch's default, the rendezvous
+    store, on the node of ``--rdzv-endpoint`` (or ``--standalone``'s). Read from ``/proc``: a socket listening at
+    ``MASTER_PORT`` among the agent's open files (False where that cannot be read)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "False") != "True" or "MASTER_PORT" not in os.environ:
+        return False
+    port, listening = int(os.environ["MASTER_PORT"]), set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as rows:
+                for row in list(rows)[1:]:
+                    fields = row.split()  # local address (hex ip:port), remote, state (0A: LISTEN), ..., inode
+                    if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                        listening.add(f"socket:[{fields[9]}]")
+        except (OSError, IndexError, ValueError):
+            continue
+    agent_fds = f"/proc/{os.getppid()}/fd"
+    try:
+        names = os.listdir(agent_fds) if listening else []
+    except OSError:
+        return False
+    for name in names:
+        with contextlib.suppress(OSError):
+            if os.readlink(os.path.join(agent_fds, name)) in listening:
+                return True
+    return False
 
 
 def restart() -> tuple[int, int]:

@@ -192,6 +192,7 @@ def watch_children(
 
 
 _launcher: tuple[int, int, str] | None = None  # (this rank, the pid of the process that started it, what it is)
+_launcher_hosts_store = False  # that process hosts the run's store (watch_launcher's hosts_store)
 
 
 def watch_launcher(
@@ -200,8 +201,8 @@ def watch_launcher(
     """In a started rank: when the process that launched it is gone, report and exit. ``hosts_store``: the launcher
     was rank 0, the store's host (node 0 under ``ddp``): the failure has no store to go to then (a client dialling it
     under load once found the port still accepting, and waited out its timeout twice, logging each try)."""
-    global _launcher
-    _launcher = (rank, launcher_pid, what)
+    global _launcher, _launcher_hosts_store
+    _launcher, _launcher_hosts_store = (rank, launcher_pid, what), hosts_store
 
     def watch() -> None:
         while os.getppid() == launcher_pid:
@@ -211,6 +212,11 @@ def watch_launcher(
     thread = threading.Thread(target=watch, name="launcher-watch", daemon=True)
     thread.start()
     return thread
+
+
+def launcher_hosts_store() -> bool:
+    """Whether the process that started this rank hosts the run's store (``watch_launcher``'s ``hosts_store``)."""
+    return _launcher is not None and _launcher_hosts_store
 
 
 def watches_a_launcher() -> bool:
@@ -321,13 +327,25 @@ class FailureRecord:
         import torch.distributed as dist
 
         key = self._prefix + "failure"
+        # torch logs a store call that the host's death breaks, with a C++ stack, before Python sees the error, and
+        # a reporter is in its wait nearly all the time. Where the host is this rank's own launcher (torchrun's agent
+        # on the rendezvous node; ddp's rank 0 on node 0, for a rank that took the reporter's role), whose end ends
+        # this rank too, the reporter asks every POLL_S while the launcher lives: one node's, 4 requests a second
+        polls = launcher_hosts_store()
         try:
             store = self._new_store(30.0)
             while not self._closed and self.board.reporter() == self.local_rank:
-                try:
-                    store.wait([key], timedelta(seconds=WAIT_S))
-                except dist.DistStoreError:  # not yet: still this node's reporter?
-                    continue
+                if polls:
+                    if launcher_gone() is not None:
+                        return
+                    if not store.check([key]):
+                        time.sleep(POLL_S)
+                        continue
+                else:
+                    try:
+                        store.wait([key], timedelta(seconds=WAIT_S))
+                    except dist.DistStoreError:  # not yet: still this node's reporter?
+                        continue
                 record = json.loads(store.get(key))
                 if record.get("ended"):  # rank 0's word that the run ended well: no failure to wait for
                     return
