@@ -178,14 +178,10 @@ def test_two_workers_train_one_world_with_the_launchers_counts_and_a_restart_res
     assert mine.parent.is_dir()  # made, for NCCL to write in
 
 
-def test_a_sigterm_to_the_agent_stops_its_workers_at_one_step_and_the_line_says_how_to_resume_either_way(
-    new_run_dirs, tmp_path
-):
-    """scancel, kubectl delete, a preempted VM: SIGTERM to the torchrun agent, which passes it on to its workers and
-    ends, with no next attempt. The same SIGTERM from the agent restarts the group when a node joins (the scale-up
-    test), so the workers' line gives both ways on; last.ckpt holds the step it names, and no worker is left."""
-    held = tmp_path / "held"
-    agent = torchrun(
+def held_agent(held: Path, step: int, until_signal: bool = False) -> subprocess.Popen:
+    """A --standalone agent of two workers training FAST runs of 8 steps, whose rank 0 waits in ``step`` (rank 1 in
+    that step's all-reduce) for 120 s, or ``until_signal``; ``held`` is made as the wait begins."""
+    return torchrun(
         "--standalone",
         "--nproc-per-node=2",
         "-m",
@@ -193,15 +189,24 @@ def test_a_sigterm_to_the_agent_stops_its_workers_at_one_step_and_the_line_says_
         *FAST,
         "trainer.limit_train_batches=8",
         "test=false",
-        # rank 0 waits in step 3 until the signal; rank 1 waits for it in that step's all-reduce
         "+callbacks.wait._target_=tests.faults.SleepAt",
         "+callbacks.wait.rank=0",
-        "+callbacks.wait.step=3",
+        f"+callbacks.wait.step={step}",
         "+callbacks.wait.seconds=120",
-        "+callbacks.wait.until_signal=true",
+        f"+callbacks.wait.until_signal={str(until_signal).lower()}",
         f"+callbacks.wait.once={held}",
         background=True,
     )
+
+
+def test_a_sigterm_to_the_agent_stops_its_workers_at_one_step_and_the_line_says_how_to_resume_either_way(
+    new_run_dirs, tmp_path
+):
+    """scancel, kubectl delete, a preempted VM: SIGTERM to the torchrun agent, which passes it on to its workers and
+    ends, with no next attempt. The same SIGTERM from the agent restarts the group when a node joins (the scale-up
+    test), so the workers' line gives both ways on; last.ckpt holds the step it names, and no worker is left."""
+    held = tmp_path / "held"
+    agent = held_agent(held, step=3, until_signal=True)  # rank 0 waits in step 3 until the signal
     try:
         wait_for(held.exists, 120, "rank 0 held at step 3", agent)
         ranks = workers(agent.pid)
@@ -237,23 +242,8 @@ def test_an_agent_killed_with_the_store_it_hosts_ends_its_workers_with_their_lin
     torch's warning about a broken store call (`TCPStore.cpp ... recvValueWithTimeout failed`, a C++ stack) is not
     printed: each worker prints its line and ends."""
     held = tmp_path / "held"
-    agent = torchrun(
-        "--standalone",
-        "--nproc-per-node=2",
-        "-m",
-        "src.train",
-        *FAST,
-        "trainer.limit_train_batches=8",
-        "test=false",
-        # rank 0 waits in step 2 (rank 1 in that step's all-reduce): the workers' watches and the reporter's store
-        # connection have long been up
-        "+callbacks.wait._target_=tests.faults.SleepAt",
-        "+callbacks.wait.rank=0",
-        "+callbacks.wait.step=2",
-        "+callbacks.wait.seconds=120",
-        f"+callbacks.wait.once={held}",
-        background=True,
-    )
+    # rank 0 waits in step 2: the workers' watches and the reporter's store connection have long been up
+    agent = held_agent(held, step=2)
     try:
         wait_for(held.exists, 120, "rank 0 held at step 2", agent)
         ranks = workers(agent.pid)
