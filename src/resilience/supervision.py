@@ -199,8 +199,9 @@ def watch_launcher(
     rank: int, launcher_pid: int, what: str = "the process that launched it", hosts_store: bool = False
 ) -> threading.Thread:
     """In a started rank: when the process that launched it is gone, report and exit. ``hosts_store``: the launcher
-    was rank 0, the store's host (node 0 under ``ddp``): the failure has no store to go to then (a client dialling it
-    under load once found the port still accepting, and waited out its timeout twice, logging each try)."""
+    hosts the run's store (rank 0 on node 0 under ``ddp``, torchrun's agent on the rendezvous node): the failure has
+    no store to go to then (a client dialling it under load once found the port still accepting, and waited out its
+    timeout twice, logging each try), and the node's reporter asks the store rather than waiting in it."""
     global _launcher, _launcher_hosts_store
     _launcher, _launcher_hosts_store = (rank, launcher_pid, what), hosts_store
 
