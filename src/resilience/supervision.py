@@ -191,8 +191,8 @@ def watch_children(
     return thread
 
 
-_launcher: tuple[int, int, str] | None = None  # (this rank, the pid of the process that started it, what it is)
-_launcher_hosts_store = False  # that process hosts the run's store (watch_launcher's hosts_store)
+# (this rank, the pid of the process that started it, what it is, whether it hosts the run's store)
+_launcher: tuple[int, int, str, bool] | None = None
 
 
 def watch_launcher(
@@ -202,8 +202,8 @@ def watch_launcher(
     hosts the run's store (rank 0 on node 0 under ``ddp``, torchrun's agent on the rendezvous node): the failure has
     no store to go to then (a client dialling it under load once found the port still accepting, and waited out its
     timeout twice, logging each try), and the node's reporter asks the store rather than waiting in it."""
-    global _launcher, _launcher_hosts_store
-    _launcher, _launcher_hosts_store = (rank, launcher_pid, what), hosts_store
+    global _launcher
+    _launcher = (rank, launcher_pid, what, hosts_store)
 
     def watch() -> None:
         while os.getppid() == launcher_pid:
@@ -217,7 +217,7 @@ def watch_launcher(
 
 def launcher_hosts_store() -> bool:
     """Whether the process that started this rank hosts the run's store (``watch_launcher``'s ``hosts_store``)."""
-    return _launcher is not None and _launcher_hosts_store
+    return _launcher is not None and _launcher[3]
 
 
 def watches_a_launcher() -> bool:
@@ -229,7 +229,7 @@ def launcher_gone() -> str | None:
     """'rank 1: its launching process (pid 123) died; ...' once the process that started this rank is gone."""
     if _launcher is None or os.getppid() == _launcher[1]:
         return None
-    rank, pid, what = _launcher
+    rank, pid, what, _ = _launcher
     return f"rank {rank}: {what} (pid {pid}) died; this rank stopped too"
 
 
