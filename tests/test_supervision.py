@@ -263,6 +263,50 @@ def test_a_rank_the_reporter_counted_stays_off_the_store_and_one_that_counted_it
     assert connects == [1, 0] and seen(zero) == 3  # ... whose own count follows its write (0: the reporter's)
 
 
+def test_a_rank_that_took_the_reporters_role_asks_the_store_and_gives_the_role_back_at_once(tmp_path):
+    """Local rank 0's pulse went stale (stopped, starved, slow to start): local rank 1 reports for the node. It
+    asks the store for the run's failure every POLL_S rather than waiting in it, so that it leaves the role within
+    a round of rank 0's next beat: its wait held a second connection to the store beside rank 0's for up to 24 h,
+    and printed torch's C++ stack if the store's host died meanwhile. Asking, it still brings a failure to the
+    board within a round."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from src.resilience import supervision
+    from src.resilience.node_board import NodeBoard
+
+    host = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+
+    def connect(timeout_s: float) -> Any:
+        return dist.TCPStore("127.0.0.1", host.port, is_master=False, timeout=timedelta(seconds=timeout_s))
+
+    boards = [NodeBoard("takeover", 1, local, 2, 3.0, tmp_path / "node1") for local in (0, 1)]
+    records = [supervision.FailureRecord(2 + local, 1, local, 4, False, boards[local], connect) for local in (0, 1)]
+    boards[0].publish({"rank": 2})
+
+    def take_over() -> Any:
+        old = time.time() - 10
+        os.utime(tmp_path / "node1" / "r0.json", (old, old))  # local rank 0 stopped: its pulse ages
+        for _ in range(4):  # a look at the role every fourth tick
+            assert records[1].tick() is None
+            if records[1]._waiter is not None and records[1]._waiter.is_alive():
+                return records[1]._waiter
+        raise AssertionError("local rank 1 never took the reporter's role")
+
+    waiter = take_over()
+    time.sleep(2 * supervision.POLL_S)
+    assert waiter.is_alive()  # no failure yet: it goes on asking
+    boards[0].beat()  # rank 0 runs again, and reports
+    waiter.join(2 * supervision.POLL_S + 1)
+    assert not waiter.is_alive(), "the rank that took over still waits in the store beside local rank 0"
+    waiter = take_over()
+    other_node = NodeBoard("takeover", 0, 0, 2, 3.0, tmp_path / "node0")
+    assert supervision.FailureRecord(0, 0, 0, 4, False, other_node, connect).publish("rank 0: it failed", 1)
+    waiter.join(2 * supervision.POLL_S + 1)
+    assert not waiter.is_alive() and boards[0].read("failure")["rank"] == 0
+
+
 def test_a_rank_whose_launcher_died_before_its_watch_began_ends_at_once_naming_it(tmp_path):
     """A local rank's launcher killed in the seconds of the rank's start, before the rank's watch begins (as its
     process group forms): the watch still has the launcher to watch, and ends the rank at once with the line, where

@@ -239,8 +239,9 @@ class FailureRecord:
     Keys are prefixed per torchrun attempt (src/launch/torchrun.py): its agent keeps one store across restarts. The
     node's reporter (src/resilience/node_board.py) waits for the record with the store's blocking ``wait``, on a
     connection of its own, and leaves it on the node's board, which every local rank reads every POLL_S: one request per
-    node every WAIT_S, where each rank polling the store would make 4 per rank per second. A rank writes to the store
-    only when it has something to say (a failure, its end), on a connection it opens then.
+    node every WAIT_S, where each rank polling the store would make 4 per rank per second (``_wait`` says which
+    reporters ask instead). A rank writes to the store only when it has something to say (a failure, its end), on a
+    connection it opens then.
     """
 
     def __init__(
@@ -331,8 +332,11 @@ class FailureRecord:
         # torch logs a store call that the host's death breaks, with a C++ stack, before Python sees the error, and
         # a reporter is in its wait nearly all the time. Where the host is this rank's own launcher (torchrun's agent
         # on the rendezvous node; ddp's rank 0 on node 0, for a rank that took the reporter's role), whose end ends
-        # this rank too, the reporter asks every POLL_S while the launcher lives: one node's, 4 requests a second
-        polls = launcher_hosts_store()
+        # this rank too, the reporter asks every POLL_S while the launcher lives: one node's, 4 requests a second.
+        # A rank that took the role from a lower local rank (its pulse stale: stopped, starved, slow to start) asks
+        # too, and leaves the role within POLL_S of that rank's next beat: a wait would hold a second connection to
+        # the store beside that rank's for up to WAIT_S, and a wait that times out sooner is logged by torch
+        polls = launcher_hosts_store() or self.local_rank > 0
         try:
             store = self._new_store(30.0)
             while not self._closed and self.board.reporter() == self.local_rank:
