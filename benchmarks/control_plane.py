@@ -16,7 +16,10 @@ Measured on the store's host, over ``--seconds`` of a healthy run at each size:
   the design asks for, and the row says so; the design asks for more than was measured.
 
 Faults (``--faults``), each on a fresh store: a rank stuck in Python in a training step (is it the one named, and
-how long after it stopped?), and a rank that dies (does every other rank read the failure, and how fast?).
+how long after it stopped?), a rank that dies (does every other rank read the failure, and how fast?), and every
+node's first rank stalled for a while (``takeover``: the next local rank takes the reporter's role, asking the store
+for the failure four times a second; what that costs the host, and whether every node is back to two connections
+once the first ranks run again).
 ``--healthy-s`` runs a healthy simulation that long at the largest size and counts verdicts (there must be none).
 
 The rows are written as markdown and JSON, with an SVG plot of the host's load against ranks; a line projects
@@ -185,7 +188,7 @@ class Simulation:
 
         from src.resilience import heartbeat, supervision
 
-        self.world, self.timeout_s, self.step_s = world, timeout_s, step_s
+        self.world, self.timeout_s, self.step_s, self.per_node = world, timeout_s, step_s, per_node
         self.t0 = time.monotonic() if t0 is None else t0
         self._stepping = threading.Lock()  # a step of the clock, or the moment a rank sticks
         self.counts: dict[str, int] = {}
@@ -262,6 +265,7 @@ class Simulation:
                 self.failures[r].tick()
             watch._last_ok = time.monotonic()
         self.frozen: set[int] = set()  # ranks whose progress no longer moves
+        self.paused: set[int] = set()  # ranks that cannot run Python for now: their pulse ages (``pause``)
         self.gone: set[int] = set()  # ranks that do no work (dead, or stopped after reading a failure)
         self.late: list[float] = []
         self.running = True
@@ -283,12 +287,16 @@ class Simulation:
         return end
 
     def _round(self, rank: int) -> None:
+        if rank in self.paused:
+            return
         watch = self.hangs[rank]
         watch._pulse += 1  # what HangWatch._loop does before each round
         watch._round(time.monotonic())
 
     def _follow(self, rank: int) -> None:
         """What the failure watch does every POLL_S (``FailureRecord.tick``)."""
+        if rank in self.paused:
+            return
         if self.failures[rank].tick() is not None:
             self.followed[rank] = time.monotonic()
             self.gone.add(rank)
@@ -359,6 +367,12 @@ class Simulation:
             progress.tick = progress.position = 2 * step + (r != rank)
         return time.monotonic()
 
+    def pause(self, local_rank: int | None) -> float:
+        """Every node's ``local_rank`` stops running its watches (None: all run again), as a stopped or starved
+        process does; the store calls it is in stay where they are."""
+        self.paused = {r for r in self.ranks if local_rank is not None and r % self.per_node == local_rank}
+        return time.monotonic()
+
     def kill(self, rank: int) -> float:
         """``rank`` dies: its watcher writes the failure (``end_run(..., dead=1)``), and it does nothing more."""
         self.gone.add(rank)
@@ -407,6 +421,8 @@ def worker(
             conn.send(sim.stick(*arg))
         elif command == "kill":
             conn.send(sim.kill(arg))
+        elif command == "pause":
+            conn.send(sim.pause(arg))
         elif command == "report":
             conn.send({"ended": list(sim.ended), "followed": dict(sim.followed), "connects": sim.connects})
         else:
@@ -446,6 +462,10 @@ class Fleet:
     def counts(self) -> tuple[int, list[int]]:
         answers = self.ask("counts")
         return sum(sum(counts.values()) for counts, _ in answers), [late for _, late in answers]
+
+    def checks(self) -> int:
+        """The ``check`` requests made so far (a judge's look for a verdict, and a taken-over reporter's asking)."""
+        return sum(counts.get("check", 0) for counts, _ in self.ask("counts"))
 
     def report(self) -> dict[str, Any]:
         answers = self.ask("report")
@@ -548,6 +568,54 @@ def dies(world: int, args: argparse.Namespace, rank: int) -> dict[str, Any]:
     }
 
 
+def takeover(world: int, args: argparse.Namespace) -> dict[str, Any]:
+    """Every node's first rank stops running Python for ``--takeover-s`` (its pulse ages past BOARD_STALE_S), then
+    runs again: each node's next rank takes the reporter's role and gives it back. The host's load while it lasts
+    against the same fleet healthy just before, and its sockets before, during and after."""
+    from src.resilience import supervision
+
+    # a first rank silent for half the hang timeout is judged stuck, rightly: this fault is a shorter stall
+    hang_timeout_s = max(args.hang_timeout, 4 * (supervision.BOARD_STALE_S + 2.5 + args.takeover_s))
+    host = Host()
+    try:
+        fleet = Fleet(host, world, args, hang_timeout_s)
+
+        def load(seconds: float) -> dict[str, float]:
+            before, (requests, _), checks = host.reading(), fleet.counts(), fleet.checks()
+            time.sleep(seconds)
+            after, (requests_after, _), checks_after = host.reading(), fleet.counts(), fleet.checks()
+            span = after["t"] - before["t"]
+            return {
+                "requests_per_s": (requests_after - requests) / span,
+                "checks_per_s": (checks_after - checks) / span,
+                "host_cpu_share": (after["cpu_s"] - before["cpu_s"]) / span,
+                "sockets": host.sockets(),
+            }
+
+        healthy = load(args.takeover_s)
+        fleet.ask("pause", 0)
+        # the first rank's pulse goes stale, and the next one's look at the role comes within a second
+        time.sleep(supervision.BOARD_STALE_S + 1.5)
+        taken = load(args.takeover_s)
+        fleet.ask("pause", None)
+        time.sleep(1.0)  # the first ranks beat again; the others leave the role within POLL_S of that
+        after = host.sockets()
+        report = fleet.report()
+        fleet.stop()
+    finally:
+        host.stop()
+    return {
+        "ranks": world,
+        "nodes": -(-world // args.per_node),
+        "takeover": True,
+        "hang_timeout_s": hang_timeout_s,
+        "healthy": healthy,
+        "taken_over": taken,
+        "sockets_after": after,
+        "verdicts": len(report["ended"]),
+    }
+
+
 # ------------------------------------------------------------------------------------------------ the report
 
 
@@ -610,6 +678,14 @@ def table(rows: list[dict[str, Any]], projected: dict[str, Any], faults: list[di
                 ok = "right rank" if f["named"] == f["stuck"] else f"WRONG: named {f['named']}"
                 lines.append(
                     f"| rank {f['stuck']} stuck in Python | {f['ranks']:,} | {ok}, {f['seconds']} s after it stopped |"
+                )
+            elif "takeover" in f:
+                h, t = f["healthy"], f["taken_over"]
+                lines.append(
+                    f"| every node's first rank stalled | {f['ranks']:,} | requests/s {human(h['requests_per_s'])} "
+                    f"healthy, {human(t['requests_per_s'])} taken over ({human(t['checks_per_s'])} checks/s); host "
+                    f"CPU {h['host_cpu_share']:.0%}, {t['host_cpu_share']:.0%}; sockets {h['sockets']:,}, "
+                    f"{t['sockets']:,}, {f['sockets_after']:,} after; {f['verdicts']} verdicts |"
                 )
             elif "dead" in f:
                 lines.append(
@@ -678,7 +754,12 @@ def main() -> None:
         default=os.cpu_count() or 1,
         help="processes the simulated nodes are spread over (default: one a core)",
     )
-    parser.add_argument("--faults", default="stuck,dead", help="faults to inject at each size: stuck,dead or none")
+    parser.add_argument(
+        "--faults", default="stuck,dead,takeover", help="faults to inject at each size: stuck,dead,takeover or none"
+    )
+    parser.add_argument(
+        "--takeover-s", type=float, default=5.0, help="seconds measured healthy, then taken over (--faults=takeover)"
+    )
     parser.add_argument(
         "--healthy-s",
         type=float,
@@ -697,6 +778,9 @@ def main() -> None:
     if args.probe:
         return probe_main(int(args.probe[0]), float(args.probe[1]), 0.02)
 
+    unknown = sorted(set(args.faults.split(",")) - {"stuck", "dead", "takeover", "none"})
+    if unknown:
+        raise SystemExit(f"error: --faults={args.faults}: {', '.join(unknown)} is not one: give stuck, dead, takeover")
     sizes = [int(n) for n in args.ranks.split(",")]
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     needed = 4 * max(sizes) + 256  # two connections a rank, and the host's ends of them
@@ -730,6 +814,16 @@ def main() -> None:
             print(
                 f"{'':>13}dead rank {faults[-1]['dead']}: {faults[-1]['stopped']} of {faults[-1]['of']} stopped, "
                 f"last after {faults[-1]['max_s']} s",
+                flush=True,
+            )
+        if "takeover" in kinds:
+            faults.append(takeover(world, args))
+            h, t = faults[-1]["healthy"], faults[-1]["taken_over"]
+            print(
+                f"{'':>13}every node's first rank stalled: {human(h['requests_per_s'])} requests/s healthy, "
+                f"{human(t['requests_per_s'])} taken over; host CPU {h['host_cpu_share']:.0%}, "
+                f"{t['host_cpu_share']:.0%}; sockets {h['sockets']}, {t['sockets']}, {faults[-1]['sockets_after']} "
+                "after",
                 flush=True,
             )
     if args.healthy_s:

@@ -290,7 +290,7 @@ def test_the_rank_that_completes_its_node_says_so_once_and_the_folder_goes(tmp_p
     assert not (tmp_path / "node0").exists()
 
 
-def test_the_control_plane_simulator_names_a_stuck_rank_stops_all_at_a_dead_one_and_holds_two_connections_a_node(
+def test_the_control_plane_simulator_names_a_stuck_rank_stops_all_at_a_dead_one_and_takeovers_leave_two_sockets_a_node(
     tmp_path,
 ):
     result = run_script(
@@ -300,7 +300,8 @@ def test_the_control_plane_simulator_names_a_stuck_rank_stops_all_at_a_dead_one_
         "--warmup=0.5",
         "--hang-timeout=3",
         "--fault-hang-timeout=3",
-        "--faults=stuck,dead",
+        "--faults=stuck,dead,takeover",
+        "--takeover-s=1",
         f"--out={tmp_path}",
         timeout=240,
     )
@@ -312,9 +313,14 @@ def test_the_control_plane_simulator_names_a_stuck_rank_stops_all_at_a_dead_one_
     # a round (every 0.2 s at a hang timeout of 3 s): each node's set and look for a verdict, the judge's check and
     # multi_get, the standby's get
     assert 0 < row["requests_per_s"] <= (2 * 3 + 3) / 0.2 * 1.1
-    stuck, dead = report["faults"]
+    stuck, dead, takeover = report["faults"]
     assert stuck["named"] == stuck["stuck"] == 13 and 3 <= stuck["seconds"] < 3 + 6
     assert dead["stopped"] == dead["of"] == 23 and dead["max_s"] < 3
+    # every node's first rank stalled: each node's next rank reports, asking for the failure 4 times a second, and
+    # gives the role back when the first runs again; its wait held a third connection a node from then on
+    healthy, taken = takeover["healthy"], takeover["taken_over"]
+    assert 0 < taken["checks_per_s"] - healthy["checks_per_s"] <= 3 * 4 * 1.2, takeover
+    assert healthy["sockets"] <= 2 * 3 and takeover["sockets_after"] <= 2 * 3 and takeover["verdicts"] == 0, takeover
     assert "| 24 | 3 |" in (tmp_path / "table.md").read_text() and (tmp_path / "load.svg").read_text().startswith(
         "<svg"
     )
