@@ -592,13 +592,27 @@ def takeover(world: int, args: argparse.Namespace) -> dict[str, Any]:
                 "sockets": host.sockets(),
             }
 
+        def quiet() -> None:
+            """Until no connection is made or closed for 2 s (at most a minute): a host that resolves each new
+            client's name (``Host``) makes hundreds of new connections take seconds here."""
+            deadline = time.monotonic() + 60
+            last = None
+            while time.monotonic() < deadline:
+                now = (fleet.report()["connects"], host.sockets())
+                if now == last:
+                    return
+                last = now
+                time.sleep(2.0)
+
         healthy = load(args.takeover_s)
         fleet.ask("pause", 0)
-        # the first rank's pulse goes stale, and the next one's look at the role comes within a second
+        # the first rank's pulse goes stale, and the next one's look at the role comes within a second; it connects
         time.sleep(supervision.BOARD_STALE_S + 1.5)
+        quiet()
         taken = load(args.takeover_s)
         fleet.ask("pause", None)
         time.sleep(1.0)  # the first ranks beat again; the others leave the role within POLL_S of that
+        quiet()
         after = host.sockets()
         report = fleet.report()
         fleet.stop()
