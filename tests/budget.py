@@ -3,8 +3,10 @@
 The whole suite gets BUDGET_S of pytest on the reference CPU. A slower CPU gets more, by the ratio of the CPU seconds
 it takes for a fixed piece of work (a cold ``python -m src.train`` of two ResNet-18 steps: the imports, the
 training at this CPU's precision and the checkpoints, what the suite's processes spend their time on) to the
-reference CPU's seconds, both measured, never guessed; a faster one gets no less. A whole-suite
-session past its budget fails, so a new slow test has to pay for itself elsewhere.
+reference CPU's seconds, both measured, never guessed; a faster one gets no less. Fewer CPUs than the reference's
+(its cores, or a cgroup's CPU quota below them: a container's ``--cpus``, a Kubernetes limit, which the fixed
+work's CPU seconds do not show) get more by the ratio of the two. A whole-suite session past its budget fails, so
+a new slow test has to pay for itself elsewhere.
 
 ``tests/durations.json`` holds the reference CPU's seconds for the fixed work and each test's seconds there (setup,
 call and teardown, under ``make test``'s workers); ``make test-fast`` runs the tests of at most FAST_S and the
@@ -30,6 +32,7 @@ DURATIONS = Path(__file__).with_name("durations.json")
 FAST_S = 1.0
 SMOKE = "tests/test_train.py::test_single_process_run_writes_last_and_best_checkpoints_and_the_resolved_config"
 WHOLE_SUITE_MIN_TESTS = 100  # fewer collected: a subset, not judged
+REFERENCE_CPUS = 2  # the reference CPU's cores, where durations.json does not say
 
 
 def fixed_work_s() -> float:
@@ -67,6 +70,50 @@ def fixed_work_s() -> float:
                 raise RuntimeError(f"the budget's fixed work failed:\n{output[-4000:]}")
             best = min(best, usage.ru_utime + usage.ru_stime)
     return best
+
+
+def quota_cpus(cgroup: str | None = None, root: Path = Path("/sys/fs/cgroup")) -> float | None:
+    """The CPUs a cgroup's quota lets this process use, the tightest of its cgroup's and their parents' (cgroup v2's
+    ``cpu.max``, v1's ``cpu.cfs_quota_us`` over ``cpu.cfs_period_us``), or None where none is set. ``cgroup``: the
+    text of ``/proc/self/cgroup``. A container sees its own cgroup as the root where its path is not mounted."""
+    if cgroup is None:
+        try:
+            cgroup = Path("/proc/self/cgroup").read_text()
+        except OSError:
+            return None
+    tightest: float | None = None
+    for line in cgroup.splitlines():
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":  # v2: one hierarchy
+            base, v2 = root, True
+        elif "cpu" in controllers.split(","):
+            base, v2 = next((root / n for n in (controllers, "cpu", "cpu,cpuacct") if (root / n).is_dir()), root), False
+        else:
+            continue
+        folder = base / path.lstrip("/")
+        for level in [folder, *folder.parents]:
+            if not level.is_relative_to(base):
+                break
+            try:
+                if v2:
+                    quota, period = (level / "cpu.max").read_text().split()
+                else:
+                    quota, period = ((level / f"cpu.cfs_{k}_us").read_text().strip() for k in ("quota", "period"))
+            except (OSError, ValueError):
+                continue
+            if quota not in ("max", "-1") and int(period) > 0:
+                cpus = int(quota) / int(period)
+                tightest = cpus if tightest is None else min(tightest, cpus)
+    return tightest
+
+
+def cpus_factor(reference_cpus: float) -> tuple[float, str]:
+    """How many times fewer CPUs this process may use than the reference had (at least 1), and what says so."""
+    cores = len(os.sched_getaffinity(0))
+    quota = quota_cpus()
+    here = cores if quota is None else min(cores, quota)
+    said = f"{cores} cores" if quota is None or quota >= cores else f"a CPU quota of {quota:.3g} of {cores} cores"
+    return max(1.0, reference_cpus / here), said
 
 
 def recorded() -> dict:
@@ -150,12 +197,13 @@ def judge(session: pytest.Session, took_s: float) -> None:
         return
     here = fixed_work_s()
     factor = max(1.0, here / reference)
-    budget = BUDGET_S * factor
+    fewer, cpus = cpus_factor(record.get("reference_cpus", REFERENCE_CPUS))
+    budget = BUDGET_S * factor * fewer
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     line = (
         f"time budget: {took_s / 60:.1f} min of pytest against {budget / 60:.1f} min ({BUDGET_S / 60:g} min on "
         f"{record['reference_cpu']} x {factor:.2f}: the fixed work took {here:.3f} s here, "
-        f"{reference:.3f} s there)"
+        f"{reference:.3f} s there" + (f"; x {fewer:.2f} for {cpus}" if fewer > 1 else "") + ")"
     )
     if reporter is not None:
         reporter.write_sep("-", line)
@@ -183,6 +231,7 @@ def write(junit: Path, cpu: str, work_s: float | None = None) -> dict:
     data = {
         "reference_cpu": cpu,
         "reference_work_s": round(work_s if work_s is not None else fixed_work_s(), 4),
+        "reference_cpus": len(os.sched_getaffinity(0)),
         "measured": time.strftime("%Y-%m-%d"),
         "tests": dict(sorted(tests.items())),
     }
