@@ -307,6 +307,42 @@ def test_a_rank_that_took_the_reporters_role_asks_the_store_and_gives_the_role_b
     assert not waiter.is_alive() and boards[0].read("failure")["rank"] == 0
 
 
+def test_a_store_hosting_launcher_that_has_begun_to_exit_is_going_before_its_children_get_a_new_parent(tmp_path):
+    """A launcher that hosts the store (torchrun's agent) closes its sockets as it exits, and only then do its
+    children get another parent: a rank that read only its parent pid slipped store calls into that gap and torch
+    printed each broken one with a C++ stack. Here the launcher's main thread exits while another lives on (the
+    process exiting, its children still its own): the rank sees it going, though its parent pid has not moved."""
+    launcher = (
+        "import ctypes, os, subprocess, sys, threading, time\n"
+        "child = subprocess.Popen([sys.executable, '-c', sys.argv[1], sys.argv[2]])\n"
+        "threading.Thread(target=child.wait).start()\n"
+        "while not os.path.exists(sys.argv[2]) and child.poll() is None:  # the rank has looked once\n"
+        "    time.sleep(0.01)\n"
+        "ctypes.CDLL(None).pthread_exit(None)  # the main thread (the pid's) ends: the process has begun to exit\n"
+    )
+    rank = (
+        "import json, os, sys, time\n"
+        "from src.resilience import supervision\n"
+        "supervision._launcher = (0, os.getppid(), 'its launcher', True)  # as watch_launcher sets it\n"
+        "before = supervision.store_host_going()\n"
+        "open(sys.argv[1], 'w').close()\n"
+        "deadline = time.monotonic() + 10\n"
+        "while not supervision.store_host_going() and time.monotonic() < deadline:\n"
+        "    time.sleep(0.01)\n"
+        "print(json.dumps([before, supervision.store_host_going(), supervision.launcher_gone(),\n"
+        "                  os.getppid() == supervision._launcher[1]]))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", launcher, rank, str(tmp_path / "looked")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip() == "[false, true, null, true]", result.stdout + result.stderr[-3000:]
+
+
 def test_a_rank_whose_launcher_died_before_its_watch_began_ends_at_once_naming_it(tmp_path):
     """A local rank's launcher killed in the seconds of the rank's start, before the rank's watch begins (as its
     process group forms): the watch still has the launcher to watch, and ends the rank at once with the line, where

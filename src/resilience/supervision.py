@@ -225,6 +225,26 @@ def watches_a_launcher() -> bool:
     return _launcher is not None
 
 
+PF_EXITING = 0x4  # a flag of /proc/PID/stat's flags word: the process has begun to exit
+
+
+def store_host_going() -> bool:
+    """Whether this rank's launcher hosts the run's store and is gone or on its way out. The kernel marks a process
+    exiting before it closes its files (the store's sockets: a call in flight or sent then is broken, and torch
+    prints that with a C++ stack) and gives its children another parent only after, so the parent pid alone comes
+    too late: under the suite's load a call slipped into that gap in 5 of 12 SIGKILLed torchrun agents."""
+    if not launcher_hosts_store():
+        return False
+    assert _launcher is not None
+    if os.getppid() != _launcher[1]:
+        return True
+    try:
+        flags = int(Path(f"/proc/{_launcher[1]}/stat").read_text().rsplit(")", 1)[1].split()[6])
+    except (OSError, ValueError, IndexError):  # gone between the two looks, or no /proc: the parent pid decides
+        return os.getppid() != _launcher[1]
+    return bool(flags & PF_EXITING)
+
+
 def launcher_gone() -> str | None:
     """'rank 1: its launching process (pid 123) died; ...' once the process that started this rank is gone."""
     if _launcher is None or os.getppid() == _launcher[1]:
@@ -341,7 +361,7 @@ class FailureRecord:
             store = self._new_store(30.0)
             while not self._closed and self.board.reporter() == self.local_rank:
                 if polls:
-                    if launcher_gone() is not None:
+                    if launcher_gone() is not None or store_host_going():
                         return
                     if not store.check([key]):
                         time.sleep(POLL_S)
@@ -590,6 +610,8 @@ class HangWatch:
         if self.board.reporter() != self.local_rank:
             self._store, self._told = None, None  # another local rank reports: no connection held here
             self._last_ok = time.monotonic()
+            return
+        if store_host_going():  # a call now is broken (torch prints a C++ stack); the launcher watch ends this rank
             return
         ranks = self.board.ranks()  # only the reporter reads the others' records
         try:
