@@ -206,7 +206,7 @@ def watch_launcher(
     _launcher = (rank, launcher_pid, what, hosts_store)
 
     def watch() -> None:
-        while os.getppid() == launcher_pid:
+        while launcher_gone() is None:
             time.sleep(POLL_S)
         end_run(launcher_gone(), EXIT_FAILED, publish=not hosts_store)
 
@@ -228,29 +228,31 @@ def watches_a_launcher() -> bool:
 PF_EXITING = 0x4  # a flag of /proc/PID/stat's flags word: the process has begun to exit
 
 
-def store_host_going() -> bool:
-    """Whether this rank's launcher hosts the run's store and is gone or on its way out. The kernel marks a process
-    exiting before it closes its files (the store's sockets: a call in flight or sent then is broken, and torch
-    prints that with a C++ stack) and gives its children another parent only after, so the parent pid alone comes
-    too late: under the suite's load a call slipped into that gap in 5 of 12 SIGKILLed torchrun agents."""
-    if not launcher_hosts_store():
-        return False
-    assert _launcher is not None
-    if os.getppid() != _launcher[1]:
-        return True
+def _exiting(pid: int) -> bool:
+    """Whether process ``pid`` has begun to exit (its flags in /proc/PID/stat), or is gone."""
     try:
-        flags = int(Path(f"/proc/{_launcher[1]}/stat").read_text().rsplit(")", 1)[1].split()[6])
-    except (OSError, ValueError, IndexError):  # gone between the two looks, or no /proc: the parent pid decides
-        return os.getppid() != _launcher[1]
-    return bool(flags & PF_EXITING)
+        return bool(int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[6]) & PF_EXITING)
+    except (OSError, ValueError, IndexError):  # gone, or no /proc: the parent pid decides
+        return False
 
 
 def launcher_gone() -> str | None:
-    """'rank 1: its launching process (pid 123) died; ...' once the process that started this rank is gone."""
-    if _launcher is None or os.getppid() == _launcher[1]:
+    """'rank 1: its launching process (pid 123) died; ...' once the process that started this rank is gone, or,
+    where it hosts the run's store, has begun to exit. The kernel marks a process exiting before it closes its
+    files (the store's sockets: a call in flight or sent then is broken, and torch prints that with a C++ stack)
+    and gives its children another parent only after, so the parent pid alone comes too late there: under the
+    suite's load store calls slipped into that gap in 5 of 12 SIGKILLed torchrun agents."""
+    if _launcher is None:
         return None
-    rank, pid, what, _ = _launcher
+    rank, pid, what, hosts_store = _launcher
+    if os.getppid() == pid and not (hosts_store and _exiting(pid)):
+        return None
     return f"rank {rank}: {what} (pid {pid}) died; this rank stopped too"
+
+
+def store_host_going() -> bool:
+    """Whether this rank's launcher hosts the run's store and is gone or on its way out (``launcher_gone``)."""
+    return launcher_hosts_store() and launcher_gone() is not None
 
 
 class FailureRecord:
@@ -361,7 +363,7 @@ class FailureRecord:
             store = self._new_store(30.0)
             while not self._closed and self.board.reporter() == self.local_rank:
                 if polls:
-                    if launcher_gone() is not None or store_host_going():
+                    if launcher_gone() is not None:
                         return
                     if not store.check([key]):
                         time.sleep(POLL_S)
@@ -933,8 +935,9 @@ def leave_group() -> None:
 
 
 def reported_failure() -> tuple[str | None, int] | None:
-    """If another rank has already failed the run: what this rank should print (mostly nothing) and the code."""
-    return None if FAILURES is None else FAILURES.follow(from_store=True)
+    """If another rank has already failed the run: what this rank should print (mostly nothing) and the code. Not
+    from a store whose host, this rank's launcher, is going: its node's board has what that store had."""
+    return None if FAILURES is None else FAILURES.follow(from_store=not store_host_going())
 
 
 def in_distributed_run() -> bool:
@@ -981,7 +984,9 @@ def end_run(
     if not _ending.acquire(blocking=False):
         while True:
             time.sleep(60)
-    publish = publish and FAILURES is not None and not FAILURES.echoing
+    # not to a store whose host, this rank's launcher, is going: the call would wait out its connect, twice, each try
+    # printed with torch's C++ stack, before this rank could end
+    publish = publish and FAILURES is not None and not FAILURES.echoing and not store_host_going()
     if HANGS is not None:
         HANGS.close()
     first = FAILURES.publish(line, code, dead + bool(stuck), stuck) if publish and FAILURES is not None else True

@@ -231,6 +231,15 @@ def test_a_search_in_one_job_starts_each_trials_ranks_itself_and_a_requeue_ends_
         "hydra.sweeper.n_trials=2",
         "trainer.max_epochs=3",
         "trainer.limit_train_batches=null",
+        # trial 1 (10 steps an epoch) waits in step 15 until the requeue's SIGTERM: 30 steps took 1.3 s, and a
+        # signal sent once its first last.ckpt was there once came after the trial had ended, with nothing to resume
+        "+callbacks.wait._target_=tests.faults.SleepAt",
+        "+callbacks.wait.rank=0",
+        "+callbacks.wait.job=1",
+        "+callbacks.wait.step=15",
+        "+callbacks.wait.seconds=300",
+        "+callbacks.wait.until_signal=true",
+        f"+callbacks.wait.once={tmp_path / 'held'}",
     )
     last = sweep / "1" / "checkpoints" / "last.ckpt"
     deadline = time.monotonic() + 240
