@@ -229,10 +229,11 @@ PF_EXITING = 0x4  # a flag of /proc/PID/stat's flags word: the process has begun
 
 
 def _exiting(pid: int) -> bool:
-    """Whether process ``pid`` has begun to exit (its flags in /proc/PID/stat), or is gone."""
+    """Whether process ``pid`` has begun to exit (its flags in /proc/PID/stat); False where they cannot be read (it
+    is gone, or there is no /proc): the parent pid tells then."""
     try:
         return bool(int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[6]) & PF_EXITING)
-    except (OSError, ValueError, IndexError):  # gone, or no /proc: the parent pid decides
+    except (OSError, ValueError, IndexError):
         return False
 
 
