@@ -231,8 +231,9 @@ def test_a_search_in_one_job_starts_each_trials_ranks_itself_and_a_requeue_ends_
         "hydra.sweeper.n_trials=2",
         "trainer.max_epochs=3",
         "trainer.limit_train_batches=null",
-        # trial 1 (10 steps an epoch) waits in step 15 until the requeue's SIGTERM: 30 steps took 1.3 s, and a
-        # signal sent once its first last.ckpt was there once came after the trial had ended, with nothing to resume
+        # trial 1 (10 steps an epoch) waits in step 15 until the requeue's SIGTERM, and the signal is sent once it
+        # waits there: 30 steps took 1.3 s, and a signal sent when its first last.ckpt appeared once came after the
+        # trial had ended, with nothing to resume (and, sent before step 15, it left the resumed trial to wait)
         "+callbacks.wait._target_=tests.faults.SleepAt",
         "+callbacks.wait.rank=0",
         "+callbacks.wait.job=1",
@@ -243,7 +244,7 @@ def test_a_search_in_one_job_starts_each_trials_ranks_itself_and_a_requeue_ends_
     )
     last = sweep / "1" / "checkpoints" / "last.ckpt"
     deadline = time.monotonic() + 240
-    while not last.exists() and time.monotonic() < deadline:  # trial 1 has trained its first epoch
+    while not (tmp_path / "held").exists() and time.monotonic() < deadline:  # trial 1 waits in step 15
         time.sleep(0.2)
     cluster.run("scancel", "--batch", "--signal=USR1", job)  # what --signal=B:SIGUSR1@120 sends before the limit
     info = cluster.wait(job, timeout=400)
