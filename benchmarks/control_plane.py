@@ -463,10 +463,6 @@ class Fleet:
         answers = self.ask("counts")
         return sum(sum(counts.values()) for counts, _ in answers), [late for _, late in answers]
 
-    def checks(self) -> int:
-        """The ``check`` requests made so far (a judge's look for a verdict, and a taken-over reporter's asking)."""
-        return sum(counts.get("check", 0) for counts, _ in self.ask("counts"))
-
     def report(self) -> dict[str, Any]:
         answers = self.ask("report")
         return {
@@ -580,10 +576,16 @@ def takeover(world: int, args: argparse.Namespace) -> dict[str, Any]:
     try:
         fleet = Fleet(host, world, args, hang_timeout_s)
 
+        def tally() -> tuple[int, int]:
+            """Requests made so far, and of them ``check``s (a judge's look for a verdict, a taken-over reporter's
+            asking), from one round of the workers' counts."""
+            answers = [counts for counts, _ in fleet.ask("counts")]
+            return sum(sum(c.values()) for c in answers), sum(c.get("check", 0) for c in answers)
+
         def load(seconds: float) -> dict[str, float]:
-            before, (requests, _), checks = host.reading(), fleet.counts(), fleet.checks()
+            before, (requests, checks) = host.reading(), tally()
             time.sleep(seconds)
-            after, (requests_after, _), checks_after = host.reading(), fleet.counts(), fleet.checks()
+            after, (requests_after, checks_after) = host.reading(), tally()
             span = after["t"] - before["t"]
             return {
                 "requests_per_s": (requests_after - requests) / span,

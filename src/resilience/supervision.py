@@ -206,9 +206,9 @@ def watch_launcher(
     _launcher = (rank, launcher_pid, what, hosts_store)
 
     def watch() -> None:
-        while launcher_gone() is None:
+        while (gone := launcher_gone()) is None:
             time.sleep(POLL_S)
-        end_run(launcher_gone(), EXIT_FAILED, publish=not hosts_store)
+        end_run(gone, EXIT_FAILED)  # end_run publishes nothing to a store whose host is going
 
     thread = threading.Thread(target=watch, name="launcher-watch", daemon=True)
     thread.start()
