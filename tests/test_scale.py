@@ -290,6 +290,55 @@ def test_the_rank_that_completes_its_node_says_so_once_and_the_folder_goes(tmp_p
     assert not (tmp_path / "node0").exists()
 
 
+def test_a_board_no_process_holds_is_removed_by_the_next_runs_sweep_and_a_held_one_stays(tmp_path):
+    """A killed rank cannot remove its node's board; its lock goes with it, and the next run on the node removes
+    the folder. One a live process holds (stopped or not) stays, as do another user's and what is not a board."""
+    import signal
+    import subprocess
+    import sys
+
+    from src.resilience import node_board
+
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from pathlib import Path; from src.resilience.node_board import "
+            "NodeBoard; NodeBoard('a1', 0, 0, 2, 3.0, Path(sys.argv[1])); print('held', flush=True); time.sleep(60)",
+            str(tmp_path / "cifar10-ddp-a1-node0"),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert holder.stdout.readline() == "held\n"
+    holder.send_signal(signal.SIGSTOP)  # a suspended job still holds its board
+    ended = NodeBoard("b2", 1, 0, 2, 3.0, tmp_path / "cifar10-ddp-b2-node1")
+    ended.publish({"rank": 2})
+    ended.release()  # as at the process's end
+    live = NodeBoard("c3", 0, 0, 1, 3.0, tmp_path / "cifar10-ddp-c3-node0")
+    (tmp_path / "cifar10-ddp-0").mkdir()  # the object store's node folder, not a board
+    for name, age in (("cifar10-ddp-d4-node0", 0), ("cifar10-ddp-e5-node0", 11 * 60)):  # an earlier version's
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "r0.json").write_text("{}")
+        for path in (tmp_path / name / "r0.json", tmp_path / name):
+            os.utime(path, (time.time() - age, time.time() - age))
+    kept = {"cifar10-ddp-c3-node0", "cifar10-ddp-0", "cifar10-ddp-d4-node0"}
+    if os.getuid() == 0:  # another user's, held by none
+        NodeBoard("f6", 0, 0, 1, 3.0, tmp_path / "cifar10-ddp-f6-node0").release()
+        os.chown(tmp_path / "cifar10-ddp-f6-node0", 65534, 65534)
+        kept.add("cifar10-ddp-f6-node0")
+    try:
+        assert sorted(p.name for p in node_board.sweep(tmp_path)) == ["cifar10-ddp-b2-node1", "cifar10-ddp-e5-node0"]
+        holder.kill()
+        holder.wait()
+        assert node_board.sweep(tmp_path) == [tmp_path / "cifar10-ddp-a1-node0"]
+    finally:
+        holder.kill()
+    assert {path.name for path in tmp_path.iterdir()} == kept
+    live.publish({"rank": 0})
+    assert live.finish() and not (tmp_path / "cifar10-ddp-c3-node0").exists()
+
+
 def test_the_control_plane_simulator_names_a_stuck_rank_stops_all_at_a_dead_one_and_takeovers_leave_two_sockets_a_node(
     tmp_path,
 ):

@@ -3,6 +3,8 @@ SIGTERM stops every rank at the same step with a checkpoint and exit code 143.""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import re
 import signal
@@ -135,6 +137,20 @@ def error_lines(out: str) -> list[str]:
     return [line for line in out.splitlines() if line.startswith("error:")]
 
 
+def boards_of(run_dir: Path) -> list[Path]:
+    """The node boards in shared memory whose ranks write their stacks into ``run_dir`` (the hang watch's records)."""
+    from src.resilience import node_board
+
+    found = []
+    for board in node_board.root().glob("cifar10-ddp-*-node*"):
+        for record in board.glob("r*.json"):
+            with contextlib.suppress(OSError, ValueError):
+                if str(json.loads(record.read_text()).get("log", "")).startswith(str(run_dir)):
+                    found.append(board)
+                    break
+    return found
+
+
 @pytest.mark.parametrize("strategy, rank", [("ddp", 0), ("ddp", 1), ("ddp_spawn", 1)])
 def test_an_exception_on_any_rank_stops_every_process_within_seconds_with_one_line_naming_it(strategy, rank, tmp_path):
     # last.ckpt at step 2, the failure at step 3
@@ -149,9 +165,11 @@ def test_an_exception_on_any_rank_stops_every_process_within_seconds_with_one_li
         ranks=2,
     )
     everyone = [proc.pid, *descendants(proc.pid)]
+    assert boards_of(tmp_path)  # the node's board in shared memory, while the run runs
     out, seconds = finish(proc, everyone, limit_s=60)
     assert proc.returncode == 1 and seconds < 30, out[-3000:]
     assert not [p for p in everyone if running(p)], "processes were left behind"
+    assert not boards_of(tmp_path), "the failed run left its node's board in shared memory"
     errors = error_lines(out)
     assert len(errors) == 1 and re.fullmatch(
         rf"error: rank {rank}: RuntimeError: injected failure at step 3 \(traceback in \S+\.log\)", errors[0]

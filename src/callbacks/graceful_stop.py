@@ -163,6 +163,7 @@ class GracefulStop(L.Callback):
                 "ckpt_path=last"
             )
         supervision.stop_processes(supervision.STARTED, grace_s=2.0)
+        supervision.leave_board()
         os._exit(128 + signal.SIGINT)
 
     def on_train_batch_end(

@@ -9,13 +9,21 @@ touching it, and the next local rank takes its place as the reporter.
 The folder is ``/dev/shm`` (``TMPDIR`` where there is none) ``/cifar10-ddp-<run id>-node<N>``; the run id comes
 from rank 0 through the process group's store, so a run never reads a folder an earlier run left behind. The ranks
 of a node must share that folder, as processes of one job on one host do (a container per rank would not).
+
+A folder lives as long as a process of its run holds it: each rank takes a shared lock (flock) on its ``lock`` file
+for as long as it runs, and the kernel lets go of it when the process ends, however it ends. The node's last rank
+to finish removes the folder; where a rank was killed, or a run failed, the next run on the node does (``sweep``):
+a folder in shared memory outlives its run until the machine restarts.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import logging
 import os
+import re
 import shutil
 import tempfile
 import threading
@@ -24,6 +32,11 @@ from pathlib import Path
 from typing import Any
 
 log = logging.getLogger(__name__)
+
+PREFIX = "cifar10-ddp-"
+BOARD_NAME = re.compile(rf"{PREFIX}[0-9a-f]+-node[0-9]+")  # not the object store's cifar10-ddp-UID beside it
+LOCKLESS_STALE_S = 600.0  # a folder without a lock file (an earlier version's) that no one wrote for this long is left
+_swept = False  # this process swept the folders that ended runs left, once
 
 
 def root() -> Path:
@@ -39,8 +52,12 @@ class NodeBoard:
         self, run_id: str, node_rank: int, local_rank: int, local_world: int, stale_s: float, folder: Path | None = None
     ) -> None:
         self.local_rank, self.local_world, self.stale_s = local_rank, local_world, stale_s
-        self.path = folder or root() / f"cifar10-ddp-{run_id}-node{node_rank}"
-        self.path.mkdir(parents=True, exist_ok=True)
+        global _swept
+        if folder is None and not _swept:
+            _swept = True
+            sweep(root())
+        self.path = folder or root() / f"{PREFIX}{run_id}-node{node_rank}"
+        self._lock_fd = hold(self.path)
         self._own = self.path / f"r{local_rank}.json"
         self._opened = time.time()
         self._record: dict[str, Any] = {}
@@ -147,14 +164,86 @@ class NodeBoard:
         for the node, and removes the folder)."""
         self.closed = True
         try:
-            (self.path / f"done{self.local_rank}").touch()
-        except OSError:
-            return False
-        if sum((self.path / f"done{local}").exists() for local in range(self.local_world)) < self.local_world:
-            return False
+            try:
+                (self.path / f"done{self.local_rank}").touch()
+            except OSError:
+                return False
+            if sum((self.path / f"done{local}").exists() for local in range(self.local_world)) < self.local_world:
+                return False
+            try:
+                os.close(os.open(self.path / "done", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            except FileExistsError:
+                return False
+            shutil.rmtree(self.path, ignore_errors=True)
+            return True
+        finally:
+            self.release()
+
+    def release(self) -> None:
+        """This process no longer holds the folder (a later run's ``sweep`` may remove it once none does)."""
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+
+def hold(path: Path) -> int | None:
+    """Make the folder ``path`` and hold it: a shared lock on its ``lock`` file, kept while this process runs, on the
+    file that is there now (a ``sweep`` that removed the folder between its making and the lock: made again)."""
+    for _ in range(5):
+        path.mkdir(parents=True, exist_ok=True)
         try:
-            os.close(os.open(self.path / "done", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-        except FileExistsError:
-            return False
-        shutil.rmtree(self.path, ignore_errors=True)
-        return True
+            fd = os.open(path / "lock", os.O_RDWR | os.O_CREAT, 0o600)
+        except FileNotFoundError:  # swept this instant
+            continue
+        fcntl.flock(fd, fcntl.LOCK_SH)  # a sweep holds it exclusively only while it removes the folder
+        with contextlib.suppress(OSError):
+            if os.stat(path / "lock").st_ino == os.fstat(fd).st_ino:
+                return fd
+        os.close(fd)
+    log.warning("the node's board %s was removed under this rank as it was made: a later run may remove it too", path)
+    return None
+
+
+def sweep(folder: Path) -> list[Path]:
+    """Remove this user's node boards in ``folder`` that no process holds: left by runs whose ranks were killed or
+    failed. A board of an earlier version (no lock file) goes once nothing in it changed for LOCKLESS_STALE_S."""
+    removed: list[Path] = []
+    try:
+        entries = [e for e in os.scandir(folder) if BOARD_NAME.fullmatch(e.name)]
+    except OSError:
+        return removed
+    for entry in entries:
+        path = Path(entry.path)
+        try:
+            if not entry.is_dir(follow_symlinks=False) or entry.stat(follow_symlinks=False).st_uid != os.getuid():
+                continue
+            fd = os.open(path / "lock", os.O_RDONLY)
+        except FileNotFoundError:
+            if _unchanged_for(path, LOCKLESS_STALE_S):
+                shutil.rmtree(path, ignore_errors=True)
+                removed.append(path)
+            continue
+        except OSError:
+            continue
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:  # a rank of its run still runs
+                continue
+            with contextlib.suppress(OSError):
+                if os.stat(path / "lock").st_ino == os.fstat(fd).st_ino:  # not swept and made again meanwhile
+                    shutil.rmtree(path, ignore_errors=True)
+                    removed.append(path)
+        finally:
+            os.close(fd)
+    if removed:
+        log.info("removed %d node board(s) that ended runs left in %s", len(removed), folder)
+    return removed
+
+
+def _unchanged_for(path: Path, seconds: float) -> bool:
+    try:
+        newest = max([path.stat().st_mtime, *(child.stat().st_mtime for child in path.iterdir())])
+    except OSError:
+        return False
+    return time.time() - newest > seconds

@@ -935,6 +935,12 @@ def leave_group() -> None:
         torch.distributed.destroy_process_group()
 
 
+def leave_board() -> None:
+    """A rank that ends without a good end is done with its node's board too: the node's last rank removes it."""
+    if FAILURES is not None:
+        FAILURES.board.finish()
+
+
 def reported_failure() -> tuple[str | None, int] | None:
     """If another rank has already failed the run: what this rank should print (mostly nothing) and the code. Not
     from a store whose host, this rank's launcher, is going: its node's board has what that store had."""
@@ -1005,6 +1011,7 @@ def end_run(
         # (torchrun's agent hosts it there, and outlives this rank)
     _let_the_failing_rank_speak()
     stop_processes(STARTED, grace_s=2.0)
+    leave_board()
     if FAILURES is None and threading.current_thread() is threading.main_thread():
         sys.exit(code)  # one process and nothing started: the ordinary way out
     sys.stdout.flush()
