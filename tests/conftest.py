@@ -11,6 +11,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Sequence
@@ -339,6 +340,21 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
             return budget.scope(nodeid)
 
     return Scheduling(config, log)
+
+
+@pytest.hookimpl(trylast=True)  # after pytest's own, which sets up the session's folder
+def pytest_configure(config: pytest.Config) -> None:
+    """Every process the suite starts keeps its temporary files in the session's folder, not the machine's /tmp:
+    ``TMPDIR`` is ``<basetemp>/tmp``, which pytest removes with the rest of that folder when every test passed and
+    keeps, for reading, when one failed. A session left there before: the object store's downloaded checkpoints (a
+    node's copies, kept for a week), torchrun's folders of the agents the tests kill, the S3 server's logs and
+    sockets, inductor's cache (so a compile here starts from an empty one, as in a fresh CI)."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # its controller's folder, inherited
+        return
+    folder = config._tmp_path_factory.getbasetemp() / "tmp"  # type: ignore[attr-defined]
+    folder.mkdir(exist_ok=True)
+    os.environ["TMPDIR"] = str(folder)
+    tempfile.tempdir = None  # tempfile's answer, cached in this process
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -8,6 +8,7 @@ session (tests/conftest.py's ``s3_store``), shared by its workers, and a second 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -84,18 +85,21 @@ class S3Server:
         return cls(folder, record["ports"], record["pid"])
 
     def stop(self) -> None:
-        """Stop the server (its process group: weed and what it started) and wait for its ports to close."""
+        """Stop the server (its process group: weed and what it started), wait for its ports to close, and remove the
+        sockets its servers leave in /tmp (named by their ports, or those + 10000 for gRPC; not in TMPDIR)."""
         try:
             os.killpg(self.pid, signal.SIGTERM)
         except ProcessLookupError:
-            return
-        deadline = time.monotonic() + 15
-        while time.monotonic() < deadline and not _free(self.ports[3]):
-            time.sleep(0.1)
-        try:
-            os.killpg(self.pid, signal.SIGKILL)
-        except ProcessLookupError:
             pass
+        else:
+            deadline = time.monotonic() + 15
+            while time.monotonic() < deadline and not _free(self.ports[3]):
+                time.sleep(0.1)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.pid, signal.SIGKILL)
+        for port in (*self.ports, *(port + 10000 for port in self.ports)):
+            for stale in Path("/tmp").glob(f"seaweedfs-*-{port}.sock"):
+                stale.unlink(missing_ok=True)
 
 
 def start(folder: Path, ports: list[int] | None = None, timeout_s: float = 60, watch: int | None = None) -> S3Server:
