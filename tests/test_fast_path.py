@@ -9,6 +9,7 @@ import statistics
 import subprocess
 import sys
 import time
+from tempfile import gettempdir
 
 import pytest
 import torch
@@ -135,7 +136,7 @@ def test_onednn_itself_sees_no_bf16_under_the_cap_this_project_reads():
         "import torch; from src.models.fast_path import cpu_bf16_isa;"
         "print(cpu_bf16_isa(), torch.ops.mkldnn._is_mkldnn_bf16_supported())"
     )
-    env = {"PATH": "/usr/bin:/bin", "ONEDNN_MAX_CPU_ISA": "AVX2", "OMP_NUM_THREADS": "1"}
+    env = {"PATH": "/usr/bin:/bin", "ONEDNN_MAX_CPU_ISA": "AVX2", "OMP_NUM_THREADS": "1", "TMPDIR": gettempdir()}
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.split() == ["None", "False"]
@@ -172,6 +173,7 @@ def test_processes_starting_together_measure_once_and_agree(tmp_path):
         "print(chosen.precision, len(timed), fp.bf16_speedup('resnet18'))"
     )
     env = {"XDG_CACHE_HOME": str(tmp_path / "cache"), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
+    env["TMPDIR"] = gettempdir()  # the session's (tests/conftest.py), not the machine's /tmp
     procs = [
         subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
         for _ in range(2)
