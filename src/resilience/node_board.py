@@ -12,8 +12,8 @@ of a node must share that folder, as processes of one job on one host do (a cont
 
 A folder lives as long as a process of its run holds it: each rank takes a shared lock (flock) on its ``lock`` file
 for as long as it runs, and the kernel lets go of it when the process ends, however it ends. The node's last rank
-to finish removes the folder; where a rank was killed, or a run failed, the next run on the node does (``sweep``):
-a folder in shared memory outlives its run until the machine restarts.
+to finish removes the folder, whether the run ended well or not; where a rank was killed, the next run on the node
+does (``sweep``). Left there, a folder in shared memory would outlive its run until the machine restarts.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 
 PREFIX = "cifar10-ddp-"
 BOARD_NAME = re.compile(rf"{PREFIX}[0-9a-f]+-node[0-9]+")  # not the object store's cifar10-ddp-UID beside it
-LOCKLESS_STALE_S = 600.0  # a folder without a lock file (an earlier version's) that no one wrote for this long is left
+LOCKLESS_STALE_S = 600.0  # a folder without a lock file (an earlier version's) unchanged this long is removed
 _swept = False  # this process swept the folders that ended runs left, once
 
 
@@ -172,7 +172,7 @@ class NodeBoard:
                 return False
             try:
                 os.close(os.open(self.path / "done", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-            except FileExistsError:
+            except OSError:  # another rank's (FileExistsError), or the folder is gone: not this rank's to say
                 return False
             shutil.rmtree(self.path, ignore_errors=True)
             return True
