@@ -339,6 +339,17 @@ def test_a_board_no_process_holds_is_removed_by_the_next_runs_sweep_and_a_held_o
     assert live.finish() and not (tmp_path / "cifar10-ddp-c3-node0").exists()
 
 
+def test_a_board_that_cannot_make_its_lock_file_still_works_and_says_so(tmp_path, caplog):
+    (tmp_path / "node0" / "lock").mkdir(parents=True)  # as no inode left would: the file cannot be made
+    with caplog.at_level(logging.WARNING, logger="src.resilience.node_board"):
+        board = NodeBoard("run", 0, 0, 1, stale_s=3.0, folder=tmp_path / "node0")
+    assert [r.getMessage() for r in caplog.records] == [
+        f"the node's board {tmp_path / 'node0'} cannot hold its lock file (Is a directory)"
+    ]
+    board.publish({"rank": 0})
+    assert board.reporter() == 0 and board.finish() and not (tmp_path / "node0").exists()
+
+
 def test_the_control_plane_simulator_names_a_stuck_rank_stops_all_at_a_dead_one_and_takeovers_leave_two_sockets_a_node(
     tmp_path,
 ):

@@ -195,6 +195,9 @@ def hold(path: Path) -> int | None:
             fd = os.open(path / "lock", os.O_RDWR | os.O_CREAT, 0o600)
         except FileNotFoundError:  # swept this instant
             continue
+        except OSError as err:  # no inode left, say: the board works without; a sweep leaves it while it changes
+            log.warning("the node's board %s cannot hold its lock file (%s)", path, err.strerror or err)
+            return None
         fcntl.flock(fd, fcntl.LOCK_SH)  # a sweep holds it exclusively only while it removes the folder
         with contextlib.suppress(OSError):
             if os.stat(path / "lock").st_ino == os.fstat(fd).st_ino:
