@@ -937,8 +937,9 @@ def leave_group() -> None:
 
 def leave_board() -> None:
     """A rank that ends without a good end is done with its node's board too: the node's last rank removes it."""
-    if FAILURES is not None:
-        FAILURES.board.finish()
+    failures = FAILURES  # once: another thread may be stopping the watch (FAILURES = None) as this one ends
+    if failures is not None:
+        failures.board.finish()
 
 
 def reported_failure() -> tuple[str | None, int] | None:
