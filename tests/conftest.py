@@ -347,8 +347,8 @@ def pytest_configure(config: pytest.Config) -> None:
     """Every process the suite starts keeps its temporary files in the session's folder, not the machine's /tmp:
     ``TMPDIR`` is ``<basetemp>/tmp``, which pytest removes with the rest of that folder when every test passed and
     keeps, for reading, when one failed. A session left there before: the object store's downloaded checkpoints (a
-    node's copies, kept for a week), torchrun's agents' folders, the S3 server's logs and
-    sockets, inductor's cache (so a compile here starts from an empty one, as in a fresh CI)."""
+    node's copies, kept for a week), torchrun's agents' folders, the S3 server's logs, inductor's cache (so a compile
+    here starts from an empty one, as in a fresh CI). The S3 server's sockets: tests/s3server.py's ``stop``."""
     if os.environ.get("PYTEST_XDIST_WORKER"):  # its controller's folder, inherited
         return
     folder = config._tmp_path_factory.getbasetemp() / "tmp"  # type: ignore[attr-defined]
