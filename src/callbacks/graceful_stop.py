@@ -24,7 +24,6 @@ for the all-reduce, at any world size.
 
 from __future__ import annotations
 
-import os
 import signal
 import threading
 import time
@@ -162,9 +161,7 @@ class GracefulStop(L.Callback):
                 f"interrupted again (Ctrl-C): quit at once; {said}; resume with hydra.run.dir={path.parent.parent} "
                 "ckpt_path=last"
             )
-        supervision.stop_processes(supervision.STARTED, grace_s=2.0)
-        supervision.leave_board()
-        os._exit(128 + signal.SIGINT)
+        supervision.quit_at_once(128 + signal.SIGINT)
 
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int

@@ -96,9 +96,7 @@ def on_sigint(signum: int, frame: Any) -> None:
     if err is None:
         raise KeyboardInterrupt
     _say_stop_line(err, bool(_stop.get("speaks")))
-    supervision.stop_processes(supervision.STARTED, grace_s=2.0)
-    supervision.leave_board()
-    os._exit(err.exit_code)
+    supervision.quit_at_once(err.exit_code)
 
 
 def sigint_ignored() -> bool:

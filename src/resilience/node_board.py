@@ -18,7 +18,6 @@ does (``sweep``). Left there, a folder in shared memory would outlive its run un
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import json
 import logging
@@ -199,9 +198,8 @@ def hold(path: Path) -> int | None:
             log.warning("the node's board %s cannot hold its lock file (%s)", path, err.strerror or err)
             return None
         fcntl.flock(fd, fcntl.LOCK_SH)  # a sweep holds it exclusively only while it removes the folder
-        with contextlib.suppress(OSError):
-            if os.stat(path / "lock").st_ino == os.fstat(fd).st_ino:
-                return fd
+        if _still_there(fd, path / "lock"):
+            return fd
         os.close(fd)
     log.warning("the node's board %s was removed under this rank as it was made: a later run may remove it too", path)
     return None
@@ -233,15 +231,22 @@ def sweep(folder: Path) -> list[Path]:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:  # a rank of its run still runs
                 continue
-            with contextlib.suppress(OSError):
-                if os.stat(path / "lock").st_ino == os.fstat(fd).st_ino:  # not swept and made again meanwhile
-                    shutil.rmtree(path, ignore_errors=True)
-                    removed.append(path)
+            if _still_there(fd, path / "lock"):  # not swept by another and made again meanwhile
+                shutil.rmtree(path, ignore_errors=True)
+                removed.append(path)
         finally:
             os.close(fd)
     if removed:
         log.info("removed %d node board(s) that ended runs left in %s", len(removed), folder)
     return removed
+
+
+def _still_there(fd: int, path: Path) -> bool:
+    """Whether ``fd`` is open on the file at ``path`` now, not on one a sweep removed (the folder made again since)."""
+    try:
+        return os.stat(path).st_ino == os.fstat(fd).st_ino
+    except OSError:
+        return False
 
 
 def _unchanged_for(path: Path, seconds: float) -> bool:
