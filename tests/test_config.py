@@ -130,17 +130,21 @@ SRUN_TASK = {"SLURM_STEP_ID": "0", "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "S
     ],
     ids=["srun task", "batch script"],
 )
-def test_a_slurm_allocation_that_cannot_run_is_one_line_before_lightning_loads(task, overrides, line):
+def test_a_slurm_allocation_that_cannot_run_is_one_line_before_lightning_loads(task, overrides, line, tmp_path):
     """Every task of every node would otherwise import Lightning, torchvision and torchmetrics first: seconds from a
     local disk, minutes from a cluster's shared filesystem at thousands of tasks. (torch loads: the device count of
-    trainer.accelerator=auto needs it.) tests/slurm/ runs the same two through a real slurmctld."""
+    trainer.accelerator=auto needs it.) tests/slurm/ runs the same two through a real slurmctld. The refused run
+    leaves no run dir: neither its timestamped dir nor the folder it made for it."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC_")) and k != "LOCAL_RANK"}
     env.update(
         SLURM_JOB_ID="7", SLURM_JOB_NAME="train", SLURM_NTASKS="2", SLURM_NTASKS_PER_NODE="2", SLURM_JOB_NUM_NODES="1"
     )
     env.update(task)
     done = subprocess.run(
-        [sys.executable, "-X", "importtime", "-m", "src.train", "data=synthetic", *overrides],
+        [
+            *(sys.executable, "-X", "importtime", "-m", "src.train", "data=synthetic", *overrides),
+            f"hydra.run.dir={tmp_path}/runs/${{now:%Y-%m-%d}}/${{now:%H-%M-%S}}",  # the default's form, in a new folder
+        ],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -151,6 +155,7 @@ def test_a_slurm_allocation_that_cannot_run_is_one_line_before_lightning_loads(t
     errors = [row for row in done.stderr.splitlines() if not row.startswith("import time:")]
     assert done.returncode == 2 and len(errors) == 1 and errors[0].startswith(f"error: {line}"), done.stderr[-2000:]
     assert "hydra" in imported and not {"lightning", "torchvision", "torchmetrics"} & imported
+    assert not (tmp_path / "runs").exists(), sorted(map(str, (tmp_path / "runs").rglob("*")))
 
 
 def test_trainer_builds_from_the_composed_config(tmp_path):

@@ -38,6 +38,7 @@ class Case:
     env: dict[str, str] = field(default_factory=dict)
     restricted: bool = False  # without root's power over file permissions
     one_core: bool = False  # pinned to one CPU core
+    ranks_started: bool = False  # refused once its ranks ran: their logs keep the run dir (else it leaves none)
 
 
 CASES = {
@@ -110,10 +111,12 @@ CASES = {
     "no-training-step-per-epoch": Case(
         [*FAST, *DDP2, "data.batch_size=64"],
         ["86 training images over 2 processes are 43 per process", "data.batch_size=64", "data.batch_size=43 or less"],
+        ranks_started=True,
     ),
     "a-rank-without-a-test-image": Case(
         [*FAST, *DDP2, "data.num_test=1", "test=true"],
         ["1 test images for 2 processes", "every process needs at least one"],
+        ranks_started=True,
     ),
     "mpirun-without-mpi4py": Case(
         [*FAST],
@@ -306,6 +309,9 @@ def test_a_bad_input_fails_fast_with_one_error_line_naming_it(name, runs):
     for word in case.words:
         assert runs.fill(word) in errors[0], errors[0]
     assert "Traceback" not in text, text[-3000:]
+    run_dir = runs.tmp / "runs" / name
+    left = sorted(str(p.relative_to(run_dir)) for p in run_dir.rglob("*")) if run_dir.exists() else None
+    assert (left is not None) == case.ranks_started, f"{run_dir} holds {left}"
 
 
 @pytest.mark.parametrize("name", TRACEBACK_CASES)

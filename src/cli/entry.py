@@ -20,6 +20,7 @@ from typing import Any, Callable, NoReturn
 from src.checkpoints import object_store
 from src.core.errors import (
     EXIT_FAILED,
+    EXIT_USER_ERROR,
     USER_FULL_ERROR,
     UserError,
     hydra_error_message,
@@ -28,7 +29,7 @@ from src.core.errors import (
     storage_error_in,
     wants_traceback,
 )
-from src.launch import ranks, torchrun
+from src.launch import ranks, run_dir, torchrun
 from src.resilience import failure, heartbeat, supervision
 from src.tracking import servers
 
@@ -49,6 +50,8 @@ def run(main: Callable[[], Any]) -> NoReturn:
         code: Any = 0
     except SystemExit as stop:
         code = stop.code
+    if code == EXIT_USER_ERROR:  # refused before it ran: no empty run dir left for the typo
+        run_dir.forget_refused_run()
     exit_now(code)
 
 

@@ -8,6 +8,8 @@ too — so a crashed run's dir is free for ``ckpt_path=last`` at once. The other
 lock, so they are never refused. A second run pointed at a held dir stops before it writes anything,
 naming the host and pid that hold it. A timestamped dir (the default ``outputs/runs/<date>/<time>``) is
 claimed instead: a run that finds its timestamp owned by another run takes ``<time>_2``, ``<time>_3``, ...
+A run refused before it ran (exit 2: a bad value, a missing file) takes back the folders it made for itself
+(``forget_refused_run``): a typo leaves no empty run dir behind.
 """
 
 from __future__ import annotations
@@ -34,6 +36,9 @@ log = logging.getLogger(__name__)
 
 LOCK_FILE = ".lock"
 _held: list[int] = []  # open for the life of the process: closing the file would drop the lock
+_made: list[Path] = []  # the folders hold() made for this run, its run dir first, then the parents it made
+CONFIG_FILE = "config.yaml"  # the resolved config, src/training/trainer.py's record_config
+HYDRA_RECORD = {"config.yaml", "hydra.yaml", "overrides.yaml"}  # what Hydra writes into DIR/.hydra as a run starts
 
 
 class RunDirLock(Callback):
@@ -55,18 +60,64 @@ def hold(config: DictConfig, kind: str) -> Path:
     node = config.hydra[kind]
     path = Path(str(node.dir))
     if _timestamped(node):
-        path = _claim_fresh(path)
+        path = _claim_fresh(path, kind)
         with read_write(config.hydra):
             node.dir = str(path)
             if kind == "sweep":  # each job's config is composed again from these overrides
                 config.hydra.overrides.hydra.append(f'hydra.sweep.dir="{path}"')
     else:
+        made = _missing(path)
         try:
             path.mkdir(parents=True, exist_ok=True)
         except OSError as err:
             report(unwritable_run_dir(err))
+        if kind == "run":
+            _made[:] = made
     lock_run_dir(path, kind)
     return path
+
+
+def _missing(path: Path) -> list[Path]:
+    """``path`` and those of its parents that do not exist (yet), deepest first."""
+    missing, folder = [], path.absolute()
+    while not folder.exists() and folder != folder.parent:
+        missing.append(folder)
+        folder = folder.parent
+    return missing
+
+
+def forget_refused_run() -> None:
+    """Remove the run dir this process made, and the parents it made for it (``outputs/runs/<date>``), when the run
+    was refused before it ran: called at exit status 2. Only a dir that holds nothing but what every run writes as it
+    starts (Hydra's ``.hydra`` record of the config, the resolved ``config.yaml``, the lock file, this process's log,
+    whose lines the console showed too) goes: another rank's log, a checkpoint, a file of the user's, anything else
+    keeps it, and so does a dir that was there before the run."""
+    if not _made:
+        return
+    run_dir, parents = _made[0], _made[1:]
+    _made.clear()
+    logs = {h.baseFilename for h in logging.getLogger().handlers if isinstance(h, logging.FileHandler)}
+    try:
+        entries = list(os.scandir(run_dir))
+        hydra = [e.name for e in os.scandir(run_dir / ".hydra")] if (run_dir / ".hydra").is_dir() else []
+        if not set(hydra) <= HYDRA_RECORD or not all(_start_file(e, logs) for e in entries):
+            return
+        for name in hydra:
+            (run_dir / ".hydra" / name).unlink()
+        for entry in entries:
+            (os.rmdir if entry.name == ".hydra" else os.unlink)(entry.path)
+        run_dir.rmdir()
+        for folder in parents:  # only while empty: a run started since may have made its own dir there
+            folder.rmdir()
+    except OSError:  # removed meanwhile, or something new in it: what is left stays
+        return
+
+
+def _start_file(entry: os.DirEntry, logs: set[str]) -> bool:
+    if entry.name == ".hydra":
+        return entry.is_dir(follow_symlinks=False)
+    started = entry.name in (LOCK_FILE, CONFIG_FILE) or os.path.abspath(entry.path) in logs
+    return started and entry.is_file(follow_symlinks=False)
 
 
 def _timestamped(node: DictConfig) -> bool:
@@ -75,15 +126,18 @@ def _timestamped(node: DictConfig) -> bool:
     return isinstance(written, dict) and "${now:" in str(written["dir"])
 
 
-def _claim_fresh(path: Path) -> Path:
+def _claim_fresh(path: Path, kind: str = "run") -> Path:
     """``path``, or the first of ``path_2``, ``path_3``, ... that no run has owned: creating its lock file is the
     claim. (Another rank of this run may have made the folder already, as a torchrun worker does; it has no
     lock file.)"""
     for n in range(1, 10_000):
         candidate = path if n == 1 else path.with_name(f"{path.name}_{n}")
+        made = _missing(candidate)
         try:
             candidate.mkdir(parents=True, exist_ok=True)
             os.close(os.open(candidate / LOCK_FILE, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+            if kind == "run":
+                _made[:] = made
             return candidate
         except FileExistsError:
             continue

@@ -26,6 +26,7 @@ from src.distributed.strategy import TaskGPU
 from src.launch import torchrun
 from src.launch.devices import node_gpus, one_gpu_per_task, uses_cuda
 from src.launch.ranks import is_launch_rank_zero, mpi_launched, ranks_started_here_under_slurm
+from src.launch.run_dir import CONFIG_FILE
 from src.models.fast_path import fast_path
 from src.tracking.loggers import remember_runs
 
@@ -163,7 +164,7 @@ def record_config(cfg: DictConfig, trainer: L.Trainer) -> None:
     resolved = OmegaConf.to_container(cfg, resolve=True)
     out = Path(cfg.paths.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.yaml").write_text(OmegaConf.to_yaml(resolved))
+    (out / CONFIG_FILE).write_text(OmegaConf.to_yaml(resolved))
     for logger in trainer.loggers:
         logger.log_hyperparams(resolved)
     remember_runs(trainer.loggers, cfg.paths.output_dir)
