@@ -7,6 +7,7 @@ import json
 import signal
 import subprocess
 import time
+import warnings
 from pathlib import Path
 
 import matplotlib.image
@@ -154,6 +155,17 @@ def test_report_computes_speedup_and_efficiency_per_series_and_names_the_scaling
         "series: data.batch_size=64; ideal linear (data.batch_size=64); "
         "data.batch_size=128; ideal linear (data.batch_size=128)"
     )
+
+
+def test_a_report_of_failed_jobs_alone_lists_them_and_draws_no_empty_picture(tmp_path):
+    (tmp_path / "0" / ".hydra").mkdir(parents=True)
+    (tmp_path / "0" / ".hydra" / "overrides.yaml").write_text("- trainer.max_epochs=-1\n")
+    (tmp_path / "0" / "failure.json").write_text(json.dumps({"error": "trainer.max_epochs=-1 must be >= 1"}))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # matplotlib's "No artists with labels found to put in legend"
+        write_report(tmp_path)
+    assert "job 0 (trainer.max_epochs=-1): trainer.max_epochs=-1 must be >= 1" in (tmp_path / "scaling.md").read_text()
+    assert not (tmp_path / "scaling.png").exists()
 
 
 def test_report_recognises_strong_scaling(tmp_path):

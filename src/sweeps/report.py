@@ -111,7 +111,8 @@ def analyse(jobs: list[Job]) -> dict[str, list[Job]]:
 
 
 def write_report(sweep_dir: Path) -> list[Job]:
-    """Write scaling.csv, scaling.md and scaling.png into ``sweep_dir``; return the jobs it read."""
+    """Write scaling.csv, scaling.md and scaling.png (once a job finished) into ``sweep_dir``; return the jobs it
+    read."""
     jobs = load_jobs(sweep_dir)
     if not jobs:
         raise FileNotFoundError(f"{sweep_dir} holds no job dirs (0/, 1/, ...): is it a sweep dir?")
@@ -122,7 +123,8 @@ def write_report(sweep_dir: Path) -> list[Job]:
         writer.writeheader()
         writer.writerows(rows)
     (sweep_dir / "scaling.md").write_text(_markdown(jobs, series))
-    _plot(series, sweep_dir / "scaling.png")
+    if series:  # else no job finished: nothing to draw, and scaling.md says why each failed
+        _plot(series, sweep_dir / "scaling.png")
     return jobs
 
 
