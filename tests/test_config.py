@@ -158,6 +158,24 @@ def test_a_slurm_allocation_that_cannot_run_is_one_line_before_lightning_loads(t
     assert not (tmp_path / "runs").exists(), sorted(map(str, (tmp_path / "runs").rglob("*")))
 
 
+@pytest.mark.parametrize("command", ["train", "predict"])
+def test_help_starts_with_the_usage_examples_and_where_the_docs_are_and_ends_with_how_to_see_the_config(command):
+    def run(*args: str) -> subprocess.CompletedProcess:
+        done = subprocess.run([sys.executable, "-m", f"src.{command}", *args], cwd=ROOT, capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr[-2000:]
+        return done
+
+    page = run("--help").stdout
+    assert page.startswith(f"python -m src.{command} [GROUP=OPTION ...] [KEY=VALUE ...]"), page[:300]
+    assert "python -m src.train trainer.devices=4 trainer.num_nodes=2" in page
+    assert "\n== Configuration groups ==" in page and "\n== Config ==" in page  # Hydra's page under the header
+    for doc in ("docs/configuration.md", "README.md", "docs/troubleshooting.md"):
+        assert doc in page and (ROOT / doc).is_file()
+    footer = next(line for line in page.splitlines() if line.startswith("The config as it will run: "))
+    assert footer.endswith(f"python -m src.{command} [OVERRIDES] --cfg job --resolve")
+    assert f"\ntask_name: {command}\n" in "\n" + run("--cfg", "job", "--resolve").stdout  # the footer's command works
+
+
 def test_trainer_builds_from_the_composed_config(tmp_path):
     cfg = make_cfg(tmp_path, "trainer.accelerator=cpu", "trainer.max_epochs=1")
     from src.training.trainer import build_trainer
