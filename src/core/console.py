@@ -9,7 +9,10 @@ Warnings a user can do nothing about are dropped everywhere:
   of a machine with Slurm installed. Inside a Slurm allocation (``SLURM_JOB_ID`` set) it stays, as a
   forgotten ``srun`` is then a real mistake;
 - ``The number of training batches (N) is smaller than the logging interval``: the epoch's training loss
-  and accuracy are logged at every epoch's end regardless (``train/loss_epoch``, src/models/classifier.py).
+  and accuracy are logged at every epoch's end regardless (``train/loss_epoch``, src/models/classifier.py);
+- ``Precision bf16-mixed is not supported by the model summary ... Using 32 bits instead``: under a mixed
+  precision (bf16-mixed is the default on GPUs) the weights are fp32, so the 32 bits the summary falls back on
+  give the right size.
 
 A run that resumes (``ckpt_path``, a Slurm requeue, a torchrun restart) also drops ``Checkpoint directory ...
 exists and is not empty`` (it resumes from there), and, with ``data.pipeline=device``, Lightning's ``your
@@ -69,6 +72,7 @@ def quiet_dependencies() -> None:
         rank_zero.addFilter(_NoAdvertising())
     warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
     warnings.filterwarnings("ignore", message=r"The number of training batches \(\d+\) is smaller than the logging")
+    warnings.filterwarnings("ignore", message=r"Precision \S+-mixed is not supported by the model summary")
     if "SLURM_JOB_ID" not in os.environ:
         warnings.filterwarnings("ignore", message=r"The `srun` command is available on your system but is not used")
 
