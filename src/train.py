@@ -37,7 +37,7 @@ def main(cfg: DictConfig) -> float | None:
     from hydra.utils import instantiate
 
     from src.callbacks.trial_pruning import pruned_at
-    from src.checkpoints.resume import check_compatible, resume_from
+    from src.checkpoints.resume import check_compatible, resume_from, warn_changed_settings
     from src.core.console import quiet_resume
     from src.launch.run_dir import record_result
     from src.models.batch_size import keep_checkpoint_batch
@@ -60,6 +60,8 @@ def main(cfg: DictConfig) -> float | None:
     ckpt_path, checkpoint = resume_from(cfg.ckpt_path, cfg.paths.checkpoints, trusted=cfg.ckpt_trusted)
     if checkpoint is not None:  # a wrong file fails here in one line, before the ranks meet
         check_compatible(checkpoint, ckpt_path, model.hparams)
+        if cfg.ckpt_path in ("last", "auto") and is_launch_rank_zero():  # the run goes on in its own dir
+            warn_changed_settings(cfg)
         keep_checkpoint_batch(datamodule, checkpoint)  # data.batch_size=auto resumes with the batch it trained with
     if torchrun.active():  # a restart says where it resumes; at another world size, the global batch stays
         for line in (

@@ -76,7 +76,35 @@ def test_a_run_stopped_mid_epoch_resumes_with_ckpt_path_last_to_the_same_weights
     result = train(*EXACT, *WORLDS[world], "ckpt_path=last", f"hydra.run.dir={tmp_path}")
     assert result.returncode == 0, output(result)[-3000:]
     assert "Restoring states from the checkpoint" in output(result)
+    assert "settings other than its own" not in output(result)  # the same command: nothing changed
     assert_same_training(load(tmp_path / "checkpoints" / "last.ckpt"), uninterrupted[world])
+
+
+def test_a_resume_in_the_runs_own_dir_names_each_setting_it_changes_and_nothing_else(tmp_path):
+    """What ``warn_changed_settings`` puts in its one line (a real resume prints it: the dataloader test below)."""
+    from omegaconf import OmegaConf
+
+    from src.checkpoints.resume import changed_settings
+    from tests.test_config import make_cfg
+
+    record = tmp_path / "config.yaml"
+    first = make_cfg(tmp_path, "data=synthetic", "data.batch_size=4", "model.optimizer.lr=0.05", "trainer.devices=2")
+    record.write_text(OmegaConf.to_yaml(OmegaConf.to_container(first, resolve=True)))  # as record_config writes it
+    same = ["data=synthetic", "data.batch_size=4", "model.optimizer.lr=0.05"]
+    elsewhere = ["trainer.devices=8", "trainer.num_nodes=4", "trainer.max_epochs=60", "model.compile=false"]
+    elsewhere += ["data.num_workers=2", "data.num_test=64", "logger=csv", "ckpt_path=last"]
+    assert changed_settings(make_cfg(tmp_path, *same, *elsewhere), record) == []  # where and how long: free
+    assert changed_settings(make_cfg(tmp_path, "data=synthetic", "data.batch_size=auto", *same[2:]), record) == []
+    changed = make_cfg(tmp_path, "data=synthetic", "data.batch_size=8", "model.optimizer.lr=0.05", "seed=7")
+    assert changed_settings(changed, record) == [
+        "seed=7 (it trained with 42)",
+        "data.batch_size=8 (it trained with 4)",
+        "data.seed=7 (it trained with 42)",
+    ]
+    assert changed_settings(make_cfg(tmp_path, "data=cifar10", *same[1:]), record)[0] == (
+        "data._target_=src.data.cifar10.CIFAR10DataModule (it trained with src.data.synthetic.SyntheticDataModule)"
+    )
+    assert changed_settings(changed, tmp_path / "nowhere.yaml") == []  # no record: nothing to compare with
 
 
 def test_a_stop_at_an_epochs_last_batch_keeps_its_validation_and_resumes_to_the_same_weights(uninterrupted, tmp_path):
@@ -112,15 +140,23 @@ def test_the_dataloader_pipelines_first_epoch_after_an_epochs_end_resume_draws_i
         "callbacks.progress_bar=null",
         "+callbacks.batches._target_=tests.faults.RecordBatches",
     ]
-    for name, epochs, resume in (("whole", 2, []), ("resumed", 1, []), ("resumed", 2, ["ckpt_path=last"])):
+    # the resume also smooths its labels otherwise: it says so in one line, and the order of batches is the same
+    resume = ["ckpt_path=last", "model.label_smoothing=0.2"]
+    for name, epochs, resuming in (("whole", 2, []), ("resumed", 1, []), ("resumed", 2, resume)):
         result = train(
             *args,
             f"trainer.max_epochs={epochs}",
             f"+callbacks.batches.path={tmp_path}/{name}.txt",
             f"hydra.run.dir={tmp_path}/{name}",
-            *resume,
+            *resuming,
         )
         assert result.returncode == 0, output(result)[-3000:]
+    warnings = [line for line in result.stderr.splitlines() if line.startswith("warning: resuming the run in")]
+    assert warnings == [
+        f"warning: resuming the run in {tmp_path}/resumed with settings other than its own: model.label_smoothing=0.2 "
+        f"(it trained with 0.1); it goes on with these (to continue it as it was, pass the values "
+        f"{tmp_path}/resumed/config.yaml holds)"
+    ], output(result)[-3000:]
     whole, resumed = ((tmp_path / f"{name}.txt").read_text().splitlines() for name in ("whole", "resumed"))
     assert len(whole) == 8 and whole[4:] != [f"1 {line[2:]}" for line in whole[:4]]  # epoch 1 has an order of its own
     assert resumed == whole

@@ -2,7 +2,8 @@
 
 ``ckpt_path=last``/``auto`` take the newest intact checkpoint of the run dir; a checkpoint is weights-only unless
 ``ckpt_trusted=true``, its hyperparameters are plain values of this project's model (never code to call), and it is
-checked against the model before the ranks meet. The invariant: a run never starts from a file it has not read
+checked against the model before the ranks meet; a run resumed in its own dir names each setting of what it trains that
+the command changes (``warn_changed_settings``). The invariant: a run never starts from a file it has not read
 whole, and never from one that names code.
 """
 
@@ -12,7 +13,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, open_dict
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from src.checkpoints import object_store
 from src.checkpoints.files import LAST, PREVIOUS, UnreadableCheckpoint, read_checkpoint
@@ -208,6 +209,80 @@ def model_hparams_of(checkpoint: dict[str, Any], path: str | Path, key: str = "c
     if isinstance(num_classes, bool) or not isinstance(num_classes, int) or not 1 <= num_classes <= 1_000_000:
         raise refuse(f"num_classes={str(num_classes)[:80]!r}", "that is not a class count")
     return saved
+
+
+# What a run trains, as its config says: a run resumed in its own run dir with other values goes on as another run
+# from that point. (Where and how fast may change freely: devices, nodes, epochs, workers, compile, the data's
+# folder, loggers and callbacks are not among them.)
+SETTINGS = (
+    "seed",
+    "data",
+    "model",
+    "trainer.precision",
+    "trainer.accumulate_grad_batches",
+    "trainer.gradient_clip_val",
+)
+FREE = {
+    "data.root",
+    "data.download",
+    "data.download_url",
+    "data.num_workers",
+    "data.pin_memory",
+    "data.max_batch_size",
+    "data.num_test",
+    "model.compile",
+    "model.channels_last",
+    "model.optimizer.fused",
+}
+
+
+def changed_settings(cfg: DictConfig, recorded: Path) -> list[str]:
+    """``KEY=VALUE (it trained with OLD)`` for each of SETTINGS that ``cfg`` gives another value than the run's own
+    resolved config (``recorded``, its ``config.yaml``) holds. ``auto`` is no change (``data.batch_size=auto`` resumes
+    with the batch the run trained with); a key the record lacks (an earlier version's run) neither."""
+    try:
+        before = OmegaConf.to_container(OmegaConf.load(recorded), resolve=False)
+    except Exception:  # noqa: BLE001 - missing, unreadable or not YAML: nothing to compare with
+        return []
+    now = OmegaConf.to_container(cfg, resolve=True)
+    changes = []
+    for key in SETTINGS:
+        for name, value in _leaves(_at(now, key), key):
+            was = _at(before, name, _ABSENT)
+            if name in FREE or value == "auto" or was is _ABSENT or was == value:
+                continue
+            changes.append(f"{name}={value} (it trained with {was})")
+    return changes
+
+
+def warn_changed_settings(cfg: DictConfig) -> None:
+    """One warning line naming what a resume in the run's own dir changes (``changed_settings``)."""
+    from src.launch.run_dir import CONFIG_FILE
+
+    recorded = Path(cfg.paths.output_dir) / CONFIG_FILE
+    changes = changed_settings(cfg, recorded)
+    if changes:
+        _warn(
+            f"resuming the run in {recorded.parent} with settings other than its own: {', '.join(changes)}; it goes "
+            f"on with these (to continue it as it was, pass the values {recorded} holds)"
+        )
+
+
+_ABSENT = object()
+
+
+def _at(tree: Any, dotted: str, default: Any = None) -> Any:
+    for part in dotted.split("."):
+        if not isinstance(tree, dict) or part not in tree:
+            return default
+        tree = tree[part]
+    return tree
+
+
+def _leaves(tree: Any, prefix: str) -> list[tuple[str, Any]]:
+    if not isinstance(tree, dict):
+        return [(prefix, tree)]
+    return [leaf for name, value in tree.items() for leaf in _leaves(value, f"{prefix}.{name}")]
 
 
 def resume_own_run_dir(cfg: DictConfig) -> None:
