@@ -244,10 +244,11 @@ def changed_settings(cfg: DictConfig, recorded: Path) -> list[str]:
         before = OmegaConf.to_container(OmegaConf.load(recorded), resolve=False)
     except Exception:  # noqa: BLE001 - missing, unreadable or not YAML: nothing to compare with
         return []
-    now = OmegaConf.to_container(cfg, resolve=True)
     changes = []
     for key in SETTINGS:
-        for name, value in _leaves(_at(now, key), key):
+        now = OmegaConf.select(cfg, key)
+        now = OmegaConf.to_container(now, resolve=True) if isinstance(now, DictConfig) else now
+        for name, value in _leaves(now, key):
             was = _at(before, name, _ABSENT)
             if name in FREE or value == "auto" or was is _ABSENT or was == value:
                 continue
