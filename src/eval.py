@@ -39,8 +39,8 @@ def main(cfg: DictConfig) -> dict[str, float]:
     datamodule = instantiate(cfg.data)
     model = model_from(checkpoint, path)
     trainer = build_trainer(cfg, model.hparams.arch)
-    record_config(cfg, trainer)
     datamodule.prepare_data()
+    record_config(cfg, trainer)  # once the data is there, as src.train does
     metrics = {k: float(v) for k, v in trainer.test(model, datamodule=datamodule, verbose=False)[0].items()}
     if trainer.is_global_zero:
         Path(cfg.paths.output_dir, "test_metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")

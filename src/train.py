@@ -76,10 +76,10 @@ def main(cfg: DictConfig) -> float | None:
     del checkpoint  # Lightning loads it again on every rank
     quiet_resume(ckpt_path, getattr(datamodule, "pipeline", None) == "device")
     trainer = build_trainer(cfg, model.hparams.arch)
-    record_config(cfg, trainer)
     # every rank, before the ranks meet: a missing dataset is downloaded once while the others wait, however long it
     # takes (the rendezvous would time out); missing or bad data fails here
     datamodule.prepare_data()
+    record_config(cfg, trainer)  # once the data is there: a refused resume leaves the run's record as it was
     if hasattr(datamodule, "test_after_fit"):  # a test shard that cannot work fails before training, not after
         datamodule.test_after_fit = bool(cfg.test)
     trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=not cfg.ckpt_trusted)

@@ -19,7 +19,7 @@ import torch
 from src.checkpoints.files import AtomicCheckpointIO, remove_stale_temp_files
 from src.checkpoints.resume import resume_from
 from src.core.errors import StorageError, UserError
-from tests.conftest import FAST, descendants, output, running, train
+from tests.conftest import FAST, FAST_RUN, descendants, output, running, train
 from tests.test_supervision import LONG, error_lines, finish, last_step, start_and_wait_for_step
 
 # Deterministic CPU training, 2 epochs of 12 steps, last.ckpt every 2 steps.
@@ -105,6 +105,19 @@ def test_a_resume_in_the_runs_own_dir_names_each_setting_it_changes_and_nothing_
         "data._target_=src.data.cifar10.CIFAR10DataModule (it trained with src.data.synthetic.SyntheticDataModule)"
     )
     assert changed_settings(changed, tmp_path / "nowhere.yaml") == []  # no record: nothing to compare with
+
+
+def test_a_resume_refused_for_its_data_leaves_the_runs_record_and_dir_as_they_were(tmp_path):
+    """The record a later resume compares with is the run's own, not a refused command's (src/train.py writes it once
+    the data is there); the dir, there before the command, stays."""
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    record = "seed: 42\ndata:\n  batch_size: 4\n"
+    (run / "config.yaml").write_text(record)
+    offline = ["data=cifar10", "data.download=false", f"data.root={tmp_path}/nowhere"]
+    result = train(*FAST_RUN, *offline, "ckpt_path=auto", f"hydra.run.dir={run}")
+    assert result.returncode == 2 and "error: CIFAR-10 is not under" in result.stderr, output(result)[-3000:]
+    assert (run / "config.yaml").read_text() == record and (run / "checkpoints").is_dir()
 
 
 def test_a_stop_at_an_epochs_last_batch_keeps_its_validation_and_resumes_to_the_same_weights(uninterrupted, tmp_path):
