@@ -11,6 +11,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import FAST, ROOT, output, train
 
 
@@ -63,6 +65,8 @@ def test_a_second_run_in_a_held_run_dir_is_refused_at_once_naming_the_dir_host_a
 HOLD = """
 import sys, time
 from pathlib import Path
+
+import pytest
 from src.launch.run_dir import lock_run_dir
 lock_run_dir(Path(sys.argv[1]))
 print("holding", flush=True)
@@ -93,6 +97,35 @@ def test_the_hold_goes_with_its_process_even_after_kill_9(tmp_path):
     out, err = third.communicate(timeout=30)
     assert third.returncode == 0 and out == "holding\n", err  # what ckpt_path=last after a crash needs
     assert json.loads((tmp_path / ".lock").read_text())["pid"] == third.pid
+
+
+def test_a_run_refused_for_a_dir_another_run_holds_takes_nothing_back_even_if_it_saw_the_dir_missing(tmp_path):
+    """Two runs pointed at one new dir at the same instant both find it missing; the one refused must not remove the
+    other's lock and record as its own refused run's (the race ``test_a_second_run_in_a_held_run_dir...`` meets by
+    chance, forced here: the refused run is told the dir was missing when it looked)."""
+    from omegaconf import OmegaConf
+
+    from src.launch import run_dir
+
+    path = tmp_path / "run"
+    path.mkdir()
+    holder = hold(path, 600)
+    try:
+        assert holder.stdout.readline() == "holding\n", holder.stderr.read()
+        config = OmegaConf.create({"hydra": {"run": {"dir": str(path)}}})
+        seen = run_dir._missing
+        run_dir._missing = lambda p: [p]  # as it was an instant before the holder made it
+        try:
+            with pytest.raises(SystemExit) as refused:
+                run_dir.hold(config, "run")
+        finally:
+            run_dir._missing = seen
+        assert refused.value.code == 2
+        run_dir.forget_refused_run()  # what src/cli/entry.py does at exit status 2
+        assert json.loads((path / ".lock").read_text())["pid"] == holder.pid
+    finally:
+        holder.kill()
+        holder.wait()
 
 
 def test_runs_started_in_the_same_second_get_a_run_dir_each(tmp_path):

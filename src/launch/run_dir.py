@@ -60,7 +60,7 @@ def hold(config: DictConfig, kind: str) -> Path:
     node = config.hydra[kind]
     path = Path(str(node.dir))
     if _timestamped(node):
-        path = _claim_fresh(path, kind)
+        path, made = _claim_fresh(path)
         with read_write(config.hydra):
             node.dir = str(path)
             if kind == "sweep":  # each job's config is composed again from these overrides
@@ -71,9 +71,12 @@ def hold(config: DictConfig, kind: str) -> Path:
             path.mkdir(parents=True, exist_ok=True)
         except OSError as err:
             report(unwritable_run_dir(err))
-        if kind == "run":
-            _made[:] = made
+    held = len(_held)
     lock_run_dir(path, kind)
+    # what a refused run may take back: only a dir it holds, never one that another run, started the same instant,
+    # made too and holds (that run refused this one)
+    if kind == "run" and len(_held) > held:
+        _made[:] = made
     return path
 
 
@@ -126,19 +129,17 @@ def _timestamped(node: DictConfig) -> bool:
     return isinstance(written, dict) and "${now:" in str(written["dir"])
 
 
-def _claim_fresh(path: Path, kind: str = "run") -> Path:
+def _claim_fresh(path: Path) -> tuple[Path, list[Path]]:
     """``path``, or the first of ``path_2``, ``path_3``, ... that no run has owned: creating its lock file is the
     claim. (Another rank of this run may have made the folder already, as a torchrun worker does; it has no
-    lock file.)"""
+    lock file.) With it, the folders this made for it (``_missing``)."""
     for n in range(1, 10_000):
         candidate = path if n == 1 else path.with_name(f"{path.name}_{n}")
         made = _missing(candidate)
         try:
             candidate.mkdir(parents=True, exist_ok=True)
             os.close(os.open(candidate / LOCK_FILE, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
-            if kind == "run":
-                _made[:] = made
-            return candidate
+            return candidate, made
         except FileExistsError:
             continue
         except OSError as err:
