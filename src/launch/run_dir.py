@@ -107,7 +107,9 @@ def forget_refused_run() -> None:
             return
         for name in hydra:
             (run_dir / ".hydra" / name).unlink()
-        for entry in entries:
+        # the lock file last: until it goes, a run pointed here is refused, and one that comes after finds the dir
+        # empty of this run's files (its own lock then keeps the dir)
+        for entry in sorted(entries, key=lambda e: e.name == LOCK_FILE):
             (os.rmdir if entry.name == ".hydra" else os.unlink)(entry.path)
         run_dir.rmdir()
         for folder in parents:  # only while empty: a run started since may have made its own dir there
