@@ -7,18 +7,14 @@ import logging
 from pathlib import Path
 
 import hydra
-from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from src.checkpoints import object_store
-from src.checkpoints.files import read_checkpoint
-from src.checkpoints.resume import model_from
 from src.cli.entry import handle_errors, run
 from src.core import startup
 from src.core.errors import UserError
 from src.launch.ranks import start_local_ranks
 from src.resilience import supervision
-from src.training.trainer import build_trainer, describe_checkpoint, record_config, test_summary
 
 log = logging.getLogger("src.eval")
 
@@ -27,11 +23,18 @@ log = logging.getLogger("src.eval")
 @handle_errors
 def main(cfg: DictConfig) -> dict[str, float]:
     """Evaluate ``ckpt_path`` on the test set; print and save ``test_metrics.json``."""
-    startup.resume()  # loaded: the garbage collector on again (src/core/startup.py)
     if OmegaConf.is_missing(cfg, "ckpt_path") or not cfg.ckpt_path:
         raise UserError(
             "ckpt_path=PATH is required: the checkpoint to evaluate (e.g. outputs/.../checkpoints/last.ckpt)"
         )
+    # torch, Lightning and the model's code load here: not for --help, --cfg or a mistake in the command line
+    from hydra.utils import instantiate
+
+    from src.checkpoints.files import read_checkpoint
+    from src.checkpoints.resume import model_from
+    from src.training.trainer import build_trainer, describe_checkpoint, record_config, test_summary
+
+    startup.resume()  # loaded: the garbage collector on again (src/core/startup.py)
     path = str(cfg.ckpt_path) if object_store.is_url(cfg.ckpt_path) else Path(cfg.ckpt_path)  # a file, or s3://
     checkpoint = read_checkpoint(path, trusted=cfg.ckpt_trusted)
     # every device by default: the test shards count each image once at any world size

@@ -14,25 +14,12 @@ from pathlib import Path
 from typing import Any
 
 import hydra
-import torch
 from omegaconf import DictConfig, OmegaConf
 
 from src.checkpoints import object_store
 from src.cli.entry import handle_errors, overridden_keys, run
 from src.core import startup
 from src.core.errors import UserError, require
-from src.serving.exporter import (
-    PACKAGES,
-    RECORD,
-    chosen_formats,
-    describe,
-    export_onnx,
-    export_safetensors,
-    logits_of,
-    validation_images,
-    write_record,
-)
-from src.serving.formats import Normalised, load_classifier, run_config
 
 log = logging.getLogger("src.export")
 
@@ -41,9 +28,24 @@ log = logging.getLogger("src.export")
 @handle_errors
 def main(cfg: DictConfig) -> dict[str, Any]:
     """Export ``ckpt_path`` in each of ``format``; validate; record the figures in ``export.json``."""
-    startup.resume()  # loaded: the garbage collector on again (src/core/startup.py)
     if OmegaConf.is_missing(cfg, "ckpt_path") or not cfg.ckpt_path:
         raise UserError("ckpt_path=PATH is required: the checkpoint to export (e.g. outputs/.../checkpoints/last.ckpt)")
+    import torch  # torch and the model's code load here: not for --help, --cfg or a mistake in the command line
+
+    from src.serving.exporter import (
+        PACKAGES,
+        RECORD,
+        chosen_formats,
+        describe,
+        export_onnx,
+        export_safetensors,
+        logits_of,
+        validation_images,
+        write_record,
+    )
+    from src.serving.formats import Normalised, load_classifier, run_config
+
+    startup.resume()  # loaded: the garbage collector on again (src/core/startup.py)
     formats = chosen_formats(cfg.format)
     for name in formats:
         for package in PACKAGES[name]:

@@ -14,14 +14,11 @@ from pathlib import Path
 from typing import Any
 
 import hydra
-import torch
 from omegaconf import DictConfig, OmegaConf
 
 from src.cli.entry import handle_errors, run
 from src.core import startup
 from src.core.errors import UserError
-from src.serving.formats import load_model
-from src.serving.images import image_files, read_image
 
 log = logging.getLogger("src.predict")
 
@@ -30,7 +27,6 @@ log = logging.getLogger("src.predict")
 @handle_errors
 def main(cfg: DictConfig) -> list[dict[str, Any]]:
     """Classify ``images`` with ``ckpt_path``; print each image's top ``top_k`` classes (or JSON)."""
-    startup.resume()  # loaded: the garbage collector on again (src/core/startup.py)
     if OmegaConf.is_missing(cfg, "ckpt_path") or not cfg.ckpt_path:
         raise UserError("ckpt_path=PATH is required: a .ckpt of src.train, or a .onnx / .safetensors of src.export")
     if OmegaConf.is_missing(cfg, "images") or not cfg.images:
@@ -38,6 +34,12 @@ def main(cfg: DictConfig) -> list[dict[str, Any]]:
     top_k = cfg.top_k
     if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
         raise UserError(f"top_k={top_k} must be a whole number >= 1")
+    import torch  # torch and the model's code load here: not for --help, --cfg or a mistake in the command line
+
+    from src.serving.formats import load_model
+    from src.serving.images import image_files, read_image
+
+    startup.resume()  # loaded: the garbage collector on again (src/core/startup.py)
     classify, names = load_model(str(cfg.ckpt_path), cfg.ckpt_trusted)
     files = image_files(cfg.images)
     images = [read_image(f) for f in files]
