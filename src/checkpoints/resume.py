@@ -239,18 +239,21 @@ FREE = {
 def changed_settings(cfg: DictConfig, recorded: Path) -> list[str]:
     """``KEY=VALUE (it trained with OLD)`` for each of SETTINGS that ``cfg`` gives another value than the run's own
     resolved config (``recorded``, its ``config.yaml``) holds. ``auto`` is no change (``data.batch_size=auto`` resumes
-    with the batch the run trained with); a key the record lacks (an earlier version's run) neither."""
+    with the batch the run trained with); a key the record lacks (an earlier version's run) neither; a value that
+    interpolates another (``data.seed: ${seed}``) is named by that one."""
     try:
         before = OmegaConf.to_container(OmegaConf.load(recorded), resolve=False)
     except Exception:  # noqa: BLE001 - missing, unreadable or not YAML: nothing to compare with
         return []
     changes = []
     for key in SETTINGS:
-        now = OmegaConf.select(cfg, key)
-        now = OmegaConf.to_container(now, resolve=True) if isinstance(now, DictConfig) else now
+        node = OmegaConf.select(cfg, key)
+        now = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else node
+        raw = OmegaConf.to_container(node, resolve=False) if isinstance(node, DictConfig) else None
+        written = dict(_leaves(raw, key)) if raw is not None else {}
         for name, value in _leaves(now, key):
             was = _at(before, name, _ABSENT)
-            if name in FREE or value == "auto" or was is _ABSENT or was == value:
+            if name in FREE or value == "auto" or was is _ABSENT or was == value or "${" in str(written.get(name, "")):
                 continue
             changes.append(f"{name}={value} (it trained with {was})")
     return changes
