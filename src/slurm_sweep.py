@@ -67,6 +67,17 @@ def submit(cmd: list[str]) -> str:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     sbatch_options, overrides = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else ([], argv)
+    if {"-h", "--help"} & set(sbatch_options if "--" in argv else argv):
+        print((__doc__ or "").replace("``", ""))
+        return 0
+    options = [o for o in overrides if o.startswith("-")] if "--" not in argv else []
+    if options:
+        print(
+            f"error: {options[0]} is not an override: sbatch options go before --, the overrides after it: "
+            "python -m src.slurm_sweep [sbatch options] -- trainer.devices=1,2 ...",
+            file=sys.stderr,
+        )
+        return 2
     if not overrides:
         print(
             "error: no overrides to sweep: python -m src.slurm_sweep [sbatch options] -- trainer.devices=1,2 ...",

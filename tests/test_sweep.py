@@ -244,6 +244,18 @@ def test_slurm_sweep_refuses_a_sweep_dir_of_another_sweep_before_submitting(tmp_
     assert json.loads(jobs.read_text())["jobs"][0]["overrides"] == ["trainer.devices=4"]  # left as it was
 
 
+def test_slurm_sweep_help_says_its_usage_and_an_sbatch_option_after_the_overrides_is_one_line():
+    helped = run_module("src.slurm_sweep", "--help", env={"PATH": "/nonexistent"})  # no cluster asked
+    assert helped.returncode == 0, output(helped)
+    assert helped.stdout.startswith("python -m src.slurm_sweep [sbatch options] -- OVERRIDES: a Hydra sweep")
+    assert "python -m src.slurm_sweep -- trainer.devices=1,2,4 trainer.max_epochs=5" in helped.stdout
+    misplaced = run_module("src.slurm_sweep", "--gpus-per-node=0", "trainer.devices=1,2", env={"PATH": "/nonexistent"})
+    assert misplaced.returncode == 2 and misplaced.stderr.strip() == (
+        "error: --gpus-per-node=0 is not an override: sbatch options go before --, the overrides after it: "
+        "python -m src.slurm_sweep [sbatch options] -- trainer.devices=1,2 ..."
+    ), output(misplaced)
+
+
 def test_the_next_job_of_a_sweep_starts_without_the_previous_jobs_model(tmp_path):
     # One process runs both jobs (strategy=auto). Lightning's trainer, module and callbacks refer to each other, and a
     # failed job's traceback to all of them: the first job's model (on a GPU, its memory) lived on into the second
