@@ -242,18 +242,16 @@ def changed_settings(cfg: DictConfig, recorded: Path) -> list[str]:
     with the batch the run trained with); a key the record lacks (an earlier version's run) neither; a value that
     interpolates another (``data.seed: ${seed}``) is named by that one."""
     try:
-        before = OmegaConf.to_container(OmegaConf.load(recorded), resolve=False)
+        before = OmegaConf.load(recorded)
     except Exception:  # noqa: BLE001 - missing, unreadable or not YAML: nothing to compare with
         return []
     changes = []
     for key in SETTINGS:
         node = OmegaConf.select(cfg, key)
-        now = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else node
-        raw = OmegaConf.to_container(node, resolve=False) if isinstance(node, DictConfig) else None
-        written = dict(_leaves(raw, key)) if raw is not None else {}
-        for name, value in _leaves(now, key):
-            was = _at(before, name, _ABSENT)
-            if name in FREE or value == "auto" or was is _ABSENT or was == value or "${" in str(written.get(name, "")):
+        written = OmegaConf.to_container(node, resolve=False) if isinstance(node, DictConfig) else node
+        for name, value in _leaves(written, key):  # as written: a value is itself unless it interpolates another
+            was = OmegaConf.select(before, name, default=_ABSENT)
+            if name in FREE or value == "auto" or "${" in str(value) or was is _ABSENT or was == value:
                 continue
             changes.append(f"{name}={value} (it trained with {was})")
     return changes
@@ -273,14 +271,6 @@ def warn_changed_settings(cfg: DictConfig) -> None:
 
 
 _ABSENT = object()
-
-
-def _at(tree: Any, dotted: str, default: Any = None) -> Any:
-    for part in dotted.split("."):
-        if not isinstance(tree, dict) or part not in tree:
-            return default
-        tree = tree[part]
-    return tree
 
 
 def _leaves(tree: Any, prefix: str) -> list[tuple[str, Any]]:
