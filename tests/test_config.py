@@ -119,6 +119,11 @@ def test_the_allocation_checks_reading_of_slurm_is_lightnings(monkeypatch, env):
     assert slurm_detected() == SLURMEnvironment.detect()
 
 
+def imported_modules(stderr: str) -> set[str]:
+    """The modules a ``python -X importtime`` process loaded, from what it wrote to stderr."""
+    return {row.rsplit("|", 1)[-1].strip() for row in stderr.splitlines() if row.startswith("import time:")}
+
+
 SRUN_TASK = {"SLURM_STEP_ID": "0", "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0"}
 
 
@@ -151,9 +156,9 @@ def test_a_slurm_allocation_that_cannot_run_is_one_line_before_lightning_loads(t
         text=True,
         timeout=120,
     )
-    imported = {row.rsplit("|", 1)[-1].strip() for row in done.stderr.splitlines() if row.startswith("import time:")}
     errors = [row for row in done.stderr.splitlines() if not row.startswith("import time:")]
     assert done.returncode == 2 and len(errors) == 1 and errors[0].startswith(f"error: {line}"), done.stderr[-2000:]
+    imported = imported_modules(done.stderr)
     assert "hydra" in imported and not {"lightning", "torchvision", "torchmetrics"} & imported
     assert not (tmp_path / "runs").exists(), sorted(map(str, (tmp_path / "runs").rglob("*")))
 
@@ -171,9 +176,7 @@ def test_help_starts_with_the_usage_examples_and_where_the_docs_are_and_ends_wit
             text=True,
         )
         assert done.returncode == 0, done.stderr[-2000:]
-        imported = {
-            row.rsplit("|", 1)[-1].strip() for row in done.stderr.splitlines() if row.startswith("import time:")
-        }
+        imported = imported_modules(done.stderr)
         assert "hydra" in imported and not {"torch", "lightning", "torchvision"} & imported
         return done
 
