@@ -99,7 +99,9 @@ def test_the_hold_goes_with_its_process_even_after_kill_9(tmp_path):
     assert json.loads((tmp_path / ".lock").read_text())["pid"] == third.pid
 
 
-def test_a_run_refused_for_a_dir_another_run_holds_takes_nothing_back_even_if_it_saw_the_dir_missing(tmp_path):
+def test_a_run_refused_for_a_dir_another_run_holds_takes_nothing_back_even_if_it_saw_the_dir_missing(
+    tmp_path, monkeypatch
+):
     """Two runs pointed at one new dir at the same instant both find it missing; the one refused must not remove the
     other's lock and record as its own refused run's (the race ``test_a_second_run_in_a_held_run_dir...`` meets by
     chance, forced here: the refused run is told the dir was missing when it looked)."""
@@ -113,13 +115,9 @@ def test_a_run_refused_for_a_dir_another_run_holds_takes_nothing_back_even_if_it
     try:
         assert holder.stdout.readline() == "holding\n", holder.stderr.read()
         config = OmegaConf.create({"hydra": {"run": {"dir": str(path)}}})
-        seen = run_dir._missing
-        run_dir._missing = lambda p: [p]  # as it was an instant before the holder made it
-        try:
-            with pytest.raises(SystemExit) as refused:
-                run_dir.hold(config, "run")
-        finally:
-            run_dir._missing = seen
+        monkeypatch.setattr(run_dir, "_missing", lambda p: [p])  # as it was an instant before the holder made it
+        with pytest.raises(SystemExit) as refused:
+            run_dir.hold(config, "run")
         assert refused.value.code == 2
         run_dir.forget_refused_run()  # what src/cli/entry.py does at exit status 2
         assert json.loads((path / ".lock").read_text())["pid"] == holder.pid
