@@ -34,6 +34,7 @@ from src.launch.run_dir import RESULT_FILE, read_result, write_json
 SBATCH_SCRIPT = "slurm/train.sbatch"
 JOBS_FILE = "jobs.json"
 HELD = ("PENDING", "CONFIGURING", "RUNNING", "REQUEUED", "REQUEUE_HOLD", "RESIZING", "SUSPENDED", "COMPLETING")
+USAGE = "python -m src.slurm_sweep [sbatch options] -- trainer.devices=1,2 ..."
 SIZE_KEYS = {"trainer.devices": "--ntasks-per-node", "trainer.num_nodes": "--nodes"}
 
 
@@ -73,16 +74,12 @@ def main(argv: list[str] | None = None) -> int:
     options = [o for o in overrides if o.startswith("-")] if "--" not in argv else []
     if options:
         print(
-            f"error: {options[0]} is not an override: sbatch options go before --, the overrides after it: "
-            "python -m src.slurm_sweep [sbatch options] -- trainer.devices=1,2 ...",
+            f"error: {options[0]} is not an override: sbatch options go before --, the overrides after it: {USAGE}",
             file=sys.stderr,
         )
         return 2
     if not overrides:
-        print(
-            "error: no overrides to sweep: python -m src.slurm_sweep [sbatch options] -- trainer.devices=1,2 ...",
-            file=sys.stderr,
-        )
+        print(f"error: no overrides to sweep: {USAGE}", file=sys.stderr)
         return 2
     try:
         jobs = expand(overrides)

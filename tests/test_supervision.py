@@ -142,7 +142,7 @@ def boards_of(run_dir: Path) -> list[Path]:
     from src.resilience import node_board
 
     found = []
-    for board in node_board.root().glob("cifar10-ddp-*-node*"):
+    for board in (b for b in node_board.root().iterdir() if node_board.BOARD_NAME.fullmatch(b.name)):
         for record in board.glob("r*.json"):
             with contextlib.suppress(OSError, ValueError):
                 if str(json.loads(record.read_text()).get("log", "")).startswith(str(run_dir)):
