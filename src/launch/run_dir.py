@@ -71,11 +71,9 @@ def hold(config: DictConfig, kind: str) -> Path:
             path.mkdir(parents=True, exist_ok=True)
         except OSError as err:
             report(unwritable_run_dir(err))
-    held = len(_held)
-    lock_run_dir(path, kind)
     # what a refused run may take back: only a dir it holds, never one that another run, started the same instant,
     # made too and holds (that run refused this one)
-    if kind == "run" and len(_held) > held:
+    if lock_run_dir(path, kind) and kind == "run":
         _made[:] = made
     return path
 
@@ -149,8 +147,9 @@ def _claim_fresh(path: Path) -> tuple[Path, list[Path]]:
     report(f"cannot find a free run dir next to {path}: pass hydra.run.dir=DIR")
 
 
-def lock_run_dir(path: Path, kind: str = "run") -> None:
-    """Hold ``path`` for as long as this process lives, or refuse it (one line, exit 2) if another run holds it."""
+def lock_run_dir(path: Path, kind: str = "run") -> bool:
+    """Hold ``path`` for as long as this process lives, or refuse it (one line, exit 2) if another run holds it.
+    False where it goes on without the lock (a filesystem without locks, a requeued Slurm job's earlier run's)."""
     lock_path = path / LOCK_FILE
     try:
         fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
@@ -162,7 +161,7 @@ def lock_run_dir(path: Path, kind: str = "run") -> None:
         if err.errno not in (errno.EACCES, errno.EAGAIN):  # a filesystem without locks (Lustre without -o flock)
             os.close(fd)
             _warn(f"cannot lock {lock_path} ({err.strerror}): a second run pointed at this dir would not be refused")
-            return
+            return False
         holder = _holder(fd)
         os.close(fd)
         if holder is not None and _earlier_run_of_this_slurm_job(holder):
@@ -170,7 +169,7 @@ def lock_run_dir(path: Path, kind: str = "run") -> None:
                 f"{lock_path} is still locked by an earlier run of Slurm job {holder['slurm_job']} "
                 f"(pid {holder['pid']} on {holder['host']}), which Slurm has ended: continuing in its run dir"
             )
-            return
+            return False
         held_by = (
             f"pid {holder['pid']} on host {holder['host']} holds it (since {holder['started']})"
             if holder
@@ -194,6 +193,7 @@ def lock_run_dir(path: Path, kind: str = "run") -> None:
     except OSError:
         pass  # a full disk: the lock holds all the same, only the holder's name is missing
     _held.append(fd)
+    return True
 
 
 def _holder(fd: int) -> dict[str, Any] | None:
