@@ -138,12 +138,21 @@ def test_resnet50_itself_trains_a_few_steps_and_steps_the_learning_rate():
     model = ImageClassifier(arch="resnet50", scheduler={"warmup_epochs": 1.0})
     before = model.net.fc.weight.detach().clone()
     data = SyntheticDataModule(num_train=12, num_test=4, batch_size=4, val_size=4)
-    trainer = fit(model, data, max_epochs=1, limit_val_batches=1)
+    used: list[float] = []
+
+    class Record(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            used.append(trainer.optimizers[0].param_groups[0]["lr"])
+
+    trainer = fit(model, data, max_epochs=1, limit_val_batches=1, callbacks=[Record()])
     assert trainer.global_step == 2
     assert not torch.equal(before, model.net.fc.weight)
     assert torch.isfinite(trainer.callback_metrics["train/loss"])
-    # warm-up over the 2 steps of the epoch: 0.1 x lr, then halfway; lr scaled to the batch of 4 (reference 128)
-    assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.1 * 4 / 128 * (0.1 + 0.9 * 2 / 2))
+    # a warm-up of one epoch in a fit of one takes half of it (the first step, at 0.1 x lr); the peak rate, scaled
+    # to the batch of 4 (reference 128), then decays to 0 at the fit's end
+    peak = 0.1 * 4 / 128
+    assert used == pytest.approx([0.1 * peak, peak])
+    assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.0)
 
 
 def test_loss_falls_on_synthetic_data():

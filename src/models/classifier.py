@@ -247,8 +247,11 @@ class ImageClassifier(L.LightningModule):
         )
         total_steps = self.trainer.estimated_stepping_batches
         per_epoch = max(1, math.ceil(self.trainer.num_training_batches / self.trainer.accumulate_grad_batches))
+        warmup_steps = round(self.hparams.scheduler["warmup_epochs"] * per_epoch)
+        if math.isfinite(total_steps):  # a fit shorter than twice the warm-up still ends decayed: half of it warms up
+            warmup_steps = min(warmup_steps, int(total_steps) // 2)
         schedule = warmup_then_decay(
-            warmup_steps=round(self.hparams.scheduler["warmup_epochs"] * per_epoch),
+            warmup_steps=warmup_steps,
             total_steps=total_steps,
             start_factor=self.hparams.scheduler["warmup_start_factor"],
             decay=self.hparams.scheduler["decay"],
