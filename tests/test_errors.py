@@ -88,6 +88,14 @@ CASES = {
         [*FAST, "strategy=ddp", "trainer.num_nodes=2"], ["trainer.num_nodes=2", "MASTER_ADDR and MASTER_PORT", "node 0"]
     ),
     "max-epochs-negative": Case([*FAST, "trainer.max_epochs=-1"], ["trainer.max_epochs=-1", ">= 1"]),
+    "a-dry-run-of-a-value-lightning-rejects": Case(  # the dry run builds a Trainer as each rank would, to say it too
+        [*FAST, "trainer.devices=1", "dry_run=true", "trainer.limit_train_batches=-3"],
+        ["invalid value -3 for limit_train_batches"],
+    ),
+    "precision-whose-package-is-missing": Case(
+        [*FAST, "trainer.precision=transformer-engine"],
+        ["trainer: Requirement 'transformer_engine", "not met", "install it, or change the trainer.* value"],
+    ),
     "unknown-arch": Case([*FAST, "model.arch=resnet7"], ["model.arch=resnet7", "choose one of"]),
     # files: data, checkpoints, the run dir
     "data-root-missing-offline": Case(
@@ -380,13 +388,22 @@ def test_hydras_rejections_become_one_line_naming_the_override(override, words, 
         assert word in message, message
 
 
-@pytest.mark.parametrize("epochs", [-1, 0, -5, "abc", 2.5, True])
-def test_max_epochs_must_be_a_count_of_at_least_one(epochs):
+@pytest.mark.parametrize(
+    "key, bad, good",
+    [
+        *(("max_epochs", v, 1) for v in (-1, 0, -5, "abc", 2.5, True)),
+        *(("deterministic", v, g) for v, g in (("maybe", "warn"), (1, True), ("yes", False))),
+        *(("accumulate_grad_batches", v, 2) for v in (0, -1, 1.5, True)),
+    ],
+)
+def test_trainer_values_lightning_misreads_or_takes_silently_are_refused_naming_the_key(key, bad, good):
+    """What Lightning takes yet misreads (max_epochs=-1: forever), takes without a word (deterministic=maybe: neither
+    mode) or fails on only deep inside a fit (accumulate_grad_batches=0: a ZeroDivisionError)."""
     from omegaconf import OmegaConf
 
+    from src.cli.entry import check_trainer_settings
     from src.core.errors import UserError
-    from src.training.trainer import check_trainer_settings
 
-    with pytest.raises(UserError, match=f"trainer.max_epochs={epochs} must be a whole number >= 1"):
-        check_trainer_settings(OmegaConf.create({"accelerator": "cpu", "max_epochs": epochs}))
-    check_trainer_settings(OmegaConf.create({"accelerator": "cpu", "max_epochs": 1}))
+    with pytest.raises(UserError, match=rf"^trainer\.{key}={bad} (must be|is not known)"):
+        check_trainer_settings(OmegaConf.create({"accelerator": "cpu", key: bad}))
+    check_trainer_settings(OmegaConf.create({"accelerator": "cpu", key: good}))

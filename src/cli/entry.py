@@ -2,9 +2,10 @@
 
 Before the task: what Hydra rejects (an unknown option, a misspelled key, an override it cannot parse) becomes one
 ``error:`` line (``run``), and the checks that need the composed config run before any other process starts
-(``handle_errors``: group options, torchrun's counts, the run dir a job run again resumes, extras, tracking servers,
-every interpolation). A good end waits for the local ranks this process started. Every other end goes through
-src/resilience/failure.py, which says who prints the one line, which exit status, and how the other processes stop.
+(``handle_errors``: group options, torchrun's counts, the run dir a job run again resumes, the trainer's values,
+extras, tracking servers, every interpolation). A good end waits for the local ranks this process started. Every
+other end goes through src/resilience/failure.py, which says who prints the one line, which exit status, and how
+the other processes stop.
 HYDRA_FULL_ERROR=1 keeps tracebacks.
 """
 
@@ -129,6 +130,7 @@ def handle_errors(task: Callable[..., Any]) -> Callable[..., Any]:
                 from src.checkpoints.resume import resume_own_run_dir  # loads torch, as the run does next
 
                 resume_own_run_dir(cfg)
+            check_trainer_settings(cfg.get("trainer"))
             check_extras(cfg)
             _resolve_all(cfg)
             result = task(cfg)
@@ -199,6 +201,39 @@ def check_extras(cfg: Any) -> None:
             object_store.check_store(str(checkpoints))
     if ranks.is_launch_rank_zero():  # only rank zero logs: only its way to the servers matters
         servers.check_servers(loggers)
+
+
+ACCELERATORS = ("auto", "cpu", "gpu", "cuda", "mps")
+
+
+def check_trainer_settings(trainer_cfg: Any) -> None:
+    """The ``trainer.*`` values Lightning misreads (``max_epochs=-1``: train forever), takes without a word
+    (``deterministic=maybe``) or fails on deep inside a fit (``accumulate_grad_batches=0``), each a one-line UserError
+    before any other process starts. What Lightning refuses itself (``precision=15``) it says as each rank builds its
+    Trainer, and a dry run builds one to say it too (src/distributed/dry_run.py)."""
+    if trainer_cfg is None:
+        return
+    accelerator = trainer_cfg.get("accelerator", "auto")
+    if accelerator not in ACCELERATORS:
+        raise UserError(f"trainer.accelerator={accelerator} is not supported here: choose one of auto, cpu, gpu")
+    epochs = trainer_cfg.get("max_epochs")
+    if epochs is not None and (isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1):
+        raise UserError(
+            f"trainer.max_epochs={epochs} must be a whole number >= 1: the epochs to train "
+            "(Lightning's -1, 'forever', would leave the learning-rate schedule without an end)"
+        )
+    deterministic = trainer_cfg.get("deterministic")
+    if deterministic is not None and not isinstance(deterministic, bool) and deterministic != "warn":
+        raise UserError(
+            f"trainer.deterministic={deterministic} is not known: true (deterministic kernels only), warn (a warning "
+            "where one has none) or false"
+        )
+    accumulate = trainer_cfg.get("accumulate_grad_batches", 1)
+    if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
+        raise UserError(
+            f"trainer.accumulate_grad_batches={accumulate} must be a whole number >= 1: the batches whose gradients "
+            "make one optimizer step (1: every batch steps)"
+        )
 
 
 def overridden_keys() -> set[str]:

@@ -112,6 +112,11 @@ def user_error_in(err: BaseException | None) -> BaseException | None:
                 return UserError(
                     f"{node}: {detail[1:-1].strip()} (raised by {target}): change the offending {node}.* value"
                 )
+            if kind in ("ModuleNotFoundError", "ImportError") and quoted:  # a value that needs a package not here
+                return UserError(  # (trainer.precision=transformer-engine without NVIDIA's Transformer Engine)
+                    f"{node}: {detail[1:-1].strip()} (raised by {target}): install it, or change the {node}.* value "
+                    "that needs it"
+                )
         seen.add(id(err))
         err = err.__cause__ or err.__context__
     return None

@@ -21,7 +21,6 @@ from omegaconf import DictConfig, OmegaConf
 
 from src.checkpoints.files import AtomicCheckpointIO, read_checkpoint
 from src.core.console import quiet_console, quiet_dependencies
-from src.core.errors import UserError
 from src.distributed.strategy import TaskGPU
 from src.launch import torchrun
 from src.launch.devices import node_gpus, one_gpu_per_task, uses_cuda
@@ -29,9 +28,6 @@ from src.launch.ranks import is_launch_rank_zero, mpi_launched, ranks_started_he
 from src.launch.run_dir import CONFIG_FILE
 from src.models.fast_path import fast_path
 from src.tracking.loggers import remember_runs
-
-ACCELERATORS = ("auto", "cpu", "gpu", "cuda", "mps")
-
 
 quiet_dependencies()
 
@@ -82,20 +78,6 @@ def device_type(accelerator: str) -> str:
     return "mps" if accelerator == "mps" else "cpu"
 
 
-def check_trainer_settings(trainer_cfg: DictConfig) -> None:
-    """Values Lightning takes yet misreads (max_epochs=-1: train forever) or rejects only deep inside fit."""
-    if trainer_cfg.accelerator not in ACCELERATORS:
-        raise UserError(
-            f"trainer.accelerator={trainer_cfg.accelerator} is not supported here: choose one of auto, cpu, gpu"
-        )
-    epochs = trainer_cfg.get("max_epochs")
-    if epochs is not None and (isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1):
-        raise UserError(
-            f"trainer.max_epochs={epochs} must be a whole number >= 1: the epochs to train "
-            "(Lightning's -1, 'forever', would leave the learning-rate schedule without an end)"
-        )
-
-
 def not_mpi_environment() -> ClusterEnvironment:
     """Lightning's own choice of cluster environment, less MPI's: its MPIEnvironment.detect() imports mpi4py's MPI,
     which initialises MPI in every process where mpi4py is installed, mpirun or not."""
@@ -107,8 +89,8 @@ def not_mpi_environment() -> ClusterEnvironment:
 
 def build_trainer(cfg: DictConfig, arch: str) -> L.Trainer:
     """A Trainer whose strategy, callbacks and loggers come from their config groups; ``arch``: the network it
-    trains or tests (what ``trainer.precision=auto`` is measured with on a CPU)."""
-    check_trainer_settings(cfg.trainer)
+    trains or tests (what ``trainer.precision=auto`` is measured with on a CPU). Its ``trainer.*`` values were checked
+    before any process started (src/cli/entry.py's ``check_trainer_settings``); Lightning checks the rest here."""
     route_lightning_logs()
     callbacks = [instantiate(c) for c in (cfg.get("callbacks") or {}).values() if c is not None]
     loggers = [instantiate(lg) for lg in (cfg.get("logger") or {}).values() if lg is not None]
