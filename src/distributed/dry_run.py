@@ -10,6 +10,7 @@ real run makes before any rank trains decide the last line: ``ready``, or what w
 
 from __future__ import annotations
 
+import logging
 import math
 import resource
 from typing import Any
@@ -143,6 +144,36 @@ def report(p: dict[str, Any], nodes: int, per_node: int, gpu_gib: float | None) 
     return lines
 
 
+def check_trainer(cfg: DictConfig) -> None:
+    """What every rank's Trainer and callbacks refuse as they are built (a ``trainer.*`` value Lightning rejects, such
+    as ``limit_train_batches=-3``; a checkpoint cadence): they are built here too, for one CPU process that runs
+    nothing, so the dry run's verdict says it as a real run would. What they would print or warn about this machine
+    (no GPU here) is not the cluster's, and stays unsaid."""
+    import warnings
+
+    from hydra.utils import instantiate
+
+    callbacks = [instantiate(c) for c in (cfg.get("callbacks") or {}).values() if c is not None]
+    precision = cfg.trainer.precision
+    logging.disable(logging.WARNING)  # Lightning's lines on this machine's devices
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            instantiate(
+                cfg.trainer,
+                accelerator="cpu",
+                devices=1,
+                num_nodes=1,
+                strategy="auto",
+                precision="32-true" if precision == "auto" else precision,
+                benchmark=False,
+                logger=False,
+                callbacks=callbacks,
+            )
+    finally:
+        logging.disable(logging.NOTSET)
+
+
 def run(cfg: DictConfig) -> None:
     """Print the plan of ``cfg.dry_run_rank`` (default: rank 0, and the last rank, whose shards are the smallest)
     and end with one line: ready, or (a UserError: exit status 2) what will not work."""
@@ -160,6 +191,7 @@ def run(cfg: DictConfig) -> None:
     datamodule.prepare_data()  # data that is not there fails here, as in a real run
     datamodule.setup("fit")
     model = instantiate(cfg.model)
+    check_trainer(cfg)
     problems: list[str] = []
     for rank in ranks:
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
