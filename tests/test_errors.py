@@ -332,6 +332,17 @@ def test_hydra_full_error_keeps_the_traceback(name, runs):
         assert word in text, text[-3000:]
 
 
+@pytest.mark.parametrize("seed", ["abc", -1, 2**32, 1.5, True])
+def test_a_seed_numpy_would_refuse_is_one_line_naming_it(seed):
+    from src.cli.entry import check_seed
+    from src.core.errors import UserError
+
+    with pytest.raises(UserError, match=rf"^seed={seed} must be a whole number from 0 to 4294967295$"):
+        check_seed(seed)
+    check_seed(0)
+    check_seed(2**32 - 1)
+
+
 def test_the_users_hydra_full_error_wins_over_the_one_set_for_hydra(monkeypatch):
     """Entry points set HYDRA_FULL_ERROR=1 for Hydra's sake; the user's own value, recorded beside it, decides."""
     monkeypatch.setenv("HYDRA_FULL_ERROR", "1")

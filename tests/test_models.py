@@ -10,7 +10,7 @@ from torchvision import models
 
 from src.core.errors import UserError
 from src.data.synthetic import SyntheticDataModule
-from src.models.classifier import ImageClassifier, scaled_lr, warmup_then_decay
+from src.models.classifier import ImageClassifier, check_recipe, scaled_lr, warmup_then_decay
 from src.models.fast_path import fast_path
 from src.models.resnet import NarrowResNet, build_resnet, resnet_names
 
@@ -96,6 +96,37 @@ def test_schedule_warms_up_linearly_then_decays_to_the_floor():
     linear = warmup_then_decay(0, 100, decay="linear")
     assert linear(50) == pytest.approx(0.5)
     assert warmup_then_decay(0, float("inf"))(10**6) == 1.0  # open-ended runs keep the peak rate
+
+
+@pytest.mark.parametrize(
+    "group, key, bad",
+    [
+        ("optimizer", "lr", -0.1),  # torch's ValueError named a scaled rate and no key, once the ranks ran
+        ("optimizer", "lr", float("nan")),
+        ("optimizer", "momentum", 1.0),  # taken by torch: the steps grow without bound
+        ("optimizer", "momentum", -0.5),
+        ("optimizer", "weight_decay", -1),
+        ("optimizer", "reference_batch_size", 0),  # a ZeroDivisionError
+        ("optimizer", "reference_batch_size", 12.5),
+        ("scheduler", "warmup_epochs", -1),  # taken: a schedule from the middle of its decay
+        ("scheduler", "warmup_start_factor", 1.5),
+        ("scheduler", "min_lr_factor", 2),  # taken: a rate that rose above the peak as it "decayed"
+        ("scheduler", "min_lr_factor", "low"),
+    ],
+)
+def test_a_recipe_value_out_of_range_is_refused_naming_its_key(group, key, bad):
+    model = ImageClassifier(arch="resnet18")
+    recipe = {"optimizer": dict(model.hparams.optimizer), "scheduler": dict(model.hparams.scheduler)}
+    check_recipe(**recipe)  # the defaults pass
+    recipe[group][key] = bad
+    with pytest.raises(UserError, match=rf"^model\.{group}\.{key}={bad} must be"):
+        check_recipe(**recipe)
+
+
+def test_nesterov_without_momentum_is_refused_and_plain_sgd_is_not():
+    with pytest.raises(UserError, match="nesterov=true needs model.optimizer.momentum > 0"):
+        ImageClassifier(arch="resnet18", optimizer={"momentum": 0.0})
+    ImageClassifier(arch="resnet18", optimizer={"momentum": 0.0, "nesterov": False})
 
 
 def test_label_smoothing_and_sgd_settings_come_from_config():

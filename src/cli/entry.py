@@ -131,6 +131,7 @@ def handle_errors(task: Callable[..., Any]) -> Callable[..., Any]:
 
                 resume_own_run_dir(cfg)
             check_trainer_settings(cfg.get("trainer"))
+            check_seed(cfg.get("seed"))
             check_extras(cfg)
             _resolve_all(cfg)
             result = task(cfg)
@@ -234,6 +235,12 @@ def check_trainer_settings(trainer_cfg: Any) -> None:
             f"trainer.accumulate_grad_batches={accumulate} must be a whole number >= 1: the batches whose gradients "
             "make one optimizer step (1: every batch steps)"
         )
+
+
+def check_seed(seed: Any) -> None:
+    """``seed``, which Lightning's seed_everything and the data's split take: a whole number numpy accepts."""
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32):
+        raise UserError(f"seed={seed} must be a whole number from 0 to {2**32 - 1}")
 
 
 def overridden_keys() -> set[str]:

@@ -84,6 +84,7 @@ class ImageClassifier(L.LightningModule):
         check_compile(compile)
         if optimizer["fused"] not in (True, False, "auto"):
             raise UserError(f"model.optimizer.fused={optimizer['fused']} must be true, false or auto")
+        check_recipe(optimizer, scheduler)
         self.save_hyperparameters(
             {
                 "arch": arch,
@@ -292,6 +293,32 @@ class ImageClassifier(L.LightningModule):
             "batch_size": getattr(self.trainer.datamodule, "batch_size", None),
             "accumulate": self.trainer.accumulate_grad_batches,
         }
+
+
+# The recipe's numbers, each a one-line UserError where it is out of range: torch.optim.SGD refuses some only once the
+# ranks run, with a ValueError naming no key (lr=-0.1), and takes others to diverge or to end above the peak rate
+RECIPE_RANGES = (
+    ("optimizer", "lr", lambda v: v >= 0, "a number >= 0"),
+    ("optimizer", "momentum", lambda v: 0 <= v < 1, "in [0, 1): at 1 or more the steps grow without bound"),
+    ("optimizer", "weight_decay", lambda v: v >= 0, "a number >= 0"),
+    ("optimizer", "reference_batch_size", lambda v: isinstance(v, int) and v >= 1, "a whole number >= 1"),
+    ("scheduler", "warmup_epochs", lambda v: v >= 0, "a number >= 0 (0: no warm-up)"),
+    ("scheduler", "warmup_start_factor", lambda v: 0 <= v <= 1, "in [0, 1]: the warm-up's first rate x lr"),
+    ("scheduler", "min_lr_factor", lambda v: 0 <= v <= 1, "in [0, 1]: the decay's last rate x lr"),
+)
+
+
+def check_recipe(optimizer: dict[str, Any], scheduler: dict[str, Any]) -> None:
+    """Refuse a value of ``model.optimizer`` or ``model.scheduler`` out of its range, naming the key."""
+    groups = {"optimizer": optimizer, "scheduler": scheduler}
+    for group, key, within, words in RECIPE_RANGES:
+        value = groups[group][key]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not within(value):  # NaN too
+            raise UserError(f"model.{group}.{key}={value} must be {words}")
+    if optimizer["nesterov"] and optimizer["momentum"] == 0:
+        raise UserError(
+            "model.optimizer.nesterov=true needs model.optimizer.momentum > 0: set a momentum, or nesterov=false"
+        )
 
 
 def extreme_lr_warning(opt: dict[str, Any], global_batch: int) -> str | None:
