@@ -147,6 +147,29 @@ def test_throughput_is_timed_in_windows_synchronised_only_at_their_edges(monkeyp
     assert [int(r["step"]) for r in rows if r.get("train/samples_per_sec")] == [4, 8, 12, 16, 20]  # log steps
 
 
+def test_with_no_step_logged_the_throughput_is_still_timed_between_the_edges(tmp_path):
+    """trainer.log_every_n_steps=0, Lightning's "log no step": the recorder divided by it (a ZeroDivisionError at the
+    first step after the warm-up)."""
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(20, 4)), batch_size=2)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_epochs=2,
+        log_every_n_steps=0,
+        limit_val_batches=1,
+        logger=L.pytorch.loggers.CSVLogger(tmp_path, name="", version=""),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        default_root_dir=tmp_path,
+        callbacks=[ThroughputRecorder(warmup_steps=2)],
+    )
+    trainer.fit(Sleepy(), train_dataloaders=data, val_dataloaders=data)
+    record = json.loads((tmp_path / "throughput.json").read_text())
+    assert record["steps_measured"] == 17 and record["steps"] == 20
+    metrics = tmp_path / "metrics.csv"  # written only if anything was logged
+    assert not metrics.exists() or not [r for r in csv.DictReader(metrics.open()) if r.get("train/samples_per_sec")]
+
+
 def test_the_device_waited_for_is_the_ranks_own_cuda_device_and_never_a_cpu(monkeypatch):
     waited: list[torch.device] = []
     monkeypatch.setattr(torch.cuda, "synchronize", waited.append)

@@ -137,7 +137,8 @@ class ThroughputRecorder(L.Callback):
         self._batch_size = batch[0].size(0)
         if self._batches < self._warmup:
             return
-        log_step = trainer.global_step % trainer.log_every_n_steps == 0
+        every = trainer.log_every_n_steps  # 0: Lightning logs no step, and the windows close only at their edges
+        log_step = every != 0 and trainer.global_step % every == 0
         if self._window is None or (log_step and trainer.global_step != self._window[2]):
             now = self._synchronised_now()
             if self._window is not None:
