@@ -4,6 +4,7 @@ with its process, however it ends; timestamped run dirs never collide."""
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -138,3 +139,36 @@ def test_runs_started_in_the_same_second_get_a_run_dir_each(tmp_path):
     for run in runs.iterdir():  # each its own config and log
         assert (run / ".hydra" / "config.yaml").is_file() and (run / "train.log").is_file()
     assert "${now:" in (ROOT / "conf" / "hydra" / "default.yaml").read_text().split("run:")[1].split("sweep:")[0]
+
+
+def test_a_run_stopped_with_ctrl_c_before_it_trains_exits_130_in_one_line_and_takes_its_run_dir_back(tmp_path):
+    """Ctrl-C while the run waits for CIFAR-10's download (a server that accepted and says nothing): the run had made
+    its dir, with Hydra's record, the lock and a log of a line or two, and left it, a run dir that looked like a run.
+    The download's staging folder goes too; the data root keeps its lock file, as after any download."""
+    import signal
+    import threading
+
+    from tests.conftest import FAST_RUN
+    from tests.test_hangs import start_in_own_group, wait_for
+
+    run_dir, root = tmp_path / "runs" / "one", tmp_path / "data"
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        held: list = []
+        threading.Thread(target=lambda: held.append(server.accept()), daemon=True).start()
+        url = f"http://127.0.0.1:{server.getsockname()[1]}/cifar-10-python.tar.gz"
+        proc = start_in_own_group(
+            *FAST_RUN, "data=cifar10", f"data.root={root}", f"data.download_url={url}", f"hydra.run.dir={run_dir}"
+        )
+        wait_for(lambda: bool(held), proc)  # the download has begun: the run dir is there, and nothing trained
+        assert sorted(p.name for p in run_dir.iterdir()) == [".hydra", ".lock", "train.log"]
+        os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C at the terminal does
+        out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 130, out[-3000:]
+    assert [line for line in out.splitlines() if line.startswith(("interrupted", "error:"))] == [
+        "interrupted (Ctrl-C) outside a training step: nothing more was saved"
+    ], out[-3000:]
+    assert "Traceback" not in out
+    assert not (tmp_path / "runs").exists()
+    assert [p.name for p in root.iterdir()] == [".cifar-10-download.lock"]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import signal
 import sys
 import threading
 from typing import Any, Callable, NoReturn
@@ -51,8 +52,8 @@ def run(main: Callable[[], Any]) -> NoReturn:
         code: Any = 0
     except SystemExit as stop:
         code = stop.code
-    if code == EXIT_USER_ERROR:  # refused before it ran: no empty run dir left for the typo
-        run_dir.forget_refused_run()
+    if code in (EXIT_USER_ERROR, 128 + signal.SIGINT):  # refused, or Ctrl-C'd before it ran: no empty run dir left
+        run_dir.forget_refused_run()  # (one Ctrl-C'd once it trained holds its last.ckpt, and stays)
     exit_now(code)
 
 

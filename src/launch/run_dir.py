@@ -8,8 +8,8 @@ too — so a crashed run's dir is free for ``ckpt_path=last`` at once. The other
 lock, so they are never refused. A second run pointed at a held dir stops before it writes anything,
 naming the host and pid that hold it. A timestamped dir (the default ``outputs/runs/<date>/<time>``) is
 claimed instead: a run that finds its timestamp owned by another run takes ``<time>_2``, ``<time>_3``, ...
-A run refused before it ran (exit 2: a bad value, a missing file) takes back the folders it made for itself
-(``forget_refused_run``): a typo leaves no empty run dir behind.
+A run refused before it ran (exit 2: a bad value, a missing file), or stopped with Ctrl-C before it trained (exit
+130), takes back the folders it made for itself (``forget_refused_run``): a typo leaves no empty run dir behind.
 """
 
 from __future__ import annotations
@@ -89,10 +89,10 @@ def _missing(path: Path) -> list[Path]:
 
 def forget_refused_run() -> None:
     """Remove the run dir this process made, and the parents it made for it (``outputs/runs/<date>``), when the run
-    was refused before it ran: called at exit status 2. Only a dir that holds nothing but what every run writes as it
-    starts (Hydra's ``.hydra`` record of the config, the resolved ``config.yaml``, the lock file, this process's log,
-    whose lines the console showed too) goes: another rank's log, a checkpoint, a file of the user's, anything else
-    keeps it, and so does a dir that was there before the run."""
+    was refused or stopped before it ran: called at exit status 2 and 130 (Ctrl-C). Only a dir that holds nothing but
+    what every run writes as it starts (Hydra's ``.hydra`` record of the config, the resolved ``config.yaml``, the lock
+    file, this process's log, whose lines the console showed too) goes: another rank's log, a checkpoint, a file of
+    the user's, anything else keeps it, and so does a dir that was there before the run."""
     if not _made:
         return
     run_dir, parents = _made[0], _made[1:]
