@@ -210,3 +210,24 @@ def test_one_gpu_is_not_four_outside_srun(gpus):
     gpus(1)
     with pytest.raises(UserError, match="trainer.devices=4 asks for 4 GPUs but this node has 1"):
         local_device_count("gpu", 4)
+
+
+BF16_ON_CPU = "Lightning runs bf16-mixed on the cpu, without fp16 AMP"
+
+
+@pytest.mark.parametrize(
+    "asked, runs, note",
+    [
+        ("16-mixed", "bf16-mixed", f" (trainer.precision=16-mixed: {BF16_ON_CPU})"),
+        ("16", "bf16-mixed", f" (trainer.precision=16: {BF16_ON_CPU})"),
+        ("bf16", "bf16-mixed", ""),  # Lightning's short name for what runs
+        ("32", "32-true", ""),
+        ("64-true", "64-true", ""),
+    ],
+)
+def test_the_run_line_says_when_lightning_runs_another_precision_than_asked(asked, runs, note):
+    """trainer.precision=16-mixed on a CPU: Lightning runs bf16-mixed, and said so in a raw warning naming its own
+    source file; the run line says it instead."""
+    trainer = SimpleNamespace(precision=runs, strategy=SimpleNamespace(root_device=torch.device("cpu")))
+    module = SimpleNamespace(memory_format=torch.contiguous_format, hparams=AttributeDict(arch="resnet18"))
+    assert number_format(trainer, module, asked) == f"precision {runs}, contiguous{note}"

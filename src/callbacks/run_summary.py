@@ -38,7 +38,14 @@ def number_format(trainer: L.Trainer, pl_module: L.LightningModule, precision: s
         devices = getattr(trainer.strategy, "parallel_devices", None) or [trainer.strategy.root_device]
         gpus = (tuple(d.index for d in devices),) if devices[0].type == "cuda" else ()
         why = f" ({what}: {fast_path(devices[0].type, pl_module.hparams.arch, *gpus).why})"
+    if not asked[0] and str(trainer.precision) != LIGHTNING_ALIASES.get(precision, precision):
+        # Lightning's own substitution: fp16 autocast needs a GPU, so 16-mixed runs bf16-mixed on a CPU
+        device = trainer.strategy.root_device.type
+        why += f" (trainer.precision={precision}: Lightning runs {trainer.precision} on the {device}, without fp16 AMP)"
     return f"precision {trainer.precision}, {layout}{why}"
+
+
+LIGHTNING_ALIASES = {"64": "64-true", "32": "32-true", "16": "16-mixed", "bf16": "bf16-mixed"}  # its short names
 
 
 def compilation(pl_module: L.LightningModule) -> str:

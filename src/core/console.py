@@ -73,6 +73,8 @@ def quiet_dependencies() -> None:
     warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
     warnings.filterwarnings("ignore", message=r"The number of training batches \(\d+\) is smaller than the logging")
     warnings.filterwarnings("ignore", message=r"Precision \S+-mixed is not supported by the model summary")
+    # trainer.precision=16-mixed on a CPU: the run line says it runs bf16-mixed, and why (src/callbacks/run_summary.py)
+    warnings.filterwarnings("ignore", message=r"You passed `Trainer\(accelerator='cpu', precision='16-mixed'\)`")
     if "SLURM_JOB_ID" not in os.environ:
         warnings.filterwarnings("ignore", message=r"The `srun` command is available on your system but is not used")
 
