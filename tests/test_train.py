@@ -98,19 +98,13 @@ class Sleepy(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.01)
 
 
-def test_throughput_is_timed_in_windows_synchronised_only_at_their_edges(monkeypatch, tmp_path):
-    """20 steps in 2 epochs, 2 warm-up steps, log every 4: the windows hold the 17 steps after the warm-up and
-    after each epoch's first, no validation, and the device waits only where a window opens or closes."""
-    syncs: list[tuple[str, int]] = []
-    monkeypatch.setattr(
-        throughput, "synchronize", lambda device: syncs.append((inspect.stack()[2].function, trainer.global_step))
-    )  # the hook that asked, and the step
-    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(20, 4)), batch_size=2)
-    trainer = L.Trainer(
+def sleepy_trainer(tmp_path: Path, log_every_n_steps: int) -> L.Trainer:
+    """2 epochs of Sleepy's 10 steps, a validation batch each, the throughput recorder with 2 warm-up steps."""
+    return L.Trainer(
         accelerator="cpu",
         devices=1,
         max_epochs=2,
-        log_every_n_steps=4,
+        log_every_n_steps=log_every_n_steps,
         limit_val_batches=1,
         logger=L.pytorch.loggers.CSVLogger(tmp_path, name="", version=""),
         enable_progress_bar=False,
@@ -119,7 +113,22 @@ def test_throughput_is_timed_in_windows_synchronised_only_at_their_edges(monkeyp
         default_root_dir=tmp_path,
         callbacks=[ThroughputRecorder(warmup_steps=2), LastCheckpoint(tmp_path, every_n_minutes=0)],
     )
+
+
+def fit_sleepy(trainer: L.Trainer) -> None:
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(20, 4)), batch_size=2)
     trainer.fit(Sleepy(), train_dataloaders=data, val_dataloaders=data)
+
+
+def test_throughput_is_timed_in_windows_synchronised_only_at_their_edges(monkeypatch, tmp_path):
+    """20 steps in 2 epochs, 2 warm-up steps, log every 4: the windows hold the 17 steps after the warm-up and
+    after each epoch's first, no validation, and the device waits only where a window opens or closes."""
+    syncs: list[tuple[str, int]] = []
+    monkeypatch.setattr(
+        throughput, "synchronize", lambda device: syncs.append((inspect.stack()[2].function, trainer.global_step))
+    )  # the hook that asked, and the step
+    trainer = sleepy_trainer(tmp_path, log_every_n_steps=4)
+    fit_sleepy(trainer)
 
     edges = [
         ("on_train_batch_end", 2),
@@ -150,20 +159,7 @@ def test_throughput_is_timed_in_windows_synchronised_only_at_their_edges(monkeyp
 def test_with_no_step_logged_the_throughput_is_still_timed_between_the_edges(tmp_path):
     """trainer.log_every_n_steps=0, Lightning's "log no step": the recorder divided by it (a ZeroDivisionError at the
     first step after the warm-up)."""
-    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(20, 4)), batch_size=2)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        max_epochs=2,
-        log_every_n_steps=0,
-        limit_val_batches=1,
-        logger=L.pytorch.loggers.CSVLogger(tmp_path, name="", version=""),
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        default_root_dir=tmp_path,
-        callbacks=[ThroughputRecorder(warmup_steps=2)],
-    )
-    trainer.fit(Sleepy(), train_dataloaders=data, val_dataloaders=data)
+    fit_sleepy(sleepy_trainer(tmp_path, log_every_n_steps=0))
     record = json.loads((tmp_path / "throughput.json").read_text())
     assert record["steps_measured"] == 17 and record["steps"] == 20
     metrics = tmp_path / "metrics.csv"  # written only if anything was logged
