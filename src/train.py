@@ -37,7 +37,7 @@ def main(cfg: DictConfig) -> float | None:
     from hydra.utils import instantiate
 
     from src.callbacks.trial_pruning import pruned_at
-    from src.checkpoints.resume import check_compatible, resume_from, warn_changed_settings
+    from src.checkpoints.resume import check_compatible, resume_from, warn_changed_settings, warn_global_batch_change
     from src.core.console import quiet_resume
     from src.launch.run_dir import record_result
     from src.models.batch_size import keep_checkpoint_batch
@@ -73,9 +73,13 @@ def main(cfg: DictConfig) -> float | None:
             if line and is_launch_rank_zero():
                 log.info(line)
     continue_logs(cfg, ckpt_path, checkpoint)  # metrics.csv keeps its rows; the MLflow / W&B runs go on
+    saved_by = (checkpoint or {}).get("saved_by")
     del checkpoint  # Lightning loads it again on every rank
     quiet_resume(ckpt_path, getattr(datamodule, "pipeline", None) == "device")
     trainer = build_trainer(cfg, model.hparams.arch)
+    if saved_by and not torchrun.active():  # a resume at another world size: the global batch it trains, if changed
+        batch = getattr(datamodule, "batch_size", None)
+        warn_global_batch_change(saved_by, trainer.world_size, batch, trainer.accumulate_grad_batches)
     # every rank, before the ranks meet: a missing dataset is downloaded once while the others wait, however long it
     # takes (the rendezvous would time out); missing or bad data fails here
     datamodule.prepare_data()

@@ -270,6 +270,35 @@ def warn_changed_settings(cfg: DictConfig) -> None:
         )
 
 
+def warn_global_batch_change(
+    saved_by: dict[str, Any] | None, world_size: int, batch_size: Any, accumulate: int
+) -> None:
+    """One warning line where a run resumed at another world size than its checkpoint's trains another global batch:
+    the learning rate (scaled by it) and the steps per epoch change with it. ``saved_by``: the checkpoint's record of
+    who wrote it (src/models/classifier.py). torchrun's restarts keep the global batch themselves
+    (src/launch/torchrun.py's ``keep_global_batch``); a resume the user started says what changed, and how to keep
+    it."""
+    saved = saved_by or {}
+    old_world, old_batch = saved.get("world_size"), saved.get("batch_size")
+    if not old_world or not old_batch or isinstance(batch_size, bool) or not isinstance(batch_size, int):
+        return  # an earlier version's checkpoint, or a batch size a GPU probe picks later
+    before = old_world * old_batch * saved.get("accumulate", 1)
+    now = world_size * batch_size * accumulate
+    if old_world == world_size or now == before:
+        return
+    per_process, rest = divmod(before, world_size * accumulate)
+    keep = (
+        f"pass data.batch_size={per_process}"
+        if not rest and per_process
+        else f"make data.batch_size x trainer.accumulate_grad_batches x {world_size} process(es) {before}"
+    )
+    _warn(
+        f"resuming a checkpoint of world size {old_world} at world size {world_size}: the global batch is {now} "
+        f"({batch_size} per process) where it trained with {before}; the learning rate and the steps per epoch "
+        f"follow it: to keep them, {keep}"
+    )
+
+
 _ABSENT = object()
 
 
