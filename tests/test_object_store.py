@@ -134,7 +134,10 @@ def test_a_truncated_last_ckpt_is_passed_over_and_the_checkpoint_resumed_from_is
     warnings = [line for line in result.stderr.splitlines() if line.startswith("warning:")]
     assert warnings == [
         f"warning: {url}/last.ckpt cannot be read (not the zip archive torch.save writes): resuming from {url}/{best} "
-        "(step 12), the newest intact checkpoint of the run dir"
+        "(step 12), the newest intact checkpoint of the run dir",
+        # the two DDP ranks' checkpoint, resumed by one process
+        "warning: resuming a checkpoint of world size 2 at world size 1: the global batch is 4 (4 per process) where "
+        "it trained with 8; the learning rate and the steps per epoch follow it: to keep them, pass data.batch_size=8",
     ], result.stderr[-2000:]
     names = store.names(url)
     # epoch 2's best replaced epoch 1's as the newest, but the run began from that file: it stays (Lightning #21813)
