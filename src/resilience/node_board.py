@@ -70,12 +70,18 @@ class NodeBoard:
         try:
             try:
                 temp.write_text(json.dumps(value))
-            except FileNotFoundError:  # the folder was cleaned away under the run (a tmp cleaner): again
-                self.path.mkdir(parents=True, exist_ok=True)
+            except FileNotFoundError:
+                # Gone with the run's end on this node: a write of another thread, begun before this rank finished,
+                # must not make the folder again after the node's last rank removed it (left in /dev/shm, lockless)
+                if self.closed:
+                    return
+                self.path.mkdir(parents=True, exist_ok=True)  # cleaned away under the run (a tmp cleaner): again
                 temp.write_text(json.dumps(value))
             os.replace(temp, path)
         except OSError as err:  # full, or read-only: the pulse (a file's time) still works; say it once
             temp.unlink(missing_ok=True)
+            if self.closed:  # the folder went with the run's end: nothing to say
+                return
             if not self._warned:
                 self._warned = True
                 log.warning(
