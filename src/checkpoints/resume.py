@@ -18,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from src.checkpoints import object_store
 from src.checkpoints.files import LAST, PREVIOUS, UnreadableCheckpoint, read_checkpoint
 from src.core.errors import UserError, print_line
+from src.launch.torchrun import trained_batch
 
 log = logging.getLogger(__name__)
 
@@ -278,11 +279,10 @@ def warn_global_batch_change(
     who wrote it (src/models/classifier.py). torchrun's restarts keep the global batch themselves
     (src/launch/torchrun.py's ``keep_global_batch``); a resume the user started says what changed, and how to keep
     it."""
-    saved = saved_by or {}
-    old_world, old_batch = saved.get("world_size"), saved.get("batch_size")
-    if not old_world or not old_batch or isinstance(batch_size, bool) or not isinstance(batch_size, int):
+    trained = trained_batch(saved_by, accumulate=1)
+    if trained is None or isinstance(batch_size, bool) or not isinstance(batch_size, int):
         return  # an earlier version's checkpoint, or a batch size a GPU probe picks later
-    before = old_world * old_batch * saved.get("accumulate", 1)
+    old_world, _, before = trained
     now = world_size * batch_size * accumulate
     if old_world == world_size or now == before:
         return

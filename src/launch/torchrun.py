@@ -145,18 +145,27 @@ def restart_line(ckpt_path: str | None, checkpoint: dict | None, run_dir: str) -
     return f"{attempt}: resuming from step {checkpoint.get('global_step', '?')} of {ckpt_path}"
 
 
+def trained_batch(saved_by: dict | None, accumulate: int) -> tuple[int, int, int] | None:
+    """(world size, per-process batch, global batch) a checkpoint trained with, from the ``saved_by`` record its model
+    writes (src/models/classifier.py; ``accumulate`` where the record lacks it); None for a record without them."""
+    saved = saved_by or {}
+    old_world, old_batch = saved.get("world_size"), saved.get("batch_size")
+    if not old_world or not old_batch:
+        return None
+    return old_world, old_batch, old_world * old_batch * saved.get("accumulate", accumulate)
+
+
 def keep_global_batch(checkpoint: dict | None, datamodule: Any, world_size: int, accumulate: int) -> str | None:
     """Resumed at another world size than the checkpoint's: the same global batch from other per-process
     batches, so the learning rate (scaled by the global batch) and the steps per epoch stay as they were.
 
     Returns the line that says so, or None when nothing changed.
     """
-    saved = (checkpoint or {}).get("saved_by") or {}
-    old_world, old_batch = saved.get("world_size"), saved.get("batch_size")
+    trained = trained_batch((checkpoint or {}).get("saved_by"), accumulate)
     batch = getattr(datamodule, "batch_size", None)
-    if not old_world or not old_batch or not batch or old_world == world_size:
+    if trained is None or not batch or trained[0] == world_size:
         return None
-    global_batch = old_world * old_batch * saved.get("accumulate", accumulate)
+    old_world, old_batch, global_batch = trained
     per_process, rest = divmod(global_batch, world_size * accumulate)
     per_process = max(1, per_process + (rest * 2 >= world_size * accumulate))
     datamodule.batch_size = per_process
