@@ -7,10 +7,10 @@ import logging
 from pathlib import Path
 
 import hydra
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from src.checkpoints import object_store
-from src.cli.entry import handle_errors, run
+from src.cli.entry import data_given, handle_errors, run
 from src.core import startup
 from src.core.errors import UserError
 from src.launch.ranks import start_local_ranks
@@ -32,6 +32,7 @@ def main(cfg: DictConfig) -> dict[str, float]:
 
     from src.checkpoints.files import read_checkpoint
     from src.checkpoints.resume import model_from
+    from src.serving.formats import data_to_test
     from src.training.trainer import build_trainer, describe_checkpoint, record_config, test_summary
 
     startup.resume()  # loaded: the garbage collector on again (src/core/startup.py)
@@ -39,6 +40,9 @@ def main(cfg: DictConfig) -> dict[str, float]:
     checkpoint = read_checkpoint(path, trusted=cfg.ckpt_trusted)
     # every device by default: the test shards count each image once at any world size
     supervision.track(*start_local_ranks(cfg.strategy))
+    data, data_name = data_to_test(cfg.data, cfg.ckpt_path, data_given())
+    with open_dict(cfg):
+        cfg.data = data  # config.yaml records the data tested
     datamodule = instantiate(cfg.data)
     model = model_from(checkpoint, path)
     trainer = build_trainer(cfg, model.hparams.arch)
@@ -48,7 +52,13 @@ def main(cfg: DictConfig) -> dict[str, float]:
     if trainer.is_global_zero:
         Path(cfg.paths.output_dir, "test_metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
         log.info(
-            test_summary(metrics, f"{describe_checkpoint(path, checkpoint)}, {model.hparams.arch}", trainer, datamodule)
+            test_summary(
+                metrics,
+                f"{describe_checkpoint(path, checkpoint)}, {model.hparams.arch}",
+                trainer,
+                datamodule,
+                data_name,
+            )
         )
     return metrics
 

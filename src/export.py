@@ -17,7 +17,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from src.checkpoints import object_store
-from src.cli.entry import handle_errors, overridden_keys, run
+from src.cli.entry import data_given, handle_errors, run
 from src.core import startup
 from src.core.errors import UserError, require
 
@@ -43,7 +43,7 @@ def main(cfg: DictConfig) -> dict[str, Any]:
         validation_images,
         write_record,
     )
-    from src.serving.formats import Normalised, load_classifier, run_config
+    from src.serving.formats import Normalised, data_to_test, load_classifier, run_config
 
     startup.resume()  # loaded: the garbage collector on again (src/core/startup.py)
     formats = chosen_formats(cfg.format)
@@ -62,7 +62,7 @@ def main(cfg: DictConfig) -> dict[str, Any]:
     if not os.access(out, os.W_OK):
         raise UserError(f"{out} is not writable: pass export.dir=DIR for the exported files")
     run_cfg, config_file = run_config(path) if not remote else (None, None)
-    data_cfg = cfg.data if run_cfg is None or "data" in {k.split(".")[0] for k in overridden_keys()} else run_cfg.data
+    data_cfg, _ = data_to_test(cfg.data, given, data_given())
     images, data_name = validation_images(data_cfg, cfg.export) if cfg.export.validate else (None, None)
     net = Normalised(model.net).eval()
     reference = logits_of(net, images, cfg.export.batch_size) if images is not None else None

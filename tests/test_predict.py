@@ -207,6 +207,12 @@ def test_an_undecodable_image_is_one_error_line(sample_checkpoint, tmp_path):
     )
 
 
+def read_checkpoint_as_resume(path):
+    from src.checkpoints.files import read_checkpoint
+
+    return read_checkpoint(path, key="resume")
+
+
 def test_missing_files_and_empty_folders_are_refused(tmp_path):
     with pytest.raises(UserError, match=r"images=.*nope.png does not exist"):
         image_files([str(tmp_path / "nope.png")])
@@ -214,6 +220,19 @@ def test_missing_files_and_empty_folders_are_refused(tmp_path):
         image_files(str(tmp_path))
     with pytest.raises(UserError, match=r"ckpt_path=.*gone.onnx does not exist"):
         load_model(tmp_path / "gone.onnx", trusted=False)
+    # a folder is not called missing: a run dir names its newest checkpoint, last.ckpt first (before: "does not exist")
+    with pytest.raises(UserError, match=r"ckpt_path=.* is a folder and holds no \.ckpt file: pass a \.ckpt of src"):
+        load_model(tmp_path, trusted=False)
+    (tmp_path / "checkpoints").mkdir()
+    for name in ("last.ckpt", "best-epoch009-acc0.9000.ckpt"):  # the best written after last.ckpt
+        (tmp_path / "checkpoints" / name).write_bytes(b"")
+    for key, read in (("ckpt_path", lambda p: load_model(p, trusted=False)), ("resume", read_checkpoint_as_resume)):
+        with pytest.raises(UserError) as refused:
+            read(tmp_path)
+        assert (
+            str(refused.value)
+            == f"{key}={tmp_path} is a folder: pass a file in it, such as {key}={tmp_path}/checkpoints/last.ckpt"
+        )
 
 
 def test_a_model_of_another_shape_is_refused(exported_sample_model, tmp_path):

@@ -13,6 +13,7 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
+from omegaconf import OmegaConf
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from src.callbacks import throughput
@@ -252,17 +253,19 @@ def test_the_global_batch_line_gives_the_batch_that_keeps_it(saved, now, keep, c
     assert capsys.readouterr().err == ""
 
 
-def test_eval_reports_test_loss_and_accuracy_of_a_checkpoint(single_run, tmp_path):
+def test_eval_reports_test_loss_and_accuracy_of_a_checkpoint_on_the_data_of_its_run(single_run, tmp_path):
+    # no data=: the run's own (data=synthetic, 16 test images), as src.export validates on; before, data=cifar10
     result = run_module(
         "src.eval",
-        "data=synthetic",
-        "data.num_test=16",
         "trainer.accelerator=cpu",
         f"ckpt_path={single_run}/checkpoints/last.ckpt",
         f"hydra.run.dir={tmp_path}",
     )
     assert_ok(result)
     assert "test loss" in output(result) and "test accuracy" in output(result) and "resnet18" in output(result)
+    assert f"| 16 test images of the run's data=synthetic ({single_run}/config.yaml)" in output(result)
+    tested = OmegaConf.load(tmp_path / "config.yaml").data
+    assert tested == OmegaConf.load(single_run / "config.yaml").data  # the record says what was tested
     metrics = json.loads((tmp_path / "test_metrics.json").read_text())
     assert set(metrics) == {"test/loss", "test/acc", "test/images"} and 0 <= metrics["test/acc"] <= 1
 

@@ -214,6 +214,18 @@ class UnreadableCheckpoint(UserError):
     """A checkpoint file that is missing, cut off, corrupt or unreadable (not one that is merely untrusted)."""
 
 
+def not_a_file(key: str, path: Path, wanted: str) -> str:
+    """The line for a ``key`` that names no file: a missing path, or a folder (a run dir given for its checkpoint:
+    the newest ``.ckpt`` in it or in its ``checkpoints/`` is named; the folder itself is not searched further)."""
+    if not path.is_dir():
+        return f"{key}={path} does not exist: pass {wanted}"
+    found = [p for p in (*path.glob("*.ckpt"), *path.glob("checkpoints/*.ckpt")) if p.is_file()]
+    if not found:
+        return f"{key}={path} is a folder and holds no .ckpt file: pass {wanted}"
+    newest = max(found, key=lambda p: (p.name == "last.ckpt", p.stat().st_mtime))
+    return f"{key}={path} is a folder: pass a file in it, such as {key}={newest}"
+
+
 def _local_copy(url: str, key: str) -> Path:
     """The node-local copy of an object-store checkpoint; a missing or unreadable object is one UnreadableCheckpoint."""
     object_store.check_url(url, key)
@@ -235,7 +247,7 @@ def read_checkpoint(path: str | Path, key: str = "ckpt_path", trusted: bool = Fa
     shown = path
     path = _local_copy(str(path), key) if object_store.is_url(path) else Path(path)
     if not path.is_file():
-        raise UnreadableCheckpoint(f"{key}={path} does not exist: pass the path of a .ckpt file written by src.train")
+        raise UnreadableCheckpoint(not_a_file(key, path, "the path of a .ckpt file written by src.train"))
     try:
         with open(path, "rb") as f:
             intact = zipfile.is_zipfile(f)  # torch.save writes a zip archive: a cut-off one lacks its directory

@@ -255,6 +255,11 @@ def overridden_keys() -> set[str]:
     return {o.split("=", 1)[0].lstrip("+~") for o in overrides}
 
 
+def data_given() -> bool:
+    """Whether the command line chose the data (``data=...`` or any ``data.*``)."""
+    return "data" in {key.split(".")[0] for key in overridden_keys()}
+
+
 def _resolve_all(cfg: Any) -> None:
     """Resolve every interpolation once, up front, so a broken one is reported with its key (instantiate
     resolves a detached copy, and its error no longer knows where the value came from)."""

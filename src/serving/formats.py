@@ -50,7 +50,18 @@ def run_config(ckpt_path: Path) -> tuple[DictConfig | None, Path | None]:
     return None, None
 
 
-DATAMODULES = ("src.data.cifar10.CIFAR10DataModule", "src.data.synthetic.SyntheticDataModule")
+DATAMODULES = {"src.data.cifar10.CIFAR10DataModule": "cifar10", "src.data.synthetic.SyntheticDataModule": "synthetic"}
+
+
+def data_to_test(data_cfg: DictConfig, ckpt_path: str | Path, data_given: bool) -> tuple[DictConfig, str]:
+    """The data src.eval and src.export test a checkpoint on, and its name for their lines: the data of the run that
+    wrote the checkpoint (its config.yaml: a run of ``data=synthetic`` or of another ``data.root`` is tested on its
+    own test images, wherever the command starts), unless the command line gives ``data=`` or ``data.*``, or no
+    config of the run is found (an ``s3://`` checkpoint, a file moved out of its run dir): then ``data_cfg``."""
+    run_cfg, config_file = (None, None) if data_given or object_store.is_url(ckpt_path) else run_config(Path(ckpt_path))
+    if run_cfg is None:
+        return data_cfg, ""
+    return run_cfg.data, f"the run's data={DATAMODULES[run_cfg.data._target_]} ({config_file})"
 
 
 def _plain_data(data: Any) -> bool:
@@ -133,9 +144,9 @@ def load_model(given: str | Path, trusted: bool) -> tuple[Callable[[torch.Tensor
         return Normalised(model.net).eval(), class_names(None, model.hparams.num_classes)
     path = Path(given)
     if not path.is_file():
-        raise UserError(
-            f"ckpt_path={path} does not exist: pass a .ckpt of src.train, or a .onnx / .safetensors of src.export"
-        )
+        from src.checkpoints.files import not_a_file
+
+        raise UserError(not_a_file("ckpt_path", path, "a .ckpt of src.train, or a .onnx / .safetensors of src.export"))
     if path.suffix == ".onnx":
         return onnx_model(path)
     if path.suffix == ".safetensors":

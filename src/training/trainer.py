@@ -152,8 +152,11 @@ def record_config(cfg: DictConfig, trainer: L.Trainer) -> None:
     remember_runs(trainer.loggers, cfg.paths.output_dir)
 
 
-def test_summary(metrics: dict[str, float], weights: str, trainer: L.Trainer, datamodule: L.LightningDataModule) -> str:
-    """The one line a test ends with, from src.train and src.eval alike: what accuracy, which weights, which images."""
+def test_summary(
+    metrics: dict[str, float], weights: str, trainer: L.Trainer, datamodule: L.LightningDataModule, data: str = ""
+) -> str:
+    """The one line a test ends with, from src.train and src.eval alike: what accuracy, which weights, which images
+    (of ``data``, or of the ``data=`` option chosen)."""
     test_set = getattr(datamodule, "test_set", None)
     images = "the test set"
     if test_set is not None:
@@ -161,12 +164,15 @@ def test_summary(metrics: dict[str, float], weights: str, trainer: L.Trainer, da
         tested = sum(trainer.num_test_batches) * getattr(datamodule, "batch_size", len(test_set)) * trainer.world_size
         images = f"{min(tested, len(test_set))} test images"
         images += "" if tested >= len(test_set) else f" (of {len(test_set)}: trainer.limit_test_batches)"
-    try:
-        from hydra.core.hydra_config import HydraConfig
+    if data:
+        images += f" of {data}"
+    else:
+        try:
+            from hydra.core.hydra_config import HydraConfig
 
-        images += f" of data={HydraConfig.get().runtime.choices['data']}"
-    except (ValueError, KeyError):  # no Hydra run (a spawned child, a test calling this directly)
-        pass
+            images += f" of data={HydraConfig.get().runtime.choices['data']}"
+        except (ValueError, KeyError):  # no Hydra run (a spawned child, a test calling this directly)
+            pass
     return f"test accuracy {metrics['test/acc']:.4f} | test loss {metrics['test/loss']:.4f} | {weights} | {images}"
 
 
