@@ -19,9 +19,42 @@ from omegaconf import DictConfig, OmegaConf
 from src.checkpoints import object_store
 from src.cli.entry import data_given, handle_errors, run
 from src.core import startup
-from src.core.errors import UserError, require
+from src.core.errors import UserError, check_number, require, whole
 
 log = logging.getLogger("src.export")
+LOWEST_OPSET = 18  # torch's exporter writes 18 and converts down, which fails for a ResNet's layers and leaves 18
+
+
+def check_export_settings(export_cfg: DictConfig) -> None:
+    """The ``export.*`` values, each a one-line UserError before any work: before, a batch size of 0 or an opset of
+    ``abc`` ended in a traceback, bounds no file can meet were found out after both exports, an opset below 18 was
+    written as 18, and ``validate=maybe`` was taken as true."""
+    if not isinstance(export_cfg.validate, bool):
+        raise UserError(f"export.validate={export_cfg.validate} must be true or false")
+    check_number("export.batch_size", export_cfg.batch_size, whole(1), "a whole number >= 1")
+    check_number(
+        "export.validation_images",
+        export_cfg.validation_images,
+        whole(1),
+        "a whole number >= 1, or null for every test image",
+        optional=True,
+    )
+    check_number(
+        "export.min_top1_agreement",
+        export_cfg.min_top1_agreement,
+        lambda v: 0 <= v <= 1,
+        "in [0, 1]: the share of images on which the file's top class must be PyTorch's",
+    )
+    check_number(
+        "export.max_abs_logit_diff", export_cfg.max_abs_logit_diff, lambda v: v >= 0, "a number >= 0 (0: exact)"
+    )
+    check_number(
+        "export.opset",
+        export_cfg.opset,
+        whole(LOWEST_OPSET),
+        f"a whole number >= {LOWEST_OPSET} (the lowest torch's ONNX exporter writes), or null for its default",
+        optional=True,
+    )
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="export")
@@ -30,6 +63,7 @@ def main(cfg: DictConfig) -> dict[str, Any]:
     """Export ``ckpt_path`` in each of ``format``; validate; record the figures in ``export.json``."""
     if OmegaConf.is_missing(cfg, "ckpt_path") or not cfg.ckpt_path:
         raise UserError("ckpt_path=PATH is required: the checkpoint to export (e.g. outputs/.../checkpoints/last.ckpt)")
+    check_export_settings(cfg.export)
     import torch  # torch and the model's code load here: not for --help, --cfg or a mistake in the command line
 
     from src.serving.exporter import (

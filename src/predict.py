@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from src.cli.entry import handle_errors, run
 from src.core import startup
-from src.core.errors import UserError
+from src.core.errors import UserError, check_number, whole
 
 log = logging.getLogger("src.predict")
 
@@ -31,9 +32,7 @@ def main(cfg: DictConfig) -> list[dict[str, Any]]:
         raise UserError("ckpt_path=PATH is required: a .ckpt of src.train, or a .onnx / .safetensors of src.export")
     if OmegaConf.is_missing(cfg, "images") or not cfg.images:
         raise UserError("images=PATH is required: a PNG or JPEG file, a folder of them, or a list [a.png,b.jpg]")
-    top_k = cfg.top_k
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
-        raise UserError(f"top_k={top_k} must be a whole number >= 1")
+    check_predict_settings(cfg)
     import torch  # torch and the model's code load here: not for --help, --cfg or a mistake in the command line
 
     from src.serving.formats import load_model
@@ -51,7 +50,7 @@ def main(cfg: DictConfig) -> list[dict[str, Any]]:
                 for i in range(0, len(batch), cfg.batch_size)
             ]
         )
-    top = probabilities.topk(min(top_k, probabilities.shape[1]), dim=1)
+    top = probabilities.topk(min(cfg.top_k, probabilities.shape[1]), dim=1)
     predictions = [
         {
             "image": str(f),
@@ -74,9 +73,33 @@ def main(cfg: DictConfig) -> list[dict[str, Any]]:
                 + resized
             )
         if cfg.json:
-            Path(cfg.json).write_text(json.dumps(predictions, indent=2) + "\n")
+            try:
+                Path(str(cfg.json)).write_text(json.dumps(predictions, indent=2) + "\n")
+            except OSError as err:
+                raise UserError(f"json={cfg.json} cannot be written ({err.strerror}): pass another path") from err
             log.info("predictions of %d images in %s", len(predictions), cfg.json)
     return predictions
+
+
+def check_predict_settings(cfg: DictConfig) -> None:
+    """``top_k``, ``batch_size`` (0 was range()'s ValueError and a traceback) and ``json``, before any image is read."""
+    check_number("top_k", cfg.top_k, whole(1), "a whole number >= 1")
+    check_number("batch_size", cfg.batch_size, whole(1), "a whole number >= 1: the images of one forward pass")
+    check_json_path(cfg.json)
+
+
+def check_json_path(given: Any) -> None:
+    """``json``: null, ``-`` (stdout) or a file in a folder that exists and takes writes (before, a missing folder
+    ended the run after its predictions with a line about a run dir that vanished)."""
+    if given is None or given == "-":
+        return
+    if isinstance(given, bool) or not str(given):
+        raise UserError(f"json={given} must be a file path, or - to print JSON instead")
+    folder = Path(str(given)).parent
+    if not folder.is_dir():
+        raise UserError(f"json={given}: the folder {folder} does not exist: create it, or pass another path")
+    if not os.access(folder, os.W_OK):
+        raise UserError(f"json={given}: the folder {folder} is not writable: pass another path")
 
 
 def json_flag(argv: list[str]) -> list[str]:

@@ -94,10 +94,21 @@ def test_val_size_that_leaves_nothing_to_train_on_is_a_user_error(cifar_root):
         CIFAR10DataModule(root=str(cifar_root), download=False, val_size=100).setup("fit")
 
 
-@pytest.mark.parametrize("batch_size", [0, -4])
-def test_batch_size_below_one_is_a_user_error(batch_size):
-    with pytest.raises(UserError, match=f"data.batch_size={batch_size}"):
-        SyntheticDataModule(batch_size=batch_size)
+@pytest.mark.parametrize(
+    "values",
+    [
+        {"batch_size": 0},
+        {"batch_size": -4},
+        {"batch_size": 1.5},
+        {"max_batch_size": 0},
+        {"num_workers": -1},
+        {"num_workers": True},  # before: taken as 1 worker
+    ],
+)
+def test_a_count_of_the_datamodule_out_of_its_range_is_a_user_error_naming_it(values):
+    ((key, value),) = values.items()
+    with pytest.raises(UserError, match=f"data.{key}={value} must be"):
+        SyntheticDataModule(**values)
 
 
 def test_real_sample_reads_in_release_order_with_its_statistics(sample_root, caplog):

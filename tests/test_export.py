@@ -179,3 +179,71 @@ def test_a_run_config_whose_data_would_import_something_else_is_not_used(tmp_pat
     (tmp_path / "config.yaml").write_text("data:\n  _target_: src.data.synthetic.SyntheticDataModule\n  num_test: 8\n")
     config, found = run_config(tmp_path / "checkpoints" / "last.ckpt")
     assert found == tmp_path / "config.yaml" and config.data.num_test == 8
+
+
+@pytest.mark.parametrize(
+    "key, value, words",
+    [
+        ("batch_size", 0, "export.batch_size=0 must be a whole number >= 1"),  # before: range()'s ValueError
+        ("opset", "abc", "export.opset=abc must be a whole number >= 18"),  # before: a TypeError's traceback
+        ("opset", 17, "export.opset=17 must be a whole number >= 18"),  # before: written as 18, a traceback shown
+        ("min_top1_agreement", 2, "export.min_top1_agreement=2 must be in [0, 1]"),  # before: found after the exports
+        ("max_abs_logit_diff", -1, "export.max_abs_logit_diff=-1 must be a number >= 0"),
+        ("max_abs_logit_diff", float("nan"), "export.max_abs_logit_diff=nan must be a number >= 0"),
+        ("validation_images", 0, "export.validation_images=0 must be a whole number >= 1, or null"),
+        ("validate", "maybe", "export.validate=maybe must be true or false"),  # before: taken as true
+    ],
+)
+def test_export_values_no_export_can_meet_are_refused_before_any_work(key, value, words):
+    from src.export import check_export_settings
+
+    defaults = OmegaConf.load(ROOT / "conf" / "export.yaml").export
+    check_export_settings(defaults)
+    check_export_settings(OmegaConf.merge(defaults, {"opset": 18, "validation_images": 5, "max_abs_logit_diff": 0}))
+    with pytest.raises(UserError) as refused:
+        check_export_settings(OmegaConf.merge(defaults, {key: value}))
+    assert str(refused.value).startswith(words)
+
+
+def test_an_opset_the_exporter_does_not_write_is_one_line_not_another_opset(tmp_path):
+    import onnx
+
+    from src.serving.exporter import export_onnx
+
+    class Tiny(torch.nn.Module):  # a ResNet's kinds of layer, which onnx's converter takes to no opset below 18
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = torch.nn.Sequential(
+                torch.nn.Conv2d(3, 4, 3),
+                torch.nn.BatchNorm2d(4),
+                torch.nn.ReLU(),
+                torch.nn.AdaptiveAvgPool2d(1),
+                torch.nn.Flatten(),
+                torch.nn.Linear(4, 10),
+            )
+
+        def forward(self, images: torch.Tensor) -> torch.Tensor:  # the input's name, as Normalised's
+            return self.layers(images)
+
+    net = Tiny().eval()
+    config = OmegaConf.create({"opset": onnx.defs.onnx_opset_version() + 1, "batch_size": 4, **BOUNDS})
+    with pytest.raises(UserError, match=r"export.opset=\d+ is newer than onnx \S+ knows"):
+        export_onnx(net, tmp_path / "m.onnx", {}, None, None, config)
+    config.opset = 17  # past the up-front check: the exporter writes 18 (its lowest) instead, which is refused
+    with pytest.raises(UserError, match="torch's ONNX exporter wrote opset 18, not export.opset=17"):
+        export_onnx(net, tmp_path / "m.onnx", {}, None, None, config)
+    assert list(tmp_path.iterdir()) == []  # nothing kept
+
+
+def test_eval_and_export_use_the_runs_data_unless_the_command_line_gives_data(tmp_path):
+    from src.serving.formats import data_to_test
+
+    given = OmegaConf.create({"_target_": "src.data.cifar10.CIFAR10DataModule", "root": "data"})
+    (tmp_path / "checkpoints").mkdir()
+    ckpt = tmp_path / "checkpoints" / "last.ckpt"
+    assert data_to_test(given, ckpt, data_given=False) == (given, "")  # no config.yaml beside it
+    (tmp_path / "config.yaml").write_text("data:\n  _target_: src.data.synthetic.SyntheticDataModule\n  num_test: 8\n")
+    data, name = data_to_test(given, ckpt, data_given=False)
+    assert data.num_test == 8 and name == f"the run's data=synthetic ({tmp_path / 'config.yaml'})"
+    assert data_to_test(given, ckpt, data_given=True) == (given, "")
+    assert data_to_test(given, "s3://bucket/run/last.ckpt", data_given=False) == (given, "")

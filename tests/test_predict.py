@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from omegaconf import OmegaConf
 from PIL import Image
 
 from src.core.errors import UserError
@@ -18,7 +19,7 @@ from src.data.in_memory import eval_transform
 from src.predict import json_flag
 from src.serving.formats import load_classifier, load_model
 from src.serving.images import image_files, read_image
-from tests.conftest import needs_sample, output, run_module
+from tests.conftest import ROOT, needs_sample, output, run_module
 
 COUNT = 6  # PNG files written from the sample's first test images
 
@@ -211,6 +212,24 @@ def read_checkpoint_as_resume(path):
     from src.checkpoints.files import read_checkpoint
 
     return read_checkpoint(path, key="resume")
+
+
+def test_predicts_own_values_are_refused_before_any_image_is_read(tmp_path):
+    from src.predict import check_predict_settings
+
+    defaults = OmegaConf.load(ROOT / "conf" / "predict.yaml")
+    for json_path in (None, "-", str(tmp_path / "p.json")):
+        check_predict_settings(OmegaConf.merge(defaults, {"json": json_path}))
+    for key, value, words in [
+        ("batch_size", 0, "batch_size=0 must be a whole number >= 1"),  # before: range()'s ValueError, a traceback
+        ("top_k", 1.5, "top_k=1.5 must be a whole number >= 1"),
+        # before: a missing folder was found once the predictions were made, and called a run dir that vanished
+        ("json", f"{tmp_path}/no/p.json", f"json={tmp_path}/no/p.json: the folder {tmp_path}/no does not exist"),
+        ("json", True, "json=True must be a file path, or - to print JSON"),
+    ]:
+        with pytest.raises(UserError) as refused:
+            check_predict_settings(OmegaConf.merge(defaults, {key: value}))
+        assert str(refused.value).startswith(words)
 
 
 def test_missing_files_and_empty_folders_are_refused(tmp_path):

@@ -25,11 +25,13 @@ from src.core.errors import (
     EXIT_USER_ERROR,
     USER_FULL_ERROR,
     UserError,
+    check_number,
     hydra_error_message,
     report,
     require,
     storage_error_in,
     wants_traceback,
+    whole,
 )
 from src.launch import ranks, run_dir, torchrun
 from src.resilience import failure, heartbeat, supervision
@@ -218,30 +220,33 @@ def check_trainer_settings(trainer_cfg: Any) -> None:
     accelerator = trainer_cfg.get("accelerator", "auto")
     if accelerator not in ACCELERATORS:
         raise UserError(f"trainer.accelerator={accelerator} is not supported here: choose one of auto, cpu, gpu")
-    epochs = trainer_cfg.get("max_epochs")
-    if epochs is not None and (isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1):
-        raise UserError(
-            f"trainer.max_epochs={epochs} must be a whole number >= 1: the epochs to train "
-            "(Lightning's -1, 'forever', would leave the learning-rate schedule without an end)"
-        )
+    check_number(
+        "trainer.max_epochs",
+        trainer_cfg.get("max_epochs"),
+        whole(1),
+        "a whole number >= 1: the epochs to train (Lightning's -1, 'forever', would leave the learning-rate "
+        "schedule without an end)",
+        optional=True,
+    )
     deterministic = trainer_cfg.get("deterministic")
     if deterministic is not None and not isinstance(deterministic, bool) and deterministic != "warn":
         raise UserError(
             f"trainer.deterministic={deterministic} is not known: true (deterministic kernels only), warn (a warning "
             "where one has none) or false"
         )
-    accumulate = trainer_cfg.get("accumulate_grad_batches", 1)
-    if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
-        raise UserError(
-            f"trainer.accumulate_grad_batches={accumulate} must be a whole number >= 1: the batches whose gradients "
-            "make one optimizer step (1: every batch steps)"
-        )
+    check_number(
+        "trainer.accumulate_grad_batches",
+        trainer_cfg.get("accumulate_grad_batches", 1),
+        whole(1),
+        "a whole number >= 1: the batches whose gradients make one optimizer step (1: every batch steps)",
+    )
 
 
 def check_seed(seed: Any) -> None:
     """``seed``, which Lightning's seed_everything and the data's split take: a whole number numpy accepts."""
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32):
-        raise UserError(f"seed={seed} must be a whole number from 0 to {2**32 - 1}")
+    check_number(
+        "seed", seed, lambda v: whole(0)(v) and v < 2**32, f"a whole number from 0 to {2**32 - 1}", optional=True
+    )
 
 
 def overridden_keys() -> set[str]:

@@ -11,7 +11,7 @@ import errno
 import os
 import re
 import sys
-from typing import NoReturn
+from typing import Any, Callable, NoReturn
 
 EXIT_FAILED = 1  # the run failed: a rank died or raised, the run dir could not be written
 EXIT_USER_ERROR = 2  # a mistake in the command line, config, data or environment, found before training
@@ -36,6 +36,20 @@ class StorageError(UserError):
 class ToldElsewhere(UserError):
     """The failure another process of this run, on this node, has already printed: this one ends with its exit status,
     without a second line."""
+
+
+def whole(least: int) -> Callable[[Any], bool]:
+    """``check_number``'s test for a whole number of at least ``least``."""
+    return lambda value: isinstance(value, int) and value >= least
+
+
+def check_number(key: str, value: Any, within: Callable[[Any], bool], words: str, optional: bool = False) -> None:
+    """Refuse a ``key`` that is not a number for which ``within`` holds (a bool, a string and NaN are none), with one
+    line that names it and says what it ``must be``; ``optional``: null is taken."""
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not within(value):
+        raise UserError(f"{key}={value} must be {words}")
 
 
 # errno values that mean the filesystem, not the program, refused a write

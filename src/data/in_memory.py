@@ -11,7 +11,7 @@ from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 from torchvision.transforms import v2
 
-from src.core.errors import UserError
+from src.core.errors import UserError, check_number, whole
 from src.data.device_batches import DeviceBatches
 from src.launch import ranks
 
@@ -134,15 +134,16 @@ class InMemoryImageDataModule(L.LightningDataModule):
         max_batch_size: int = 1024,
     ) -> None:
         super().__init__()
-        if batch_size != "auto" and (isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1):
-            raise UserError(
-                f"data.batch_size={batch_size} must be a whole number >= 1 (it is per process), or auto "
-                "(the largest that fits the GPU)"
+        if batch_size != "auto":
+            check_number(
+                "data.batch_size",
+                batch_size,
+                whole(1),
+                "a whole number >= 1 (it is per process), or auto (the largest that fits the GPU)",
             )
-        if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
-            raise UserError(f"data.max_batch_size={max_batch_size} must be a whole number >= 1")
-        if num_workers != "auto" and (not isinstance(num_workers, int) or num_workers < 0):
-            raise UserError(f"data.num_workers={num_workers} must be auto or a whole number >= 0")
+        check_number("data.max_batch_size", max_batch_size, whole(1), "a whole number >= 1")
+        if num_workers != "auto":
+            check_number("data.num_workers", num_workers, whole(0), "auto or a whole number >= 0")
         if pipeline not in PIPELINES:
             raise UserError(f"data.pipeline={pipeline} is not known: choose one of {', '.join(PIPELINES)}")
         fraction = isinstance(val_size, float) and 0 < val_size < 1

@@ -14,7 +14,7 @@ from torch import nn
 from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
-from src.core.errors import UserError
+from src.core.errors import UserError, check_number, whole
 from src.models.batch_size import record_in_config
 from src.models.batch_size import resolve as resolve_batch_size
 from src.models.fast_path import check_compile, compile_choice, fast_path
@@ -301,7 +301,7 @@ RECIPE_RANGES = (
     ("optimizer", "lr", lambda v: v >= 0, "a number >= 0"),
     ("optimizer", "momentum", lambda v: 0 <= v < 1, "in [0, 1): at 1 or more the steps grow without bound"),
     ("optimizer", "weight_decay", lambda v: v >= 0, "a number >= 0"),
-    ("optimizer", "reference_batch_size", lambda v: isinstance(v, int) and v >= 1, "a whole number >= 1"),
+    ("optimizer", "reference_batch_size", whole(1), "a whole number >= 1"),
     ("scheduler", "warmup_epochs", lambda v: v >= 0, "a number >= 0 (0: no warm-up)"),
     ("scheduler", "warmup_start_factor", lambda v: 0 <= v <= 1, "in [0, 1]: the warm-up's first rate x lr"),
     ("scheduler", "min_lr_factor", lambda v: 0 <= v <= 1, "in [0, 1]: the decay's last rate x lr"),
@@ -312,9 +312,7 @@ def check_recipe(optimizer: dict[str, Any], scheduler: dict[str, Any]) -> None:
     """Refuse a value of ``model.optimizer`` or ``model.scheduler`` out of its range, naming the key."""
     groups = {"optimizer": optimizer, "scheduler": scheduler}
     for group, key, within, words in RECIPE_RANGES:
-        value = groups[group][key]
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not within(value):  # NaN too
-            raise UserError(f"model.{group}.{key}={value} must be {words}")
+        check_number(f"model.{group}.{key}", groups[group][key], within, words)
     if optimizer["nesterov"] and optimizer["momentum"] == 0:
         raise UserError(
             "model.optimizer.nesterov=true needs model.optimizer.momentum > 0: set a momentum, or nesterov=false"

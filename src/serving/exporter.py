@@ -12,6 +12,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -55,13 +56,8 @@ def validation_images(data_cfg: DictConfig, export_cfg: DictConfig):  # noqa: AN
     datamodule.prepare_data()
     datamodule.setup("test")
     images = datamodule.test_set.images
-    limit = export_cfg.validation_images
-    if limit is not None:
-        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
-            raise UserError(
-                f"export.validation_images={limit} must be a whole number >= 1, or null for every test image"
-            )
-        images = images[:limit]
+    if export_cfg.validation_images is not None:  # a whole number >= 1 (src/export.py's check_export_settings)
+        images = images[: export_cfg.validation_images]
     if tuple(images.shape[1:]) != (3, IMAGE_SIZE, IMAGE_SIZE):
         raise UserError(
             f"the test images of {data_cfg._target_} are {tuple(images.shape[1:])}, not 3x32x32: the "
@@ -116,24 +112,45 @@ def export_onnx(
         logging.getLogger(name).setLevel(logging.WARNING)
     staged = target.with_name(f".{target.name}.tmp-{os.getpid()}")
     batch = torch.export.Dim("batch", min=1, max=1 << 20)
-    try:
-        program = torch.onnx.export(
-            net,
-            (torch.rand(2, 3, IMAGE_SIZE, IMAGE_SIZE),),
-            dynamo=True,
-            input_names=["images"],
-            output_names=["logits"],
-            opset_version=export_cfg.opset,
-            dynamic_shapes={"images": {0: batch}},
-            external_data=False,
-            verbose=False,
+    opset = export_cfg.opset
+    if opset is not None and opset > onnx.defs.onnx_opset_version():
+        raise UserError(
+            f"export.opset={opset} is newer than onnx {_version('onnx')} knows (up to "
+            f"{onnx.defs.onnx_opset_version()}): pass a lower export.opset, or null for the exporter's default"
         )
+    try:
+        try:
+            program = torch.onnx.export(
+                net,
+                (torch.rand(2, 3, IMAGE_SIZE, IMAGE_SIZE),),
+                dynamo=True,
+                input_names=["images"],
+                output_names=["logits"],
+                opset_version=opset,
+                dynamic_shapes={"images": {0: batch}},
+                external_data=False,
+                verbose=False,
+            )
+        except Exception as err:  # noqa: BLE001 - at the default opset a failure is the exporter's: raised as it is
+            if opset is None:
+                raise
+            first = re.sub(r"\x1b\[[0-9;]*m", "", str(err)).strip().split("\n", 1)[0]  # torch colours its words
+            raise UserError(
+                f"torch's ONNX exporter failed at export.opset={opset} ({type(err).__name__}: {first}): pass another "
+                "export.opset, or null for its default"
+            ) from err
         model = program.model_proto
+        written = next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))
+        if opset is not None and written != opset:  # the version converter fell back to the exporter's own
+            raise UserError(
+                f"torch's ONNX exporter wrote opset {written}, not export.opset={opset}: pass export.opset={written} "
+                "or null for its default"
+            )
         described = {**meta, "input": "float32 RGB images in [0, 1], N x 3 x 32 x 32 (normalised inside)"}
         for key, value in described.items():
             model.metadata_props.add(key=key, value=value if isinstance(value, str) else json.dumps(value))
         onnx.save(model, staged)
-        figures: dict[str, Any] = {"file": str(target), "opset": model.opset_import[0].version}
+        figures: dict[str, Any] = {"file": str(target), "opset": written}
         if images is not None:
             session = onnx_session(staged)
             figures.update(
