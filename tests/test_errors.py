@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from src.core.errors import EXIT_USER_ERROR, USER_FULL_ERROR, report, wants_traceback
-from tests.conftest import FAST, FAST_RUN, output, run_module, write_cifar_folder
+from tests.conftest import FAST, FAST_RUN, ROOT, output, run_module, write_cifar_folder
 
 EVAL = ["data=synthetic", "data.num_test=16", "trainer.accelerator=cpu"]
 CIFAR_OFFLINE = [*FAST_RUN, "data=cifar10", "data.download=false"]
@@ -418,3 +418,33 @@ def test_trainer_values_lightning_misreads_or_takes_silently_are_refused_naming_
     with pytest.raises(UserError, match=rf"^trainer\.{key}={bad} (must be|is not known)"):
         check_trainer_settings(OmegaConf.create({"accelerator": "cpu", key: bad}))
     check_trainer_settings(OmegaConf.create({"accelerator": "cpu", key: good}))
+
+
+@pytest.mark.parametrize(
+    "node, key, bad, words",
+    [
+        # Lightning's own refusals, which named no key before (or a bare "save_top_k=-2")
+        ("lr_monitor", "logging_interval", "hour", "callbacks.lr_monitor: logging_interval should be"),
+        ("model_checkpoint", "save_top_k", -2, "callbacks.model_checkpoint: Invalid value for save_top_k=-2"),
+        # the project's callbacks' values, taken before (no step left out; the bar drawn at every chance)
+        ("throughput_record", "warmup_steps", -1, "callbacks.throughput_record.warmup_steps=-1 must be"),
+        ("progress_bar", "min_interval_s", -1, "callbacks.progress_bar.min_interval_s=-1 must be"),
+        ("last_checkpoint", "every_n_minutes", float("nan"), "callbacks.last_checkpoint.every_n_minutes=nan must be"),
+    ],
+)
+def test_a_callbacks_value_its_class_refuses_is_one_line_naming_the_callback(node, key, bad, words, tmp_path):
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+
+    from src.core.errors import user_error_in
+
+    callbacks = OmegaConf.load(ROOT / "conf" / "callbacks" / "default.yaml")
+    cfg = OmegaConf.create({"callbacks": {node: callbacks[node]}})
+    if "dirpath" in cfg.callbacks[node]:
+        cfg.callbacks[node].dirpath = str(tmp_path)
+    instantiate(cfg.callbacks[node])  # the default is taken
+    cfg.callbacks[node][key] = bad
+    with pytest.raises(Exception) as refused:
+        instantiate(cfg.callbacks[node])
+    error = user_error_in(refused.value)
+    assert error is not None and str(error).startswith(words), refused.value

@@ -9,6 +9,7 @@ from typing import Any, Sequence
 import lightning as L
 from lightning.pytorch.callbacks import RichProgressBar
 
+from src.core.errors import check_number
 from src.resilience import supervision
 
 
@@ -24,6 +25,9 @@ class ProgressBar(RichProgressBar):
     def __init__(
         self, min_interval_s: float = 0.5, step_values: Sequence[str] = ("train/loss",), **kwargs: Any
     ) -> None:
+        check_number(
+            "callbacks.progress_bar.min_interval_s", min_interval_s, lambda v: v >= 0, "a number of seconds >= 0"
+        )
         super().__init__(**kwargs)
         self.min_interval_s, self.step_values = min_interval_s, tuple(step_values)
         self._drawn_at = 0.0

@@ -24,6 +24,7 @@ import lightning as L
 import torch
 
 from src.callbacks.run_summary import strategy_name
+from src.core.errors import check_number, whole
 from src.models.fast_path import cpu_model
 
 log = logging.getLogger(__name__)
@@ -96,6 +97,9 @@ class ThroughputRecorder(L.Callback):
     """
 
     def __init__(self, warmup_steps: int = 5, filename: str = "throughput.json") -> None:
+        check_number(
+            "callbacks.throughput_record.warmup_steps", warmup_steps, whole(0), "a whole number >= 0 (0: every step)"
+        )
         self.warmup_steps, self.filename = warmup_steps, filename
         self._warmup = warmup_steps
         self._device = torch.device("cpu")

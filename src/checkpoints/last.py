@@ -20,7 +20,7 @@ from lightning.pytorch.loops.utilities import _is_max_limit_reached
 
 from src.checkpoints import object_store
 from src.checkpoints.files import LAST, remove_stale_temp_files
-from src.core.errors import UserError
+from src.core.errors import check_number, whole
 
 
 class LastCheckpoint(Checkpoint):
@@ -34,17 +34,18 @@ class LastCheckpoint(Checkpoint):
     """
 
     def __init__(self, dirpath: str, every_n_minutes: float = 10, every_n_train_steps: int = 0) -> None:
-        if not isinstance(every_n_train_steps, int) or isinstance(every_n_train_steps, bool) or every_n_train_steps < 0:
-            raise UserError(
-                f"callbacks.last_checkpoint.every_n_train_steps={every_n_train_steps} must be a whole "
-                "number >= 0 (0: by time only)"
-            )
-        minutes = every_n_minutes
-        if isinstance(minutes, bool) or not isinstance(minutes, (int, float)) or not minutes >= 0:  # NaN too
-            raise UserError(
-                f"callbacks.last_checkpoint.every_n_minutes={every_n_minutes} must be a number >= 0 "
-                "(0: at every epoch end)"
-            )
+        check_number(
+            "callbacks.last_checkpoint.every_n_train_steps",
+            every_n_train_steps,
+            whole(0),
+            "a whole number >= 0 (0: by time only)",
+        )
+        check_number(
+            "callbacks.last_checkpoint.every_n_minutes",
+            every_n_minutes,
+            lambda v: v >= 0,
+            "a number >= 0 (0: at every epoch end)",
+        )
         self.dirpath = dirpath if object_store.is_url(dirpath) else Path(dirpath)  # a folder, or an s3:// prefix
         self.every_n_minutes = every_n_minutes
         self.every_n_train_steps = every_n_train_steps

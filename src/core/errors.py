@@ -122,7 +122,8 @@ def user_error_in(err: BaseException | None) -> BaseException | None:
                     f"spelling (`python -m {_entry_module()} --cfg job` lists the keys)"
                 )
             quoted = len(detail) >= 2 and detail[0] in "'\"" and detail[-1] in "'\""
-            if kind == "ValueError" and quoted:  # trainer.precision=15: the class rejected one of the node's values
+            # trainer.precision=15, callbacks.lr_monitor.logging_interval=hour: the class refused a value of the node
+            if kind in ("ValueError", "MisconfigurationException") and quoted:
                 return UserError(
                     f"{node}: {detail[1:-1].strip()} (raised by {target}): change the offending {node}.* value"
                 )
