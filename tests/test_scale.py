@@ -37,6 +37,8 @@ def test_cifar10_at_batch_128_has_a_step_per_epoch_up_to_351_ranks_and_none_past
     ):
         check_shards(2048, 128, train=CIFAR_TRAIN, val=CIFAR_VAL, test=CIFAR_TEST)
     check_shards(2048, "auto", train=CIFAR_TRAIN)  # not known yet: data.batch_size=auto checks its own choice
+    with pytest.raises(UserError, match=r"^58 training images are fewer than data.batch_size=128: .* or less, or more"):
+        check_shards(1, 128, train=58)  # one process: no "over 1 processes" nor "fewer processes"
 
 
 @pytest.mark.parametrize(

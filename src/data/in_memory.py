@@ -92,6 +92,9 @@ def shard_problems(
             f"{train} training images over {world} processes are {per_rank} per process, fewer than "
             f"data.batch_size={batch_size}: not one training step per epoch (batches are whole); use "
             f"data.batch_size={per_rank} or less, fewer processes, or more training images"
+            if world > 1
+            else f"{train} training images are fewer than data.batch_size={batch_size}: not one training step per "
+            f"epoch (batches are whole); use data.batch_size={per_rank} or less, or more training images"
         )
     for count, what, key in ((val, "validation", "data.val_size"), (test, "test", "the test set")):
         if count is not None and count < world:
