@@ -4,6 +4,7 @@ leaves the previous file whole; files that need full unpickling load only on req
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import re
@@ -243,6 +244,24 @@ def test_a_process_killed_while_writing_a_checkpoint_leaves_the_previous_one_who
     previous = load(checkpoints / "last.ckpt")  # whole: it loads, with every tensor
     assert previous["global_step"] >= 1 and len(previous["state_dict"]) > 300
     assert remove_stale_temp_files(checkpoints) == partial and not partial[0].exists()
+
+
+def test_a_refused_write_before_any_last_ckpt_says_run_again_not_resume(tmp_path):
+    from src.checkpoints.files import refused_write
+
+    checkpoints = tmp_path / "checkpoints"
+    checkpoints.mkdir()
+    err = OSError(errno.EROFS, "Read-only file system")
+    target = tmp_path / "tensorboard" / "events.out"
+    # before: "resume with ckpt_path=last", which is refused while there is no last.ckpt to resume from
+    assert refused_write(err, target, checkpoints) == (
+        f"cannot write {target} (Read-only file system): there is no intact last.ckpt yet; make {target.parent} "
+        "writable and run again"
+    )
+    torch.save({"global_step": 4}, checkpoints / "last.ckpt")
+    assert refused_write(err, target, checkpoints).endswith(
+        f"last.ckpt (step 4) is intact; make {target.parent} writable and resume with ckpt_path=last"
+    )
 
 
 def test_the_atomic_writer_leaves_only_the_final_file(tmp_path):

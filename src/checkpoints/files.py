@@ -162,14 +162,15 @@ def refused_write(err: OSError, target: Path | None, checkpoints: Path | None, n
         )
     step = _step_of(checkpoints / LAST) if checkpoints is not None else None
     previous = "the previous " if target.name == LAST else ""
-    intact = f"{previous}{LAST} (step {step}) is intact" if step is not None else f"there is no intact {LAST} yet"
+    if step is not None:
+        intact, again = f"{previous}{LAST} (step {step}) is intact", "resume with ckpt_path=last"
+    else:  # nothing to resume from (ckpt_path=last would be refused): the run starts again
+        intact, again = f"there is no intact {LAST} yet", "run again"
     if err.errno in (errno.ENOSPC, errno.EDQUOT):
         free = _megabytes(shutil.disk_usage(folder).free) if folder.is_dir() else "?"
         sizes = f"{_megabytes(needed)} MB needed, {free} MB free" if needed else f"{free} MB free"
-        return (
-            f"no space left on device writing {target} ({sizes}): {intact}; free space and resume with ckpt_path=last"
-        )
-    return f"cannot write {target} ({err.strerror}): {intact}; make {folder} writable and resume with ckpt_path=last"
+        return f"no space left on device writing {target} ({sizes}): {intact}; free space and {again}"
+    return f"cannot write {target} ({err.strerror}): {intact}; make {folder} writable and {again}"
 
 
 def _step_of(path: Path) -> int | None:
