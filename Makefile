@@ -124,13 +124,13 @@ lint: install
 	$(VENV)/bin/mypy
 
 ## a short offline tour: synthetic data, two CPU processes with gloo, checkpoint, TensorBoard logs, eval
-## (src.eval re-tests the checkpoint the training tested, on the same images: the same accuracy, from the file alone)
+## (src.eval re-tests the checkpoint the training tested, on the run's data: the same accuracy, from the run's files)
 DEMO_DIR ?= outputs/demo
 DEMO_ARGS ?=
 demo: install
 	rm -rf $(DEMO_DIR)
 	$(PY) -m src.train experiment=demo hydra.run.dir=$(DEMO_DIR)/train $(DEMO_ARGS)
-	$(PY) -m src.eval data=synthetic data.num_test=256 trainer.accelerator=cpu \
+	$(PY) -m src.eval trainer.accelerator=cpu \
 	    ckpt_path=$$(ls $(DEMO_DIR)/train/checkpoints/best-*.ckpt) hydra.run.dir=$(DEMO_DIR)/eval
 	@echo
 	@echo "demo outputs:"

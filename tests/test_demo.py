@@ -40,13 +40,21 @@ def test_make_demo_tests_one_checkpoint_twice_with_the_same_accuracy_and_prints_
     assert result.returncode == 0, text[-4000:]
     stories = [line.split("] - ", 1)[1] for line in text.splitlines() if "test accuracy" in line]
     assert len(stories) == 2, text[-4000:]  # the training's test of its best checkpoint, then src.eval's
+    # src.eval is given the checkpoint alone: it tests on the run's data (its config.yaml), the same 256 images
     trained, evaluated = (
         re.fullmatch(
             r"test accuracy ([\d.]+) \| test loss ([\d.]+) \| (\S+) \(epoch (\d+), step "
-            r"(\d+)\)(?:, resnet18)? \| 256 test images of data=synthetic",
+            rf"(\d+)\){tail}",
             s,
         )
-        for s in stories
+        for s, tail in zip(
+            stories,
+            (
+                r" \| 256 test images of data=synthetic",
+                rf", resnet18 \| 256 test images of the run's data=synthetic "
+                rf"\({demo}/train/config.yaml\)",
+            ),
+        )
     )
     assert trained and evaluated, stories
     assert trained.group(1, 3, 4, 5) == evaluated.group(1, 3, 4, 5)  # same accuracy, file, epoch and step
