@@ -8,10 +8,11 @@ PyTorch on the test images of the data the run used: the export fails unless the
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
@@ -105,18 +106,41 @@ def main(cfg: DictConfig) -> dict[str, Any]:
         "checkpoint": given,
         "validated_on": None if images is None else {"data": data_name, "images": len(images)},
     }
+    kept: list[str] = []
     with torch.inference_mode():
         for name in formats:
             target = out / f"{path.stem}.{name}"
             writer = export_onnx if name == "onnx" else export_safetensors
-            record[name] = writer(net, target, meta, images, reference, cfg.export)
-    write_record(out / RECORD, path.name, record)
+            with refusals_said(target, kept, out):
+                record[name] = writer(net, target, meta, images, reference, cfg.export)
+            if not record[name].get("failed"):
+                kept.append(str(target))
+    with refusals_said(out / RECORD, kept, out):
+        write_record(out / RECORD, path.name, record)
     failed = [f"{name}: {r['failed']}" for name in formats if (r := record[name]).get("failed")]
     if failed:
         raise UserError(
             f"the export does not match PyTorch ({'; '.join(failed)}; figures in {out / RECORD}): the file was not kept"
         )
     return record
+
+
+@contextlib.contextmanager
+def refusals_said(target: Path, kept: list[str], out: Path) -> Iterator[None]:
+    """A write into ``export.dir`` that the filesystem refuses (full, read-only, removed) is one line naming the file
+    and what was kept (before: a line about the run dir and its last.ckpt, which an export has neither of)."""
+    from src.serving.exporter import refused_write
+
+    try:
+        yield
+    except Exception as err:
+        why = refused_write(err)
+        if why is None:
+            raise
+        raise UserError(
+            f"cannot write {target} ({why}): {', '.join(kept) + ' kept' if kept else 'no file kept'}; free space in "
+            f"{out}, or pass another export.dir"
+        ) from err
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from src.models.classifier import ImageClassifier
 from src.serving.exporter import chosen_formats, export_safetensors
 from src.serving.formats import Normalised, load_classifier, safetensors_model
 from tests.conftest import ROOT, output, run_module
+from tests.test_checkpoints import small_disk  # noqa: F401 - a fixture
 
 BOUNDS = {"min_top1_agreement": 0.999, "max_abs_logit_diff": 1e-3}
 
@@ -247,3 +248,27 @@ def test_eval_and_export_use_the_runs_data_unless_the_command_line_gives_data(tm
     assert data.num_test == 8 and name == f"the run's data=synthetic ({tmp_path / 'config.yaml'})"
     assert data_to_test(given, ckpt, data_given=True) == (given, "")
     assert data_to_test(given, "s3://bucket/run/last.ckpt", data_given=False) == (given, "")
+
+
+def test_a_full_export_dir_is_one_line_naming_the_file_and_what_was_kept(small_disk):
+    """Before: "no space left on device writing the run dir ...: there is no intact last.ckpt yet", which an export
+    has neither of. Both kinds of refusal: an OSError (onnx.save, the record) and safetensors' own error."""
+    from safetensors.torch import save_file
+
+    from src.export import refusals_said
+
+    big = torch.zeros(3 * 2**20)  # 12 MB, on 10 MB
+    with pytest.raises(UserError) as refused:
+        with refusals_said(small_disk / "last.safetensors", [], small_disk):
+            save_file({"w": big}, small_disk / "last.safetensors")
+    assert str(refused.value) == (
+        f"cannot write {small_disk}/last.safetensors (No space left on device): no file kept; free space in "
+        f"{small_disk}, or pass another export.dir"
+    )
+    (small_disk / "last.safetensors").unlink(missing_ok=True)
+    with pytest.raises(UserError, match=r"\(No space left on device\): /x/last.onnx kept; free space in"):
+        with refusals_said(small_disk / "export.json", ["/x/last.onnx"], small_disk):
+            (small_disk / "export.json").write_bytes(bytes(12 * 2**20))
+    with pytest.raises(ZeroDivisionError):  # anything else is raised as it is
+        with refusals_said(small_disk / "x", [], small_disk):
+            print(1 / 0)

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from src.core.errors import UserError
+from src.core.errors import UserError, storage_error_in
 from src.data.in_memory import CIFAR10_MEAN, CIFAR10_STD
 from src.serving.formats import IMAGE_SIZE, Normalised, class_names, onnx_session, torchvision_network
 
@@ -33,6 +33,16 @@ PACKAGES = {"onnx": ("onnx", "onnxscript", "onnxruntime"), "safetensors": ("safe
 
 
 RECORD = "export.json"
+
+
+def refused_write(err: BaseException) -> str | None:
+    """Why the filesystem refused one of the export's writes (full, read-only, removed), or None for another error:
+    an OSError, or safetensors' own error, which carries the OS's words in its text only."""
+    found = storage_error_in(err)
+    if found is not None:
+        return found.strerror or str(found)
+    words = re.search(r"I/O error: (.+?) \(os error \d+\)", str(err))
+    return words.group(1) if words else None
 
 
 def chosen_formats(value: Any) -> list[str]:
