@@ -448,3 +448,19 @@ def test_a_callbacks_value_its_class_refuses_is_one_line_naming_the_callback(nod
         instantiate(cfg.callbacks[node])
     error = user_error_in(refused.value)
     assert error is not None and str(error).startswith(words), refused.value
+
+
+def test_a_run_dir_write_that_fills_the_disk_names_no_none_and_says_free_space():
+    """Hydra's own writes of the run dir (its .hydra files) fail on a full disk at a stream's flush, whose OSError
+    names no file: before, "cannot write the run dir: None: No space left on device: ... or fix its permissions"."""
+    import errno
+
+    from src.core.errors import unwritable_run_dir
+
+    assert unwritable_run_dir(OSError(errno.ENOSPC, "No space left on device")) == (
+        "cannot write the run dir: No space left on device: pass hydra.run.dir=DIR (hydra.sweep.dir=DIR with -m) "
+        "somewhere you can write, or free space there"
+    )
+    assert unwritable_run_dir(OSError(errno.EACCES, "Permission denied", "/x/run")).startswith(
+        "cannot write the run dir: /x/run: Permission denied: pass hydra.run.dir=DIR"
+    )

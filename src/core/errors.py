@@ -69,10 +69,13 @@ def storage_error_in(err: BaseException | None) -> OSError | None:
 
 
 def unwritable_run_dir(err: OSError) -> str:
-    """What to say when the run dir cannot be created or written before the run starts."""
+    """What to say when the run dir cannot be created or written before the run starts (a write that fills the disk
+    names no file: a stream's flush)."""
+    where = f"the run dir: {err.filename}" if err.filename else "the run dir"
+    fix = "free space there" if err.errno in (errno.ENOSPC, errno.EDQUOT) else "fix its permissions"
     return (
-        f"cannot write the run dir: {err.filename}: {err.strerror}: pass hydra.run.dir=DIR "
-        "(hydra.sweep.dir=DIR with -m) somewhere you can write, or fix its permissions"
+        f"cannot write {where}: {err.strerror or err}: pass hydra.run.dir=DIR (hydra.sweep.dir=DIR with -m) somewhere "
+        f"you can write, or {fix}"
     )
 
 
