@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import lightning as L
 import pytest
+import yaml
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
@@ -181,11 +183,22 @@ def test_help_starts_with_the_usage_examples_and_where_the_docs_are_and_ends_wit
         return done
 
     page = run("--help").stdout
-    assert page.startswith(f"python -m src.{command} [GROUP=OPTION ...] [KEY=VALUE ...]"), page[:300]
-    assert "python -m src.train trainer.devices=4 trainer.num_nodes=2" in page
-    assert "\n== Configuration groups ==" in page and "\n== Config ==" in page  # Hydra's page under the header
-    for doc in ("docs/configuration.md", "README.md", "docs/troubleshooting.md"):
-        assert doc in page and (ROOT / doc).is_file()
+    usage, examples = page.splitlines()[0], page.split("\n== Configuration groups ==")[0].splitlines()[1:-1]
+    assert usage.startswith(f"python -m src.{command} "), page[:300]
+    # each command's own examples (before: src.train's, and a sweep's usage, on every command's page)
+    assert examples[0].startswith(f"e.g. python -m src.{command} ") and len(examples) >= 2, page[:600]
+    assert ("-m KEY=A,B" in usage) == (command == "train")
+    docs = re.findall(r"(docs/\S+\.md|README\.md)", page.split("== Config")[0])
+    assert "docs/configuration.md" in docs and "docs/troubleshooting.md" in docs
+    assert all((ROOT / doc).is_file() for doc in docs)
+    # the groups this command reads and their options (before: every group, the training's on src.predict's page)
+    listed = page.split("(group=option)\n\n", 1)[1].split("\n\n== Config ==", 1)[0].splitlines()
+    composed = yaml.safe_load((ROOT / "conf" / f"{command}.yaml").read_text())["defaults"]
+    groups = [next(iter(d)).split()[-1] for d in composed if isinstance(d, dict) and "hydra" not in d]
+    assert [line.split(":")[0] for line in listed] == groups, listed
+    for line in listed:
+        group, options = line.split(": ")
+        assert options.split(", ") == sorted(p.stem for p in (ROOT / "conf" / group).glob("*.yaml"))
     footer = next(line for line in page.splitlines() if line.startswith("The config as it will run: "))
     assert footer.endswith(f"python -m src.{command} [OVERRIDES] --cfg job --resolve")
     assert f"\ntask_name: {command}\n" in "\n" + run("--cfg", "job", "--resolve").stdout  # the footer's command works
