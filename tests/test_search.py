@@ -9,8 +9,10 @@ import time
 from pathlib import Path
 
 import optuna
+import pytest
 import torch
 
+from src.core.errors import UserError
 from tests.conftest import FAST, descendants, output, running, train
 from tests.faults import hold_sweep_job
 
@@ -167,3 +169,37 @@ def test_a_study_run_again_with_other_fixed_overrides_is_refused(tmp_path):
         "pass a new hydra.sweep.dir to start another search, or the same overrides to go "
         "on with that one"
     )
+
+
+@pytest.mark.parametrize(
+    "settings, words",
+    [
+        (
+            {"direction": "up"},
+            "hydra.sweeper.direction=up must be maximize",
+        ),  # before: optuna's ValueError, a traceback
+        ({"n_trials": 2.5}, "hydra.sweeper.n_trials=2.5 must be a whole number >= 1"),
+        ({"storage": "foo://x"}, "hydra.sweeper.storage=foo://x cannot be opened (NoSuchModuleError"),  # SQLAlchemy's
+        ({"storage": "sqlite:////nonexistent/x.db"}, "hydra.sweeper.storage=sqlite:////nonexistent/x.db cannot be"),
+        # before: "full_key: sampler", "change the offending pruner.* value": the node without its place
+        (
+            {"sampler": {"_target_": "optuna.samplers.Nope"}},
+            "hydra.sweeper.sampler: Error locating target 'optuna.samplers.Nope': change hydra.sweeper.sampler.*",
+        ),
+        (
+            {"pruner": {"_target_": "optuna.pruners.MedianPruner", "n_warmup_steps": -3}},
+            "hydra.sweeper.pruner: Number of warmup steps cannot be negative, but got n_warmup_steps=-3: change",
+        ),
+    ],
+)
+def test_the_sweepers_own_values_are_one_line_naming_the_key_before_any_trial(settings, words, tmp_path):
+    from omegaconf import OmegaConf
+
+    from src.sweeps.hparams_search import OptunaSweeper
+
+    sweeper = OptunaSweeper(**{"n_trials": 1, "params": {"model.optimizer.lr": "interval(0.01, 0.5)"}, **settings})
+    sweeper.config = OmegaConf.create({"trainer": {"num_nodes": 1}, "hydra": {"sweep": {"dir": str(tmp_path)}}})
+    with pytest.raises(UserError) as refused:
+        sweeper.sweep([])
+    assert str(refused.value).startswith(words)
+    assert not (tmp_path / "optuna.db").exists() or "storage" not in settings

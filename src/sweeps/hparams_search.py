@@ -35,7 +35,7 @@ from hydra.plugins.sweeper import Sweeper
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf
 
-from src.core.errors import FAILURE_FILE, UserError, print_line, require
+from src.core.errors import FAILURE_FILE, UserError, check_number, print_line, require, whole
 from src.launch.ranks import is_launch_rank_zero
 from src.launch.run_dir import RESULT_FILE, read_result
 from src.sweeps.sweep import job_dir as sweep_job_dir
@@ -84,23 +84,34 @@ class OptunaSweeper(Sweeper):
     def sweep(self, arguments: list[str]) -> list[Sequence[JobReturn]]:
         require("optuna", "optuna", "hparams_search=optuna")
         import optuna
-        from hydra.utils import instantiate
 
         check_one_sweeping_process(self.config)
-        if not isinstance(self.n_trials, int) or self.n_trials < 1:
-            raise UserError(f"hydra.sweeper.n_trials={self.n_trials} must be a whole number >= 1")
+        check_number("hydra.sweeper.n_trials", self.n_trials, whole(1), "a whole number >= 1")
+        if self.direction not in ("maximize", "minimize"):  # optuna's ValueError, a traceback, before
+            raise UserError(
+                f"hydra.sweeper.direction={self.direction} must be maximize (the trials' best val/acc, the default) "
+                "or minimize"
+            )
         space, fixed = search_space(self.params, arguments)
         sweep_dir = Path(self.config.hydra.sweep.dir).resolve()
         storage = self.storage or f"sqlite:///{sweep_dir / STUDY_FILE}"
         optuna.logging.set_verbosity(optuna.logging.WARNING)  # the trials' own lines say what happens
-        study = optuna.create_study(
-            study_name=self.study_name,
-            storage=storage,
-            direction=self.direction,
-            sampler=instantiate(self.sampler) if self.sampler else None,
-            pruner=instantiate(self.pruner) if self.pruner else None,
-            load_if_exists=True,
-        )
+        sampler, pruner = self._built("sampler"), self._built("pruner")
+        try:
+            study = optuna.create_study(
+                study_name=self.study_name,
+                storage=storage,
+                direction=self.direction,
+                sampler=sampler,
+                pruner=pruner,
+                load_if_exists=True,
+            )
+        except Exception as err:  # noqa: BLE001 - SQLAlchemy's and optuna's errors for a storage they cannot open
+            raise UserError(
+                f"hydra.sweeper.storage={storage} cannot be opened ({type(err).__name__}: {_first_line(err)}): pass "
+                "a database URL optuna can open (sqlite:///PATH in a folder you can write), or null for the sweep "
+                "dir's optuna.db"
+            ) from err
         check_same_search(study, fixed, sweep_dir)
         OmegaConf.save(self.config, sweep_dir / "multirun.yaml")
         earlier = len(study.trials)
@@ -127,6 +138,23 @@ class OptunaSweeper(Sweeper):
             returns.append(self._run(study, trial.number, trial.params, job))
         write_study_report(study, sweep_dir, space)
         return [returns]
+
+    def _built(self, what: str) -> Any:
+        """The study's ``sampler`` or ``pruner`` from its config node (None: optuna's default), or one line naming
+        ``hydra.sweeper.<what>`` (before: the node's name alone, as Hydra's instantiate knows it)."""
+        from hydra.utils import instantiate
+
+        node = getattr(self, what)
+        if not node:
+            return None
+        try:
+            return instantiate(node)
+        except Exception as err:  # noqa: BLE001 - what the target refused, or a target that is not there
+            words = _first_line(err if "Error locating target" in str(err) else err.__cause__ or err)
+            raise UserError(
+                f"hydra.sweeper.{what}: {words.split(', set env var HYDRA_FULL_ERROR')[0].rstrip('.')}: change "
+                f"hydra.sweeper.{what}.* (its _target_: one of optuna.{what}s)"
+            ) from err
 
     def _run(self, study: Any, number: int, params: dict[str, Any], job: list[str]) -> JobReturn:
         """Run trial ``number`` as job ``number`` of the sweep (or take its result, if it finished), and tell the
@@ -313,3 +341,7 @@ def _failure(job_dir: Path) -> str:
         return json.loads((job_dir / FAILURE_FILE).read_text())["error"]
     except (OSError, ValueError, KeyError):
         return f"no result.json: see {job_dir}"
+
+
+def _first_line(err: BaseException) -> str:
+    return str(err).strip().split("\n", 1)[0]
