@@ -165,6 +165,26 @@ def test_a_slurm_allocation_that_cannot_run_is_one_line_before_lightning_loads(t
     assert not (tmp_path / "runs").exists(), sorted(map(str, (tmp_path / "runs").rglob("*")))
 
 
+def test_srun_without_ntasks_per_node_is_one_line_that_gives_it(monkeypatch):
+    """srun -n 2 (or salloc -n 2, then srun): before, Lightning's RuntimeError in every task, exit 1, a traceback in
+    each log. The in-process twin of the case above: the same check, before Lightning loads."""
+    from src.launch.ranks import check_slurm_allocation
+
+    for key in [k for k in os.environ if k.startswith("SLURM_")]:
+        monkeypatch.delenv(key)
+    for key, value in {**SRUN_TASK, "SLURM_JOB_ID": "7", "SLURM_JOB_NAME": "python", "SLURM_NTASKS": "4"}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("SLURM_NNODES", "2")
+    with pytest.raises(UserError) as refused:
+        check_slurm_allocation(2, 2)
+    assert str(refused.value) == (
+        "srun started 4 tasks without --ntasks-per-node, which Lightning needs to tell each rank its place: pass "
+        "srun --nodes=2 --ntasks-per-node=2 (sbatch slurm/train.sbatch sets both)"
+    )
+    monkeypatch.setenv("SLURM_NTASKS_PER_NODE", "2")
+    check_slurm_allocation(2, 2)
+
+
 @pytest.mark.parametrize("command", ["train", "eval", "export", "predict"])
 def test_help_starts_with_the_usage_examples_and_where_the_docs_are_and_ends_with_how_to_see_the_config(command):
     """... and loads neither torch nor Lightning: the page, ``--cfg`` and a mistake in the command line take the

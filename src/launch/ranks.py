@@ -168,6 +168,14 @@ def check_slurm_allocation(devices: int, num_nodes: int) -> None:
             "launch it as `srun python -m src.train ...` (slurm/train.sbatch does)"
         )
     per_node = os.environ.get("SLURM_NTASKS_PER_NODE", "").split("(")[0]
+    tasks = int(os.environ.get("SLURM_NTASKS", "1"))
+    if tasks > 1 and not per_node:  # srun -n N, salloc -n N: Lightning's SLURMEnvironment refuses it in each rank
+        nodes_given = int(os.environ.get("SLURM_JOB_NUM_NODES") or os.environ.get("SLURM_NNODES") or 1)
+        raise UserError(
+            f"srun started {tasks} tasks without --ntasks-per-node, which Lightning needs to tell each rank its "
+            f"place: pass srun --nodes={nodes_given} --ntasks-per-node={max(1, tasks // nodes_given)} (sbatch "
+            "slurm/train.sbatch sets both)"
+        )
     if per_node and int(per_node) != devices:
         raise UserError(
             f"the Slurm allocation runs --ntasks-per-node={per_node} but trainer.devices={devices}: "
