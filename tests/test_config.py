@@ -280,3 +280,34 @@ def test_experiment_demo_is_two_cpu_processes_on_synthetic_data(tmp_path):
 def test_eval_config_needs_a_checkpoint_and_uses_every_device(tmp_path):
     cfg = make_cfg(tmp_path, name="eval")  # each test image counts once at any world size (tests/test_eval_sharding.py)
     assert OmegaConf.is_missing(cfg, "ckpt_path") and cfg.trainer.devices == "auto"
+
+
+@pytest.mark.parametrize(
+    "env, launcher",
+    [
+        ({"SLURM_STEP_ID": "0", "SLURM_PROCID": "{rank}", "SLURM_NTASKS": "2"}, "srun"),
+        ({"TORCHELASTIC_RUN_ID": "x", "RANK": "{rank}", "WORLD_SIZE": "2"}, "torchrun"),
+        ({"OMPI_COMM_WORLD_RANK": "{rank}", "OMPI_COMM_WORLD_SIZE": "2"}, "mpirun"),
+    ],
+)
+def test_export_and_predict_under_a_launcher_of_several_processes_are_refused_once(env, launcher, monkeypatch):
+    """Before: srun -n 2 python -m src.export exported twice into the same files, and under torchrun src.predict
+    failed in every worker on the config's missing trainer (ConfigAttributeError, a traceback in each log)."""
+    from src.core.errors import ToldElsewhere
+    from src.launch.ranks import check_one_process
+
+    for key in [k for k in os.environ if k.startswith(("SLURM_", "TORCHELASTIC_", "OMPI_", "PMI_"))]:
+        monkeypatch.delenv(key)
+    for key in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    check_one_process("export")  # no launcher
+    for rank, refusal in (("1", ToldElsewhere), ("0", UserError)):
+        for key, value in env.items():
+            monkeypatch.setenv(key, value.format(rank=rank))
+        with pytest.raises(refusal) as refused:
+            check_one_process("predict")
+        assert type(refused.value) is refusal  # the first says it; the others end with its status, quietly
+    assert str(refused.value).startswith(
+        f"python -m src.predict runs in one process, but {launcher} started 2, each of which would do the same work "
+        f"into the same files: start it once, without {launcher}"
+    )

@@ -19,7 +19,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from src.core.errors import EXIT_USER_ERROR, UserError
+from src.core.errors import EXIT_USER_ERROR, ToldElsewhere, UserError
 from src.launch import torchrun
 from src.launch.devices import local_device_count, slurm_detected, srun_task, torch_cuda_available, uses_cuda
 
@@ -294,6 +294,35 @@ def launcher_rank() -> str | None:
     if "SLURM_STEP_ID" in os.environ and "SLURM_PROCID" in os.environ:  # inside srun, not the batch script
         return os.environ["SLURM_PROCID"]
     return next((os.environ[key] for key in LAUNCHER_RANKS if key in os.environ), None)
+
+
+def launched_processes() -> tuple[str, int] | None:
+    """The launcher that started this process as one of several (srun's tasks, torchrun's workers, mpirun's ranks)
+    and how many it started, if one did."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if "TORCHELASTIC_RUN_ID" in os.environ and world > 1:
+        return "torchrun", world
+    tasks = int(os.environ.get("SLURM_NTASKS", "1"))
+    if "SLURM_STEP_ID" in os.environ and "SLURM_PROCID" in os.environ and tasks > 1:
+        return "srun", tasks
+    size = next((int(os.environ[key]) for key in MPI_SIZES if key in os.environ), 1)
+    return ("mpirun", size) if size > 1 else None
+
+
+def check_one_process(command: str) -> None:
+    """``src.export`` and ``src.predict`` run in one process: under a launcher that started several, each would do
+    the same work into the same files. The first says so in one line; the others end with the same status, quietly."""
+    found = launched_processes()
+    if found is None:
+        return
+    launcher, count = found
+    if launcher_rank() not in (None, "0"):
+        raise ToldElsewhere(f"python -m src.{command} runs in one process")
+    raise UserError(
+        f"python -m src.{command} runs in one process, but {launcher} started {count}, each of which would do the "
+        f"same work into the same files: start it once, without {launcher}"
+        + (" (or srun --ntasks=1)" if launcher == "srun" else "")
+    )
 
 
 _LAUNCHER_PID = "CIFAR10_DDP_LAUNCHER_PID"  # set for the local ranks start_local_ranks starts
