@@ -38,6 +38,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # src/ without installing the project: a GPU node runs this with its own torch
+from benchmarks.arguments import number, numbers  # noqa: E402 - after the path above
 
 
 def hardware() -> tuple[bool, str]:
@@ -187,11 +188,13 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     cuda, device = hardware()
     parser.add_argument("--arch", default="resnet50")
-    parser.add_argument("--batch-size", type=int, default=256 if cuda else 32, help="per process")
-    parser.add_argument("--steps", type=int, default=200 if cuda else 12, help="measured steps")
-    parser.add_argument("--warmup", type=int, default=30 if cuda else 3, help="steps before the clock starts")
-    parser.add_argument("--repeats", type=int, default=3, help="runs of each, interleaved; the best counts")
-    parser.add_argument("--processes", default="1" if cuda else "1,2", help="world sizes to compare, e.g. 1,2")
+    parser.add_argument("--batch-size", type=number(1), default=256 if cuda else 32, help="per process")
+    parser.add_argument("--steps", type=number(1), default=200 if cuda else 12, help="measured steps")
+    parser.add_argument("--warmup", type=number(0), default=30 if cuda else 3, help="steps before the clock starts")
+    parser.add_argument("--repeats", type=number(1), default=3, help="runs of each, interleaved; the best counts")
+    parser.add_argument(
+        "--processes", type=numbers(1), default="1" if cuda else "1,2", help="world sizes to compare, e.g. 1,2"
+    )
     parser.add_argument(
         "--pipelines",
         default="device,dataloader" if cuda else "device",
@@ -213,7 +216,7 @@ def main() -> int:
         "reduce-overhead: with CUDA graphs)",
     )
     parser.add_argument("--equal-only", action="store_true", help="leave out the bare loop's own defaults")
-    parser.add_argument("--timeout", type=float, default=600, help="seconds allowed for each run")
+    parser.add_argument("--timeout", type=number(1, float), default=600, help="seconds allowed for each run")
     parser.add_argument("--out", type=Path, default=ROOT / "outputs" / "bench")
     args = parser.parse_args()
     backend = "nccl" if cuda else "gloo"

@@ -21,6 +21,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from benchmarks.arguments import number  # noqa: E402 - after the path above
 
 
 def checkpoint() -> dict:
@@ -37,7 +38,7 @@ def checkpoint() -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--saves", type=int, default=5, help="saves to each side")
+    parser.add_argument("--saves", type=number(1), default=5, help="saves to each side")
     parser.add_argument("--out", type=Path, default=ROOT / "outputs" / "bench" / "checkpoint-store")
     args = parser.parse_args()
 

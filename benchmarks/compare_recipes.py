@@ -30,6 +30,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from benchmarks.arguments import number, numbers  # noqa: E402 - after the path above
+
 SAMPLE = ROOT.parent / "shared" / "data" / "cifar10-sample"
 
 COMPARISONS = {
@@ -69,8 +72,10 @@ def test_accuracy(run_dir: Path) -> float:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--compare", choices=sorted(COMPARISONS), default="recipes")
-    parser.add_argument("--seeds", default="42", help="comma-separated; every variant trains once per seed")
-    parser.add_argument("--epochs", type=int, default=10)
+    parser.add_argument(
+        "--seeds", type=numbers(0), default="42", help="comma-separated; every variant trains once per seed"
+    )
+    parser.add_argument("--epochs", type=number(1), default=10)
     parser.add_argument("--arch", default="resnet50")
     parser.add_argument("--root", type=Path, default=SAMPLE, help="a folder holding cifar-10-batches-py")
     parser.add_argument("--out", type=Path, default=ROOT / "outputs" / "recipes")

@@ -51,6 +51,7 @@ from typing import Any, Callable
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.arguments import number, numbers  # noqa: E402
 from src.resilience.node_board import NodeBoard  # noqa: E402 - after the path above
 
 TICK_S = os.sysconf("SC_CLK_TCK")
@@ -749,24 +750,33 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--ranks", default="16,64,256,1024,2048", help="simulated world sizes, comma-separated")
-    parser.add_argument("--per-node", type=int, default=8, help="ranks per node")
-    parser.add_argument("--seconds", type=float, default=20.0, help="measured seconds of a healthy run per size")
-    parser.add_argument("--warmup", type=float, default=3.0, help="seconds before measuring")
+    parser.add_argument(
+        "--ranks", type=numbers(2), default="16,64,256,1024,2048", help="simulated world sizes, comma-separated"
+    )
+    parser.add_argument("--per-node", type=number(1), default=8, help="ranks per node")
+    parser.add_argument(
+        "--seconds", type=number(0.1, float), default=20.0, help="measured seconds of a healthy run per size"
+    )
+    parser.add_argument("--warmup", type=number(0, float), default=3.0, help="seconds before measuring")
     parser.add_argument(
         "--hang-timeout",
-        type=float,
+        type=number(1, float),
         default=120.0,
         help="strategy.hang_timeout_s of the ranks while the load is measured (its default: 120)",
     )
     parser.add_argument(
-        "--fault-hang-timeout", type=float, default=10.0, help="strategy.hang_timeout_s of the ranks in the fault runs"
+        "--fault-hang-timeout",
+        type=number(1, float),
+        default=10.0,
+        help="strategy.hang_timeout_s of the ranks in the fault runs",
     )
-    parser.add_argument("--step-s", type=float, default=0.05, help="seconds of a simulated training step")
-    parser.add_argument("--threads", type=int, default=4, help="threads running the ranks' work, in each process")
+    parser.add_argument(
+        "--step-s", type=number(0.001, float), default=0.05, help="seconds of a simulated training step"
+    )
+    parser.add_argument("--threads", type=number(1), default=4, help="threads running the ranks' work, in each process")
     parser.add_argument(
         "--procs",
-        type=int,
+        type=number(1),
         default=os.cpu_count() or 1,
         help="processes the simulated nodes are spread over (default: one a core)",
     )
@@ -774,15 +784,18 @@ def main() -> None:
         "--faults", default="stuck,dead,takeover", help="faults to inject at each size: stuck,dead,takeover or none"
     )
     parser.add_argument(
-        "--takeover-s", type=float, default=5.0, help="seconds measured healthy, then taken over (--faults=takeover)"
+        "--takeover-s",
+        type=number(0.1, float),
+        default=5.0,
+        help="seconds measured healthy, then taken over (--faults=takeover)",
     )
     parser.add_argument(
         "--healthy-s",
-        type=float,
+        type=number(0, float),
         default=0.0,
         help="also run this long healthy at the largest size and count verdicts (600: ten minutes)",
     )
-    parser.add_argument("--project", type=int, default=16384, help="world size the line projects to")
+    parser.add_argument("--project", type=number(2), default=16384, help="world size the line projects to")
     parser.add_argument(
         "--out", default="outputs/bench/control-plane", help="folder for table.md, results.json and load.svg"
     )

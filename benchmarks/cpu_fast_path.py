@@ -24,6 +24,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench import ROOT, run  # noqa: E402
 
+from benchmarks.arguments import number  # noqa: E402 - bench put the project on the path
+
 VARIANTS = {
     "defaults": [],
     "fp32": ["trainer.precision=32-true", "model.channels_last=false"],
@@ -64,12 +66,12 @@ def measure(args: argparse.Namespace, variant: str, out: Path) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--arch", default="resnet50")
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--steps", type=int, default=4, help="measured steps")
-    parser.add_argument("--warmup", type=int, default=2, help="steps before the clock starts")
-    parser.add_argument("--repeats", type=int, default=2, help="runs of each, interleaved; the best counts")
+    parser.add_argument("--batch-size", type=number(1), default=32)
+    parser.add_argument("--steps", type=number(1), default=4, help="measured steps")
+    parser.add_argument("--warmup", type=number(0), default=2, help="steps before the clock starts")
+    parser.add_argument("--repeats", type=number(1), default=2, help="runs of each, interleaved; the best counts")
     parser.add_argument("--variants", default=",".join(VARIANTS))
-    parser.add_argument("--timeout", type=float, default=1800, help="seconds allowed for each run")
+    parser.add_argument("--timeout", type=number(1, float), default=1800, help="seconds allowed for each run")
     parser.add_argument("--out", type=Path, default=ROOT / "outputs" / "bench-cpu")
     args = parser.parse_args()
     variants = args.variants.split(",")

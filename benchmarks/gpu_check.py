@@ -32,6 +32,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # src/ without installing the project: a GPU node runs this with its own torch
+from benchmarks.arguments import number, numbers  # noqa: E402 - after the path above
+
 # what the runs import (module: the package that provides it), checked before anything starts
 NEEDED = {
     "hydra": "hydra-core",
@@ -868,13 +870,13 @@ def setup() -> tuple[argparse.Namespace, list[str], bool, dict[str, Any]]:
     parser.add_argument("--skip", help="comma-separated steps to leave out")
     parser.add_argument(
         "--budget-s",
-        type=float,
+        type=number(1, float),
         default=None,
         help="seconds for the whole check (default 600 on a GPU, 900 in CPU mode)",
     )
     parser.add_argument(
         "--batches",
-        type=lambda t: tuple(int(b) for b in t.split(",")),
+        type=lambda t: tuple(int(b) for b in numbers(1)(t).split(",")),
         default=None,
         help="per-GPU batches of the throughput table (default 128,256,512; CPU mode 4,8)",
     )

@@ -208,10 +208,12 @@ def main() -> int:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from bench import ROOT, Setting, auto_choice, bare_command, hardware, loader_workers, project_command, run  # noqa: E402
 
+    from benchmarks.arguments import number  # bench put the project on the path
+
     cuda, device = hardware()
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--arch", default="resnet50")
-    parser.add_argument("--batch-size", type=int, default=256 if cuda else 32, help="per process")
+    parser.add_argument("--batch-size", type=number(1), default=256 if cuda else 32, help="per process")
     parser.add_argument("--pipeline", choices=("device", "dataloader"), default="device")
     parser.add_argument(
         "--compile",
@@ -221,16 +223,16 @@ def main() -> int:
         metavar="MODE",
         help="torch.compile the network on both sides, in torch.compile's MODE",
     )
-    parser.add_argument("--processes", type=int, default=1)
+    parser.add_argument("--processes", type=number(1), default=1)
     parser.add_argument(
         "--ddp",
         choices=("auto", "always"),
         default="auto",
         help="auto: DDP from 2 processes on; always: one process too",
     )
-    parser.add_argument("--steps", type=int, default=20, help="profiled steps")
-    parser.add_argument("--warmup", type=int, default=30 if cuda else 3, help="steps before profiling")
-    parser.add_argument("--timeout", type=float, default=900, help="seconds allowed for each run")
+    parser.add_argument("--steps", type=number(1), default=20, help="profiled steps")
+    parser.add_argument("--warmup", type=number(0), default=30 if cuda else 3, help="steps before profiling")
+    parser.add_argument("--timeout", type=number(1, float), default=900, help="seconds allowed for each run")
     parser.add_argument("--out", type=Path, default=ROOT / "outputs" / "profile")
     args = parser.parse_args()
     workers = loader_workers(cuda, args.processes) if args.pipeline == "dataloader" else 0

@@ -26,6 +26,7 @@ from types import SimpleNamespace
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from benchmarks.arguments import number, numbers  # noqa: E402 - after the path above
 
 
 def free_port() -> int:
@@ -146,12 +147,12 @@ def cpu_name() -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--ranks", default="2,4,8,16,32", help="world sizes, comma-separated")
-    parser.add_argument("--steps", type=int, default=300, help="batch ends timed per run")
-    parser.add_argument("--warmup", type=int, default=30, help="batch ends before the timing")
-    parser.add_argument("--step-ms", type=float, default=20.0, help="a step's work, in milliseconds")
+    parser.add_argument("--ranks", type=numbers(1), default="2,4,8,16,32", help="world sizes, comma-separated")
+    parser.add_argument("--steps", type=number(1), default=300, help="batch ends timed per run")
+    parser.add_argument("--warmup", type=number(0), default=30, help="batch ends before the timing")
+    parser.add_argument("--step-ms", type=number(0, float), default=20.0, help="a step's work, in milliseconds")
     parser.add_argument("--out", type=Path, default=ROOT / "outputs" / "bench" / "stop-agreement")
-    parser.add_argument("--period", type=int, default=1, help="callbacks.graceful_stop.period: the first period")
+    parser.add_argument("--period", type=number(1), default=1, help="callbacks.graceful_stop.period: the first period")
     parser.add_argument(
         "--signal-at",
         type=int,

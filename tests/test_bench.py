@@ -1,12 +1,17 @@
-"""benchmarks/: the project-vs-bare benchmark runs end to end and ends with its ratio line (no speed is asserted)."""
+"""benchmarks/: the project-vs-bare benchmark runs end to end and ends with its ratio line (no speed is asserted); the
+benchmarks' arguments are checked before any work."""
 
 from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
+
+import pytest
 
 from src.models.fast_path import fast_path
-from tests.conftest import run_script
+from tests.conftest import ROOT, run_script
 
 
 def test_the_benchmark_compares_the_project_with_the_bare_loop_at_equal_settings_and_ends_with_the_ratio_lines(
@@ -124,3 +129,34 @@ def test_the_precision_comparison_trains_fp32_and_bf16_alike_and_reports_their_t
     for name, precision in (("fp32", "32-true"), ("bf16", "bf16-mixed")):
         record = json.loads((tmp_path / "precision" / f"{name}-seed7" / "throughput.json").read_text())
         assert record["precision"] == precision and record["channels_last"] is True
+
+
+def test_the_benchmarks_numbers_out_of_range_are_argparses_one_line_before_any_work():
+    """Before: control_plane.py --ranks 0 hung after a StopIteration, --ranks abc was a traceback, bench.py
+    --batch-size 0 ran its runs to fail in them, and a negative --healthy-s ran. Every benchmark's counts and seconds
+    go through these types (benchmarks/arguments.py)."""
+    import argparse
+
+    from benchmarks.arguments import number, numbers
+
+    assert number(1)("3") == 3 and number(0, float)("0.5") == 0.5 and numbers(2)("16, 64") == "16, 64"
+    for parse, text, words in [
+        (number(1), "0", "0 must be a whole number >= 1"),
+        (number(1), "2.5", "2.5 is not a whole number"),
+        (number(0, float), "-1", "-1 must be a number >= 0"),
+        (number(0, float), "nan", "nan must be a number >= 0"),
+        (numbers(2), "16,0", "0 must be a whole number >= 2"),
+        (numbers(2), ",", "give at least one value"),
+    ]:
+        with pytest.raises(argparse.ArgumentTypeError, match=words):
+            parse(text)
+    done = subprocess.run(
+        [sys.executable, "benchmarks/control_plane.py", "--ranks", "0"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2 and done.stderr.splitlines()[-1] == (
+        "control_plane.py: error: argument --ranks: 0 must be a whole number >= 2"
+    ), done.stderr[-2000:]
