@@ -329,3 +329,22 @@ def test_a_rank_counts_the_cores_srun_bound_it_to_once(monkeypatch):
     assert rank_cores(4) == 8  # the job's cores on this node (a cgroup), not bound per task: shared
     machine(64, 8)
     assert rank_cores(4) == 2  # no srun: our own 4 local ranks share what this process may use
+
+
+def test_the_run_lines_word_on_loader_workers_says_an_unused_count_and_more_workers_than_cores(monkeypatch):
+    """Before: data.num_workers=4 under the device pipeline went without a word, and under the DataLoader pipeline
+    torch warned once per loader (a raw UserWarning, twice a run). rank_cores is fixed at 2 here."""
+    monkeypatch.setattr(SyntheticDataModule, "rank_cores", lambda self: 2)
+    assert SyntheticDataModule(pipeline="device").describe_workers() is None
+    assert SyntheticDataModule(num_workers=4, pipeline="device").describe_workers() == (
+        "data.num_workers=4 unused (data.pipeline=device batches on the device, without loader workers; "
+        "data.pipeline=dataloader uses them)"
+    )
+    assert SyntheticDataModule(num_workers=2, pipeline="dataloader").describe_workers() == (
+        "2 loader workers a process (data.num_workers; 2 core(s) for this rank)"
+    )
+    assert (
+        SyntheticDataModule(num_workers=4, pipeline="dataloader")
+        .describe_workers()
+        .endswith("(data.num_workers; 2 core(s) for this rank): more workers than cores, which they take from training")
+    )

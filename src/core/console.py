@@ -12,7 +12,9 @@ Warnings a user can do nothing about are dropped everywhere:
   and accuracy are logged at every epoch's end regardless (``train/loss_epoch``, src/models/classifier.py);
 - ``Precision bf16-mixed is not supported by the model summary ... Using 32 bits instead``: under a mixed
   precision (bf16-mixed is the default on GPUs) the weights are fp32, so the 32 bits the summary falls back on
-  give the right size.
+  give the right size;
+- ``This DataLoader will create N worker processes in total ... suggested max number of worker``: torch's, for
+  each loader; the run line says it once, with the rank's cores (src/data/in_memory.py's ``describe_workers``).
 
 A run that resumes (``ckpt_path``, a Slurm requeue, a torchrun restart) also drops ``Checkpoint directory ...
 exists and is not empty`` (it resumes from there), and, with ``data.pipeline=device``, Lightning's ``your
@@ -73,6 +75,8 @@ def quiet_dependencies() -> None:
     warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
     warnings.filterwarnings("ignore", message=r"The number of training batches \(\d+\) is smaller than the logging")
     warnings.filterwarnings("ignore", message=r"Precision \S+-mixed is not supported by the model summary")
+    # torch's per-loader warning of more workers than cores: the run line says it once (src/data/in_memory.py)
+    warnings.filterwarnings("ignore", message=r"This DataLoader will create \d+ worker processes in total")
     # trainer.precision=16-mixed on a CPU: the run line says it runs bf16-mixed, and why (src/callbacks/run_summary.py)
     warnings.filterwarnings("ignore", message=r"You passed `Trainer\(accelerator='cpu', precision='16-mixed'\)`")
     if "SLURM_JOB_ID" not in os.environ:

@@ -349,12 +349,19 @@ class InMemoryImageDataModule(L.LightningDataModule):
         return ranks.rank_cores(processes)
 
     def describe_workers(self) -> str | None:
-        """The run line's word on the loader's workers (the DataLoader pipeline only)."""
+        """The run line's word on the loader's workers: the DataLoader pipeline's, or a count the device pipeline
+        does not use (before, data.num_workers=4 there went without a word)."""
         if self.pipeline != "dataloader":
-            return None
+            if self.num_workers in ("auto", 0):
+                return None
+            return (
+                f"data.num_workers={self.num_workers} unused (data.pipeline={self.pipeline} batches on the device, "
+                "without loader workers; data.pipeline=dataloader uses them)"
+            )
         workers, cores = self._workers(), self.rank_cores()
-        if self.num_workers != "auto":
-            return f"{workers} loader workers a process (data.num_workers; {cores} core(s) for this rank)"
+        if self.num_workers != "auto":  # more than the cores: said here once, not in torch's warning per loader
+            crowded = ": more workers than cores, which they take from training" if workers > cores else ""
+            return f"{workers} loader workers a process (data.num_workers; {cores} core(s) for this rank){crowded}"
         if not self._on_gpu():
             return f"0 loader workers (auto: on the CPU this rank's {cores} core(s) train)"
         return f"{workers} loader workers a process (auto: this rank's {cores} core(s), less one, at most 8)"
