@@ -48,8 +48,10 @@ def sbatch_command(job: list[str], run_dir: Path, sbatch_options: list[str]) -> 
     """The sbatch call for one job: its allocation sized from its own trainer.devices / trainer.num_nodes."""
     values = dict(o.split("=", 1) for o in job if "=" in o)
     devices, nodes = values.get("trainer.devices", "1"), values.get("trainer.num_nodes", "1")
-    if not (devices.isdigit() and nodes.isdigit()):
-        raise ValueError(f"trainer.devices={devices} / trainer.num_nodes={nodes}: a Slurm sweep needs whole numbers")
+    if not (devices.isdigit() and nodes.isdigit() and int(devices) >= 1 and int(nodes) >= 1):
+        raise ValueError(
+            f"trainer.devices={devices} / trainer.num_nodes={nodes}: a Slurm sweep needs whole numbers >= 1"
+        )
     sizing = [f"--nodes={nodes}", f"--ntasks-per-node={devices}"]
     if not any(o.startswith("--gpus-per-node") for o in sbatch_options):
         sizing.append(f"--gpus-per-node={devices}")
@@ -60,8 +62,9 @@ def sbatch_command(job: list[str], run_dir: Path, sbatch_options: list[str]) -> 
 
 def submit(cmd: list[str]) -> str:
     result = subprocess.run(cmd, capture_output=True, text=True)
-    if result.returncode != 0:
-        raise RuntimeError(f"{shlex.join(cmd)} failed: {result.stderr.strip()}")
+    if result.returncode != 0:  # sbatch's lines as one (a controller out of reach says four)
+        said = "; ".join(line.strip() for line in result.stderr.strip().splitlines() if line.strip())
+        raise RuntimeError(f"{shlex.join(cmd)} failed: {said or f'exit status {result.returncode}'}")
     return result.stdout.strip().split(";")[0]
 
 
@@ -87,6 +90,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: cannot expand the sweep: {err}", file=sys.stderr)
         return 2
     sweep_dir = Path(os.environ.get("SWEEP_DIR") or f"outputs/slurm/sweeps/{time.strftime('%Y-%m-%d_%H-%M-%S')}")
+    try:  # every job's sizes before the first is submitted: none is left queued by a refusal of a later one
+        for k, job in enumerate(jobs):
+            sbatch_command(job, sweep_dir / str(k), sbatch_options)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    made = not sweep_dir.exists()
     sweep_dir.mkdir(parents=True, exist_ok=True)
     record = sweep_dir / JOBS_FILE
     earlier = json.loads(record.read_text())["jobs"] if record.is_file() else []
@@ -134,6 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     except (RuntimeError, ValueError) as err:
         for job_id in waiting:
             subprocess.run(["scancel", job_id], check=False)
+        if made and not any(sweep_dir.iterdir()):  # nothing was submitted: no empty sweep dir left behind
+            sweep_dir.rmdir()
         print(f"error: {err}", file=sys.stderr)
         return 2
     print(f"report: Slurm job {report}, when all {len(waiting)} job(s) of this run have ended: {sweep_dir}/scaling.md")

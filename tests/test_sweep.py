@@ -244,6 +244,34 @@ def test_slurm_sweep_refuses_a_sweep_dir_of_another_sweep_before_submitting(tmp_
     assert json.loads(jobs.read_text())["jobs"][0]["overrides"] == ["trainer.devices=4"]  # left as it was
 
 
+def test_slurm_sweep_checks_every_jobs_size_first_and_says_a_failed_sbatch_in_one_line(tmp_path, monkeypatch, capsys):
+    """Before: trainer.devices=0 went to sbatch; sbatch's four lines for a controller out of reach were four lines of
+    the error, and the new sweep dir stayed behind empty. In-process, with an sbatch that fails as an unreachable
+    controller's does."""
+    from src import slurm_sweep
+
+    fake = tmp_path / "bin" / "sbatch"
+    fake.parent.mkdir()
+    fake.write_text(
+        "#!/bin/sh\necho 'sbatch: error: fetch_config: DNS SRV lookup failed' >&2\n"
+        "echo 'sbatch: fatal: Could not establish a configuration source' >&2\nexit 1\n"
+    )
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake.parent}:/usr/bin:/bin")
+    monkeypatch.setenv("SWEEP_DIR", str(tmp_path / "sweep"))
+    assert slurm_sweep.main(["--", "trainer.devices=1,0"]) == 2
+    assert capsys.readouterr().err == (
+        "error: trainer.devices=0 / trainer.num_nodes=1: a Slurm sweep needs whole numbers >= 1\n"
+    )
+    assert slurm_sweep.main(["--", "trainer.devices=1,2"]) == 2
+    said = capsys.readouterr().err
+    assert said.count("\n") == 1 and said.endswith(
+        "failed: sbatch: error: fetch_config: DNS SRV lookup failed; sbatch: fatal: Could not establish a "
+        "configuration source\n"
+    ), said
+    assert not (tmp_path / "sweep").exists()
+
+
 def test_slurm_sweep_help_says_its_usage_and_an_sbatch_option_after_the_overrides_is_one_line():
     helped = run_module("src.slurm_sweep", "--help", env={"PATH": "/nonexistent"})  # no cluster asked
     assert helped.returncode == 0, output(helped)
