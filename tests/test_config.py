@@ -243,6 +243,24 @@ def test_trainer_builds_from_the_composed_config(tmp_path):
     assert Path(trainer.logger.log_dir) == tmp_path / "run" / "tensorboard"
 
 
+def test_logger_none_and_callbacks_none_build_trainers_that_keep_their_promise(tmp_path):
+    """logger=none: before, LearningRateMonitor refused the fit ("Cannot use LearningRateMonitor callback with
+    Trainer that has no logger", exit 2). callbacks=none ("no checkpoints either"): before, Lightning added its own
+    ModelCheckpoint, writing into tensorboard/checkpoints/."""
+    from lightning.pytorch.callbacks import LearningRateMonitor
+
+    from src.training.trainer import build_trainer
+
+    cfg = make_cfg(tmp_path, "trainer.accelerator=cpu", "logger=none")
+    trainer = build_trainer(cfg, cfg.model.arch)
+    assert not trainer.loggers and not any(isinstance(c, LearningRateMonitor) for c in trainer.callbacks)
+    assert [type(c).__name__ for c in trainer.checkpoint_callbacks] == ["ModelCheckpoint", "LastCheckpoint"]
+    cfg = make_cfg(tmp_path, "trainer.accelerator=cpu", "callbacks=none")
+    assert build_trainer(cfg, cfg.model.arch).checkpoint_callbacks == []
+    cfg = make_cfg(tmp_path, "trainer.accelerator=cpu", "callbacks=none", "+trainer.enable_checkpointing=true")
+    assert len(build_trainer(cfg, cfg.model.arch).checkpoint_callbacks) == 1  # asked for: Lightning's own
+
+
 @pytest.mark.parametrize(
     "users, kept", [(":16:8", ":16:8"), (":4096:8", ":4096:8"), (None, ":4096:8"), (":0:0", ":4096:8")]
 )

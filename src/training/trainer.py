@@ -17,6 +17,7 @@ from lightning.fabric.plugins.environments import (
     SLURMEnvironment,
     TorchElasticEnvironment,
 )
+from lightning.pytorch.callbacks import Checkpoint, LearningRateMonitor
 from omegaconf import DictConfig, OmegaConf
 
 from src.checkpoints.files import AtomicCheckpointIO, read_checkpoint
@@ -94,6 +95,12 @@ def build_trainer(cfg: DictConfig, arch: str) -> L.Trainer:
     route_lightning_logs()
     callbacks = [instantiate(c) for c in (cfg.get("callbacks") or {}).values() if c is not None]
     loggers = [instantiate(lg) for lg in (cfg.get("logger") or {}).values() if lg is not None]
+    if not loggers:  # logger=none: the rate has nowhere to go, and LearningRateMonitor refuses the fit (before: exit 2)
+        callbacks = [c for c in callbacks if not isinstance(c, LearningRateMonitor)]
+    choices: dict[str, Any] = {}
+    if "enable_checkpointing" not in cfg.trainer and not any(isinstance(c, Checkpoint) for c in callbacks):
+        # callbacks=none means no checkpoints: Lightning would add its own ModelCheckpoint, into the logger's folder
+        choices["enable_checkpointing"] = False
     plugins = [AtomicCheckpointIO()]
     if ranks_started_here_under_slurm():  # a sweep's jobs in a batch script: local ranks, as on a workstation
         plugins.append(LightningEnvironment())
@@ -109,6 +116,7 @@ def build_trainer(cfg: DictConfig, arch: str) -> L.Trainer:
         callbacks=callbacks,
         logger=loggers or False,
         plugins=plugins,
+        **choices,
         **hardware_defaults(cfg.trainer, arch),
     )
     keep_users_cublas_config(users_cublas, cfg.trainer.get("deterministic"))
