@@ -12,14 +12,16 @@ Nothing here imports Lightning, and torch only where a GPU count is needed.
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
+import stat
 import subprocess
 import sys
 from collections.abc import Sequence
 from typing import Any
 
-from src.core.errors import EXIT_USER_ERROR, ToldElsewhere, UserError
+from src.core.errors import EXIT_USER_ERROR, UserError
 from src.launch import torchrun
 from src.launch.devices import local_device_count, slurm_detected, srun_task, torch_cuda_available, uses_cuda
 
@@ -311,18 +313,42 @@ def launched_processes() -> tuple[str, int] | None:
 
 def check_one_process(command: str) -> None:
     """``src.export`` and ``src.predict`` run in one process: under a launcher that started several, each would do
-    the same work into the same files. The first says so in one line; the others end with the same status, quietly."""
+    the same work into the same files. The first says so in one line and exits 2; the others end at once, quietly,
+    with status 0: torchrun and mpirun stop every process when one fails, and the first could be stopped before its
+    line was out (the launcher's own status is still the first's)."""
     found = launched_processes()
     if found is None:
         return
     launcher, count = found
     if launcher_rank() not in (None, "0"):
-        raise ToldElsewhere(f"python -m src.{command} runs in one process")
+        _drop_empty_run_log()  # so that the first takes back the run dir it made
+        raise SystemExit(0)
     raise UserError(
         f"python -m src.{command} runs in one process, but {launcher} started {count}, each of which would do the "
         f"same work into the same files: start it once, without {launcher}"
         + (" (or srun --ntasks=1)" if launcher == "srun" else "")
     )
+
+
+def _drop_empty_run_log() -> None:
+    """Remove this process's log file in the run dir while it is still empty: Hydra's job log, a regular file
+    directly in ``hydra.runtime.output_dir``; no other file a logging handler writes."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return
+    run_dir = os.path.realpath(HydraConfig.get().runtime.output_dir)
+    for handler in logging.getLogger().handlers:
+        if not isinstance(handler, logging.FileHandler):
+            continue
+        path = handler.baseFilename
+        try:
+            info = os.stat(path, follow_symlinks=False)
+        except OSError:
+            continue
+        if os.path.dirname(os.path.realpath(path)) == run_dir and stat.S_ISREG(info.st_mode) and info.st_size == 0:
+            handler.close()
+            os.unlink(path)
 
 
 _LAUNCHER_PID = "CIFAR10_DDP_LAUNCHER_PID"  # set for the local ranks start_local_ranks starts
