@@ -367,7 +367,15 @@ def test_a_run_dir_that_turns_read_only_or_vanishes_mid_run_stops_the_run_with_o
     if how == "read-only":  # files the run holds open stay writable, as on a filesystem remounted read-only
         subprocess.run(["mount", "--bind", str(run_dir), str(run_dir)], check=True)
         try:
-            subprocess.run(["mount", "-o", "remount,bind,ro", str(run_dir)], check=True)
+            # the kernel refuses to make a mount read-only while a write through it is under way (EBUSY, "mount point
+            # is busy"): a file the run opened through the new bind mount in between, a checkpoint's or TensorBoard's
+            # (which opens its file again at each flush). Those writes take milliseconds: try again.
+            for _ in range(50):
+                remounted = subprocess.run(["mount", "-o", "remount,bind,ro", str(run_dir)], capture_output=True)
+                if remounted.returncode == 0:
+                    break
+                time.sleep(0.1)
+            assert remounted.returncode == 0, remounted.stderr
             out, seconds, left = stop_by_itself(proc, limit_s=60)
         finally:
             subprocess.run(["umount", "-l", str(run_dir)], check=False)
