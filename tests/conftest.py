@@ -369,6 +369,17 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     _no_mpi_in_this_process()
 
 
+def _remove_multiprocessing_folder() -> None:
+    """multiprocessing's own folder (``pymp-*``) lives in ``TMPDIR``, the session's folder, which pytest removes when
+    every test passed; Python's exit removed it again after that, and a one-process pytest ended with a
+    FileNotFoundError traceback. multiprocessing's own finalizer removes it now, once."""
+    from multiprocessing import util
+
+    for finalizer in list(util._finalizer_registry.values()):  # type: ignore[attr-defined]
+        if getattr(finalizer, "_callback", None) is util._remove_temp_dir:  # type: ignore[attr-defined]
+            finalizer()
+
+
 def _no_mpi_in_this_process() -> None:
     """The suite's own process builds Lightning Trainers (tests/test_models.py). Lightning's MPI detection imports
     mpi4py's MPI there, whose singleton MPI_Init writes OMPI_*/PMIX_* variables into this process's environment, below
@@ -390,4 +401,5 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     _stop_the_s3_server(session)
+    _remove_multiprocessing_folder()
     budget.judge(session, time.monotonic() - session.config._budget_start)  # type: ignore[attr-defined]
