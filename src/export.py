@@ -96,7 +96,7 @@ def main(cfg: DictConfig) -> dict[str, Any]:
         raise UserError(f"export.dir={out} cannot be created ({err.strerror}): choose another export.dir") from err
     if not os.access(out, os.W_OK):
         raise UserError(f"{out} is not writable: pass export.dir=DIR for the exported files")
-    run_cfg, config_file = run_config(path) if not remote else (None, None)
+    _, config_file = run_config(path) if not remote else (None, None)  # for its digest (data_to_test reads its data)
     data_cfg, _ = data_to_test(cfg.data, given, data_given())
     images, data_name = validation_images(data_cfg, cfg.export) if cfg.export.validate else (None, None)
     net = Normalised(model.net).eval()
