@@ -10,7 +10,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from src.checkpoints import object_store
-from src.cli.entry import data_given, handle_errors, run
+from src.cli.entry import data_overrides, handle_errors, run
 from src.core import startup
 from src.core.errors import UserError
 from src.launch.ranks import start_local_ranks
@@ -40,7 +40,7 @@ def main(cfg: DictConfig) -> dict[str, float]:
     checkpoint = read_checkpoint(path, trusted=cfg.ckpt_trusted)
     # every device by default: the test shards count each image once at any world size
     supervision.track(*start_local_ranks(cfg.strategy))
-    data, data_name = data_to_test(cfg.data, cfg.ckpt_path, data_given())
+    data, data_name = data_to_test(cfg.data, cfg.ckpt_path, *data_overrides())
     with open_dict(cfg):
         cfg.data = data  # config.yaml records the data tested
     datamodule = instantiate(cfg.data)

@@ -18,7 +18,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from src.checkpoints import object_store
-from src.cli.entry import data_given, handle_errors, run
+from src.cli.entry import data_overrides, handle_errors, run
 from src.core import startup
 from src.core.errors import UserError, check_number, require, whole
 
@@ -97,7 +97,7 @@ def main(cfg: DictConfig) -> dict[str, Any]:
     if not os.access(out, os.W_OK):
         raise UserError(f"{out} is not writable: pass export.dir=DIR for the exported files")
     _, config_file = run_config(path) if not remote else (None, None)  # for its digest (data_to_test reads its data)
-    data_cfg, _ = data_to_test(cfg.data, given, data_given())
+    data_cfg, _ = data_to_test(cfg.data, given, *data_overrides())
     images, data_name = validation_images(data_cfg, cfg.export) if cfg.export.validate else (None, None)
     net = Normalised(model.net).eval()
     reference = logits_of(net, images, cfg.export.batch_size) if images is not None else None

@@ -303,3 +303,25 @@ def test_the_next_job_of_a_sweep_starts_without_the_previous_jobs_model(tmp_path
         -4000:
     ]
     assert json.loads((sweep_dir / "1" / "alive.json").read_text()) == {"alive": 1}
+
+
+def test_a_sweep_of_eval_export_or_predict_counts_only_its_failed_jobs_and_writes_no_scaling_report(tmp_path, capsys):
+    """Before: `python -m src.eval -m ... data.batch_size=16,32` ended "error: 2 of 2 jobs failed: no throughput.json"
+    with exit 1 after both jobs passed: the scaling report looked for the training's record in every sweep."""
+    from omegaconf import OmegaConf
+
+    from src.sweeps.sweep import ScalingReport
+
+    for num in (0, 1):
+        (tmp_path / str(num) / ".hydra").mkdir(parents=True)
+        (tmp_path / str(num) / "test_metrics.json").write_text("{}")
+    config = OmegaConf.create(
+        {"hydra": {"runtime": {"choices": {}}, "sweep": {"dir": str(tmp_path)}, "job": {"name": "eval"}}}
+    )
+    ScalingReport().on_multirun_end(config)  # both passed: no line, no exit, no scaling.md
+    assert capsys.readouterr().err == "" and not (tmp_path / "scaling.md").exists()
+    (tmp_path / "1" / "failure.json").write_text(json.dumps({"job": 1, "error": "images=x.png does not exist"}))
+    with pytest.raises(SystemExit) as ended:
+        ScalingReport().on_multirun_end(config)
+    assert ended.value.code == 1
+    assert capsys.readouterr().err == "error: 1 of 2 jobs failed: job 1: images=x.png does not exist\n"

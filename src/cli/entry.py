@@ -262,9 +262,10 @@ def overridden_keys() -> set[str]:
     return {o.split("=", 1)[0].lstrip("+~") for o in overrides}
 
 
-def data_given() -> bool:
-    """Whether the command line chose the data (``data=...`` or any ``data.*``)."""
-    return "data" in {key.split(".")[0] for key in overridden_keys()}
+def data_overrides() -> tuple[bool, list[str]]:
+    """Whether the command line chose the data group (``data=...``), and the ``data.*`` keys it set."""
+    keys = overridden_keys()
+    return "data" in keys, sorted(key for key in keys if key.startswith("data."))
 
 
 def _resolve_all(cfg: Any) -> None:

@@ -53,15 +53,26 @@ def run_config(ckpt_path: Path) -> tuple[DictConfig | None, Path | None]:
 DATAMODULES = {"src.data.cifar10.CIFAR10DataModule": "cifar10", "src.data.synthetic.SyntheticDataModule": "synthetic"}
 
 
-def data_to_test(data_cfg: DictConfig, ckpt_path: str | Path, data_given: bool) -> tuple[DictConfig, str]:
+def data_to_test(
+    data_cfg: DictConfig, ckpt_path: str | Path, group_given: bool, keys: list[str]
+) -> tuple[DictConfig, str]:
     """The data src.eval and src.export test a checkpoint on, and its name for their lines: the data of the run that
     wrote the checkpoint (its config.yaml: a run of ``data=synthetic`` or of another ``data.root`` is tested on its
-    own test images, wherever the command starts), unless the command line gives ``data=`` or ``data.*``, or no
-    config of the run is found (an ``s3://`` checkpoint, a file moved out of its run dir): then ``data_cfg``."""
-    run_cfg, config_file = (None, None) if data_given or object_store.is_url(ckpt_path) else run_config(Path(ckpt_path))
+    own test images, wherever the command starts), with the command line's ``data.*`` ``keys`` set on it
+    (``data.batch_size=64``); ``data_cfg``, the command line's, where it chose the group (``group_given``:
+    ``data=cifar10``) or no config of the run is found (an ``s3://`` checkpoint, a file moved out of its run dir)."""
+    run_cfg, config_file = (
+        (None, None) if group_given or object_store.is_url(ckpt_path) else run_config(Path(ckpt_path))
+    )
     if run_cfg is None:
         return data_cfg, ""
-    return run_cfg.data, f"the run's data={DATAMODULES[run_cfg.data._target_]} ({config_file})"
+    data = run_cfg.data
+    for key in keys:  # data.batch_size: the command line's value, on the run's data
+        inner = key.split(".", 1)[1]
+        OmegaConf.update(data, inner, OmegaConf.select(data_cfg, inner), force_add=True)
+    given = [f"{key}={OmegaConf.select(data_cfg, key.split('.', 1)[1])}" for key in keys]
+    changed = f" with {', '.join(given)}" if given else ""
+    return data, f"the run's data={DATAMODULES[data._target_]}{changed} ({config_file})"
 
 
 def _plain_data(data: Any) -> bool:
