@@ -140,6 +140,12 @@ def test_ids_count_within_cuda_visible_devices_and_one_beyond_them_is_one_line(g
             "trainer.devices=0,1 lists GPU ids, but this run is on the CPU (trainer.accelerator=cpu, CUDA "
             "available: True): give a number of processes instead, e.g. trainer.devices=2",
         ),
+        (  # before: taken as 2 here, then Lightning's InstantiationException in every rank
+            "cpu",
+            2.5,
+            "trainer.devices=2.5 is not a whole number: give a count >= 1, -1 or auto for all devices, or a list of "
+            "GPU ids",
+        ),
     ],
 )
 def test_impossible_gpu_choices_are_one_line_naming_the_key(gpus, accelerator, devices, message):

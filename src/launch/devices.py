@@ -72,9 +72,11 @@ def local_device_count(accelerator: str, devices: Any) -> int:
         return torch.cuda.device_count() if uses_cuda(accelerator) else 1
     try:
         count = int(devices)
+        if isinstance(devices, float) and devices != count:  # int() took 2.5 for 2, which Lightning then refused
+            raise ValueError
     except (TypeError, ValueError):
         raise UserError(
-            f"trainer.devices={devices} is not a number: give a count >= 1, "
+            f"trainer.devices={devices} is not a whole number: give a count >= 1, "
             "-1 or auto for all devices, or a list of GPU ids"
         ) from None
     if count < 1 or isinstance(devices, bool):
