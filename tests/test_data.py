@@ -103,6 +103,8 @@ def test_val_size_that_leaves_nothing_to_train_on_is_a_user_error(cifar_root):
         {"max_batch_size": 0},
         {"num_workers": -1},
         {"num_workers": True},  # before: taken as 1 worker
+        {"augment": "maybe"},  # before: taken as true
+        {"pin_memory": "maybe"},
     ],
 )
 def test_a_count_of_the_datamodule_out_of_its_range_is_a_user_error_naming_it(values):

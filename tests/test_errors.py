@@ -405,6 +405,9 @@ def test_hydras_rejections_become_one_line_naming_the_override(override, words, 
         *(("max_epochs", v, 1) for v in (-1, 0, -5, "abc", 2.5, True)),
         *(("deterministic", v, g) for v, g in (("maybe", "warn"), (1, True), ("yes", False))),
         *(("accumulate_grad_batches", v, 2) for v in (0, -1, 1.5, True)),
+        # max_steps=0 trained nothing and tested the first weights; a negative clip flipped every gradient
+        *(("max_steps", v, g) for v, g in ((0, -1), (-2, 5), (2.5, 10))),
+        *(("gradient_clip_val", v, g) for v, g in ((-1, 0.5), ("abc", None))),
     ],
 )
 def test_trainer_values_lightning_misreads_or_takes_silently_are_refused_naming_the_key(key, bad, good):

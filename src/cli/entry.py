@@ -236,6 +236,19 @@ def check_trainer_settings(trainer_cfg: Any) -> None:
             f"trainer.deterministic={deterministic} is not known: true (deterministic kernels only), warn (a warning "
             "where one has none) or false"
         )
+    max_steps = trainer_cfg.get("max_steps", -1)
+    if max_steps != -1:  # Lightning's -1: the epochs decide; 0 trained nothing and tested the first weights
+        check_number(
+            "trainer.max_steps", max_steps, whole(1), "-1 (trainer.max_epochs decides) or a whole number of steps >= 1"
+        )
+    # a negative clip value flips every gradient in torch's clip_grad_norm_ (its scale is clip / norm) and trains away
+    check_number(
+        "trainer.gradient_clip_val",
+        trainer_cfg.get("gradient_clip_val"),
+        lambda v: v >= 0,
+        "a number >= 0 (the largest gradient norm, or value), or null for no clipping",
+        optional=True,
+    )
     check_number(
         "trainer.accumulate_grad_batches",
         trainer_cfg.get("accumulate_grad_batches", 1),

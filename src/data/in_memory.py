@@ -147,6 +147,10 @@ class InMemoryImageDataModule(L.LightningDataModule):
         check_number("data.max_batch_size", max_batch_size, whole(1), "a whole number >= 1")
         if num_workers != "auto":
             check_number("data.num_workers", num_workers, whole(0), "auto or a whole number >= 0")
+        if not isinstance(augment, bool):  # before: any value taken as its truth (augment=maybe: on)
+            raise UserError(f"data.augment={augment} must be true or false")
+        if pin_memory != "auto" and not isinstance(pin_memory, bool):
+            raise UserError(f"data.pin_memory={pin_memory} must be true, false or auto")
         if pipeline not in PIPELINES:
             raise UserError(f"data.pipeline={pipeline} is not known: choose one of {', '.join(PIPELINES)}")
         fraction = isinstance(val_size, float) and 0 < val_size < 1
