@@ -321,6 +321,12 @@ def test_export_and_predict_under_a_launcher_of_several_processes_are_refused_on
     for key in ("RANK", "WORLD_SIZE"):
         monkeypatch.delenv(key, raising=False)
     check_one_process("export")  # no launcher
+    # a Slurm batch script of a 4-task allocation is one process (some Slurm versions name its step "batch")
+    for step in ({}, {"SLURM_STEP_ID": "batch"}, {"SLURM_STEP_ID": "4294967294"}):
+        with monkeypatch.context() as batch:
+            for key, value in {"SLURM_JOB_ID": "7", "SLURM_PROCID": "0", "SLURM_NTASKS": "4", **step}.items():
+                batch.setenv(key, value)
+            check_one_process("export")
     other = logging.FileHandler(tmp_path / "other.log")  # an empty log outside the run dir (or /dev/null) stays
     logging.getLogger().addHandler(other)
     request.addfinalizer(lambda: (logging.getLogger().removeHandler(other), other.close()))

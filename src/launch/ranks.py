@@ -302,12 +302,12 @@ def launched_processes() -> tuple[str, int] | None:
     """The launcher that started this process as one of several (srun's tasks, torchrun's workers, mpirun's ranks)
     and how many it started, if one did."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if "TORCHELASTIC_RUN_ID" in os.environ and world > 1:
+    if torchrun.active() and world > 1:
         return "torchrun", world
-    tasks = int(os.environ.get("SLURM_NTASKS", "1"))
-    if "SLURM_STEP_ID" in os.environ and "SLURM_PROCID" in os.environ and tasks > 1:
+    tasks = int(os.environ.get("SLURM_NTASKS", "1"))  # an srun step's, not the batch script's (one process)
+    if "SLURM_PROCID" in os.environ and not in_slurm_batch_script() and tasks > 1:
         return "srun", tasks
-    size = next((int(os.environ[key]) for key in MPI_SIZES if key in os.environ), 1)
+    size = int(mpi_world_size() or 1)
     return ("mpirun", size) if size > 1 else None
 
 
