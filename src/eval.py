@@ -32,7 +32,7 @@ def main(cfg: DictConfig) -> dict[str, float]:
 
     from src.checkpoints.files import read_checkpoint
     from src.checkpoints.resume import model_from
-    from src.serving.formats import data_to_test
+    from src.serving.formats import data_to_test, run_config_of
     from src.training.trainer import build_trainer, describe_checkpoint, record_config, test_summary
 
     startup.resume()  # loaded: the garbage collector on again (src/core/startup.py)
@@ -40,7 +40,7 @@ def main(cfg: DictConfig) -> dict[str, float]:
     checkpoint = read_checkpoint(path, trusted=cfg.ckpt_trusted)
     # every device by default: the test shards count each image once at any world size
     supervision.track(*start_local_ranks(cfg.strategy))
-    data, data_name = data_to_test(cfg.data, cfg.ckpt_path, *data_overrides())
+    data, data_name = data_to_test(cfg.data, *run_config_of(cfg.ckpt_path), *data_overrides())
     with open_dict(cfg):
         cfg.data = data  # config.yaml records the data tested
     datamodule = instantiate(cfg.data)

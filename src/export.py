@@ -78,7 +78,7 @@ def main(cfg: DictConfig) -> dict[str, Any]:
         validation_images,
         write_record,
     )
-    from src.serving.formats import Normalised, data_to_test, load_classifier, run_config
+    from src.serving.formats import Normalised, data_to_test, load_classifier, run_config_of
 
     startup.resume()  # loaded: the garbage collector on again (src/core/startup.py)
     formats = chosen_formats(cfg.format)
@@ -96,8 +96,8 @@ def main(cfg: DictConfig) -> dict[str, Any]:
         raise UserError(f"export.dir={out} cannot be created ({err.strerror}): choose another export.dir") from err
     if not os.access(out, os.W_OK):
         raise UserError(f"{out} is not writable: pass export.dir=DIR for the exported files")
-    _, config_file = run_config(path) if not remote else (None, None)  # for its digest (data_to_test reads its data)
-    data_cfg, _ = data_to_test(cfg.data, given, *data_overrides())
+    run_cfg, config_file = run_config_of(given)
+    data_cfg, _ = data_to_test(cfg.data, run_cfg, config_file, *data_overrides())
     images, data_name = validation_images(data_cfg, cfg.export) if cfg.export.validate else (None, None)
     net = Normalised(model.net).eval()
     reference = logits_of(net, images, cfg.export.batch_size) if images is not None else None

@@ -237,26 +237,29 @@ def test_an_opset_the_exporter_does_not_write_is_one_line_not_another_opset(tmp_
 
 
 def test_eval_and_export_use_the_runs_data_with_the_command_lines_data_values_unless_it_chose_the_group(tmp_path):
-    from src.serving.formats import data_to_test
+    from src.serving.formats import data_to_test, run_config_of
+
+    def tested(ckpt, group_given, keys):  # as src.eval and src.export ask
+        return data_to_test(given, *run_config_of(ckpt), group_given, keys)
 
     given = OmegaConf.create({"_target_": "src.data.cifar10.CIFAR10DataModule", "root": "data", "batch_size": 64})
     (tmp_path / "checkpoints").mkdir()
     ckpt = tmp_path / "checkpoints" / "last.ckpt"
-    assert data_to_test(given, ckpt, False, []) == (given, "")  # no config.yaml beside it
+    assert tested(ckpt, False, []) == (given, "")  # no config.yaml beside it
     (tmp_path / "config.yaml").write_text(
         "data:\n  _target_: src.data.synthetic.SyntheticDataModule\n  num_test: 8\n  batch_size: 4\n"
     )
-    data, name = data_to_test(given, ckpt, False, [])
+    data, name = tested(ckpt, False, [])
     assert (data.num_test, data.batch_size) == (
         8,
         4,
     ) and name == f"the run's data=synthetic ({tmp_path / 'config.yaml'})"
     # data.batch_size=64 on the command line: the run's data, at that batch size (not the command line's CIFAR-10)
-    data, name = data_to_test(given, ckpt, False, ["data.batch_size"])
+    data, name = tested(ckpt, False, ["data.batch_size"])
     assert (data._target_, data.num_test, data.batch_size) == ("src.data.synthetic.SyntheticDataModule", 8, 64)
     assert name == f"the run's data=synthetic with data.batch_size=64 ({tmp_path / 'config.yaml'})"
-    assert data_to_test(given, ckpt, True, ["data.batch_size"]) == (given, "")  # data=cifar10: the command line's
-    assert data_to_test(given, "s3://bucket/run/last.ckpt", False, []) == (given, "")
+    assert tested(ckpt, True, ["data.batch_size"]) == (given, "")  # data=cifar10: the command line's
+    assert tested("s3://bucket/run/last.ckpt", False, []) == (given, "")
 
 
 def test_a_full_export_dir_is_one_line_naming_the_file_and_what_was_kept(tmp_path):

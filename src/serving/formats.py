@@ -53,25 +53,26 @@ def run_config(ckpt_path: Path) -> tuple[DictConfig | None, Path | None]:
 DATAMODULES = {"src.data.cifar10.CIFAR10DataModule": "cifar10", "src.data.synthetic.SyntheticDataModule": "synthetic"}
 
 
+def run_config_of(ckpt_path: str | Path) -> tuple[DictConfig | None, Path | None]:
+    """``run_config`` of a local checkpoint; (None, None) for an ``s3://`` one, whose run dir is not at hand."""
+    return (None, None) if object_store.is_url(ckpt_path) else run_config(Path(ckpt_path))
+
+
 def data_to_test(
-    data_cfg: DictConfig, ckpt_path: str | Path, group_given: bool, keys: list[str]
+    data_cfg: DictConfig, run_cfg: DictConfig | None, config_file: Path | None, group_given: bool, keys: list[str]
 ) -> tuple[DictConfig, str]:
     """The data src.eval and src.export test a checkpoint on, and its name for their lines: the data of the run that
-    wrote the checkpoint (its config.yaml: a run of ``data=synthetic`` or of another ``data.root`` is tested on its
-    own test images, wherever the command starts), with the command line's ``data.*`` ``keys`` set on it
-    (``data.batch_size=64``); ``data_cfg``, the command line's, where it chose the group (``group_given``:
-    ``data=cifar10``) or no config of the run is found (an ``s3://`` checkpoint, a file moved out of its run dir)."""
-    run_cfg, config_file = (
-        (None, None) if group_given or object_store.is_url(ckpt_path) else run_config(Path(ckpt_path))
-    )
-    if run_cfg is None:
+    wrote the checkpoint (``run_cfg`` from its ``config_file``: a run of ``data=synthetic`` or of another
+    ``data.root`` is tested on its own test images, wherever the command starts), with the command line's ``data.*``
+    ``keys`` set on it (``data.batch_size=64``); ``data_cfg``, the command line's, where it chose the group
+    (``group_given``: ``data=cifar10``) or no config of the run was found (``run_config_of``)."""
+    if group_given or run_cfg is None:
         return data_cfg, ""
     data = run_cfg.data
-    for key in keys:  # data.batch_size: the command line's value, on the run's data
-        inner = key.split(".", 1)[1]
-        OmegaConf.update(data, inner, OmegaConf.select(data_cfg, inner), force_add=True)
-    given = [f"{key}={OmegaConf.select(data_cfg, key.split('.', 1)[1])}" for key in keys]
-    changed = f" with {', '.join(given)}" if given else ""
+    given = {key: OmegaConf.select(data_cfg, key.split(".", 1)[1]) for key in keys}
+    for key, value in given.items():  # data.batch_size: the command line's value, on the run's data
+        OmegaConf.update(data, key.split(".", 1)[1], value, force_add=True)
+    changed = f" with {', '.join(f'{key}={value}' for key, value in given.items())}" if given else ""
     return data, f"the run's data={DATAMODULES[data._target_]}{changed} ({config_file})"
 
 
