@@ -119,7 +119,8 @@ def handle_errors(task: Callable[..., Any]) -> Callable[..., Any]:
         heartbeat.register_stack_dump(supervision.rank_label())  # kill -USR2 PID: this process's stacks to its log
         try:
             check_group_choices()
-            if cfg.get("trainer") is None:  # src.export, src.predict: one process, whichever launcher started it
+            trains = cfg.get("trainer") is not None  # src.export, src.predict: no trainer, one process
+            if not trains:  # whichever launcher started it
                 ranks.check_one_process(cfg.task_name)
             elif torchrun.active():  # its process counts; a worker never outlives its agent
                 supervision.watch_launcher(
@@ -131,7 +132,7 @@ def handle_errors(task: Callable[..., Any]) -> Callable[..., Any]:
                 torchrun.adopt(cfg, overridden_keys())
             # every torchrun attempt resumes (torchrun does not count the restart it makes when a node joins: a worker
             # cannot tell that attempt from a first start), and so does a sweep's job run again
-            if cfg.get("trainer") is not None and (torchrun.active() or ranks.in_sweep()):
+            if trains and (torchrun.active() or ranks.in_sweep()):
                 from src.checkpoints.resume import resume_own_run_dir  # loads torch, as the run does next
 
                 resume_own_run_dir(cfg)
