@@ -10,6 +10,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -406,3 +407,58 @@ def test_a_rank_whose_launcher_died_before_its_watch_began_ends_at_once_naming_i
     assert time.monotonic() - began < 20, out  # not its 30 s of sleep
     assert f"error: rank 1: the process that launched it (pid {proc.pid}) died; this rank stopped too" in out, out
     assert "below: None" in out
+
+
+class _Pipe:
+    """Where a rank's stdout and stderr meet, as in a launcher's pipe: one list of writes. ``pauses``: the first write
+    that starts with each text makes its writer wait that many seconds after it (the moment another thread's write
+    would land); ``paused``: the first such write happened."""
+
+    def __init__(self, pauses: dict[str, float]) -> None:
+        self.writes: list[str] = []
+        self.pauses = dict(pauses)
+        self.paused = threading.Event()
+
+    def write(self, text: str) -> int:
+        self.writes.append(text)
+        pause = next((p for p in self.pauses if text.startswith(p)), None)
+        if pause is not None:
+            self.paused.set()
+            time.sleep(self.pauses.pop(pause))
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+    def isatty(self) -> bool:
+        return False
+
+
+def test_a_failures_line_is_a_line_of_its_own_while_the_progress_bar_draws_its_last(monkeypatch):
+    """Seen under the suite's load: a rank's failure watch printed ``error: ...`` while its main thread's progress bar
+    drew its last (in a pipe, the bar's text and its newline are two writes): the line was glued to the bar, and a
+    reader of ``error:`` lines (tests/test_hangs.py's, a user's grep) found none. Here the failure's newline and its
+    line have a pause between them, the bar begins to stop in that pause, and its text and newline have a longer one:
+    the bar waits for the console, or its text would land between the failure's newline and its line."""
+    from lightning.pytorch.callbacks.progress.rich_progress import CustomProgress
+    from rich.console import Console
+
+    from src.callbacks.progress import ProgressBar
+    from src.resilience import supervision
+
+    pipe = _Pipe({"\n": 0.3, "Epoch": 0.6})
+    monkeypatch.setattr(sys, "stderr", pipe)
+    monkeypatch.setattr(supervision, "OPEN_LINES", [])
+    bar = ProgressBar()
+    assert len(supervision.OPEN_LINES) == 1
+    bar.progress = CustomProgress(*bar.configure_columns(None), console=Console(file=pipe), auto_refresh=False)
+    bar.progress.start()
+    bar.progress.add_task("Epoch 0/0", total=225, completed=4)
+    saying = threading.Thread(target=supervision.say_error, args=("rank 1 made no progress",))
+    saying.start()
+    assert pipe.paused.wait(10)  # the newline before the failure's line is out, its line not yet
+    bar._stop_progress()
+    saying.join(10)
+    out = "".join(pipe.writes)
+    assert "\nerror: rank 1 made no progress\n" in out, repr(out)
+    assert any(line.startswith("Epoch 0/0") and "4/225" in line for line in out.splitlines()), repr(out)

@@ -9,7 +9,7 @@ from typing import Any, Sequence
 import lightning as L
 from lightning.pytorch.callbacks import RichProgressBar
 
-from src.core.errors import check_number
+from src.core.errors import check_number, console_turn
 from src.resilience import supervision
 
 
@@ -37,6 +37,12 @@ class ProgressBar(RichProgressBar):
         supervision.OPEN_LINES[:] = [
             lambda: (b := bar()) is not None and b.progress is not None and not b._progress_stopped
         ]
+
+    def _stop_progress(self) -> None:
+        # its last drawing (where the console is no terminal: the bar's text, then its newline, in two writes) in the
+        # console's turn, so a failure's line that another thread prints at that moment comes before it or after it
+        with console_turn():
+            super()._stop_progress()
 
     def get_metrics(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, Any]:
         """Lightning's values (logged with prog_bar=True), and ``step_values``: per-step values logged without it,

@@ -6,12 +6,14 @@ status) is src/resilience/failure.py's; how the processes of a run stop together
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import errno
 import os
 import re
 import sys
-from typing import Any, Callable, NoReturn
+import threading
+from typing import Any, Callable, Iterator, NoReturn
 
 EXIT_FAILED = 1  # the run failed: a rank died or raised, the run dir could not be written
 EXIT_USER_ERROR = 2  # a mistake in the command line, config, data or environment, found before training
@@ -189,12 +191,33 @@ def one_line(message: str) -> str:
     return " ".join(line.strip() for line in message.splitlines() if line.strip())
 
 
+# The console's turn: one thread's lines at a time. A progress bar's last drawing (rich, where stdout is unbuffered)
+# is its text and its newline in two writes, and a failure's line another thread printed between them was glued to
+# the bar, where a reader (or grep) of ``error:`` lines missed it.
+_CONSOLE = threading.RLock()
+os.register_at_fork(after_in_child=lambda: globals().update(_CONSOLE=threading.RLock()))  # a fork's is its own
+CONSOLE_WAIT_S = 5.0  # a thread that holds the turn longer (stuck on a full pipe) no longer keeps it
+
+
+@contextlib.contextmanager
+def console_turn() -> Iterator[None]:
+    """Hold the console: lines written inside go out together, none of another thread's between them."""
+    held = _CONSOLE.acquire(timeout=CONSOLE_WAIT_S)
+    try:
+        yield
+    finally:
+        if held:
+            _CONSOLE.release()
+
+
 def print_line(text: str) -> None:
-    """``text`` and its newline on stderr in one write. ``print`` writes them apart where stderr is unbuffered
-    (``PYTHONUNBUFFERED``, ``python -u``): a launcher's SIGTERM between the two left a line without its end, and the
-    launcher's own output glued to it. One write of a line to a pipe is also never cut by another rank's."""
-    sys.stderr.write(text + "\n")
-    sys.stderr.flush()
+    """``text`` and its newline on stderr in one write, in the console's turn. ``print`` writes them apart where
+    stderr is unbuffered (``PYTHONUNBUFFERED``, ``python -u``): a launcher's SIGTERM between the two left a line
+    without its end, and the launcher's own output glued to it. One write of a line to a pipe is also never cut by
+    another rank's."""
+    with console_turn():
+        sys.stderr.write(text + "\n")
+        sys.stderr.flush()
 
 
 def report(message: str) -> NoReturn:

@@ -52,7 +52,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, NoReturn, Sequence
 
-from src.core.errors import EXIT_FAILED, EXIT_USER_ERROR, print_line
+from src.core.errors import EXIT_FAILED, EXIT_USER_ERROR, console_turn, print_line
 from src.launch import torchrun
 from src.launch.ranks import in_sweep, launcher_rank
 from src.resilience.node_board import NodeBoard
@@ -987,6 +987,15 @@ def _let_the_failing_rank_speak(wait_s: float = SPEAK_WAIT_S) -> None:
                 proc.wait(timeout=wait_s)
 
 
+def say_error(line: str) -> None:
+    """``error: line``, a line of its own: after a newline where a progress bar's line is open, and never between a
+    bar's last text and its newline, which the bar's stop writes in the console's turn (src/callbacks/progress.py)."""
+    with console_turn():
+        if any(open_line() for open_line in OPEN_LINES):  # a progress bar's line, still being drawn
+            print(file=sys.stderr, flush=True)
+        print_line(f"error: {line}")
+
+
 def end_run(
     line: str | None, code: int, publish: bool = True, dead: int = 0, stuck: dict[str, Any] | None = None
 ) -> NoReturn:
@@ -1007,9 +1016,7 @@ def end_run(
         HANGS.close()
     first = FAILURES.publish(line, code, dead + bool(stuck), stuck) if publish and FAILURES is not None else True
     if line and first:
-        if any(open_line() for open_line in OPEN_LINES):  # a progress bar's line, still being drawn
-            print(file=sys.stderr, flush=True)
-        print_line(f"error: {line}")
+        say_error(line)
     kill_stuck(stuck)
     if FAILURES is not None:  # on CUDA, NCCL's flight recorder: this rank's last collectives, into the run dir
         from src.resilience import heartbeat
