@@ -247,7 +247,8 @@ def test_trainer_builds_from_the_composed_config(tmp_path):
 def test_logger_none_and_callbacks_none_build_trainers_that_keep_their_promise(tmp_path):
     """logger=none: before, LearningRateMonitor refused the fit ("Cannot use LearningRateMonitor callback with
     Trainer that has no logger", exit 2). callbacks=none ("no checkpoints either"): before, Lightning added its own
-    ModelCheckpoint, writing into tensorboard/checkpoints/."""
+    ModelCheckpoint, writing into tensorboard/checkpoints/, and its own progress bar, as callbacks.progress_bar=null
+    did."""
     from lightning.pytorch.callbacks import LearningRateMonitor
 
     from src.training.trainer import build_trainer
@@ -260,6 +261,14 @@ def test_logger_none_and_callbacks_none_build_trainers_that_keep_their_promise(t
     assert build_trainer(cfg, cfg.model.arch).checkpoint_callbacks == []
     cfg = make_cfg(tmp_path, "trainer.accelerator=cpu", "callbacks=none", "+trainer.enable_checkpointing=true")
     assert len(build_trainer(cfg, cfg.model.arch).checkpoint_callbacks) == 1  # asked for: Lightning's own
+    # no progress bar either (Lightning's reads every logged value after every step); asked for, Lightning's
+    assert type(trainer.progress_bar_callback).__name__ == "ProgressBar"
+    for none in ("callbacks=none", "callbacks.progress_bar=null"):
+        cfg = make_cfg(tmp_path, "trainer.accelerator=cpu", none)
+        assert build_trainer(cfg, cfg.model.arch).progress_bar_callback is None
+    asked = "+trainer.enable_progress_bar=true"
+    cfg = make_cfg(tmp_path, "trainer.accelerator=cpu", "callbacks.progress_bar=null", asked)
+    assert type(build_trainer(cfg, cfg.model.arch).progress_bar_callback).__name__ == "RichProgressBar"
 
 
 @pytest.mark.parametrize(

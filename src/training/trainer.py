@@ -17,7 +17,7 @@ from lightning.fabric.plugins.environments import (
     SLURMEnvironment,
     TorchElasticEnvironment,
 )
-from lightning.pytorch.callbacks import Checkpoint, LearningRateMonitor
+from lightning.pytorch.callbacks import Checkpoint, LearningRateMonitor, ProgressBar
 from omegaconf import DictConfig, OmegaConf
 
 from src.checkpoints.files import AtomicCheckpointIO, read_checkpoint
@@ -101,6 +101,11 @@ def build_trainer(cfg: DictConfig, arch: str) -> L.Trainer:
     if "enable_checkpointing" not in cfg.trainer and not any(isinstance(c, Checkpoint) for c in callbacks):
         # callbacks=none means no checkpoints: Lightning would add its own ModelCheckpoint, into the logger's folder
         choices["enable_checkpointing"] = False
+    if "enable_progress_bar" not in cfg.trainer and not any(isinstance(c, ProgressBar) for c in callbacks):
+        # callbacks.progress_bar=null (or callbacks=none) means no bar: Lightning would add its own, which reads every
+        # logged value after every step (on a GPU, a wait for the device at each); +trainer.enable_progress_bar=true
+        # still asks for that one
+        choices["enable_progress_bar"] = False
     plugins = [AtomicCheckpointIO()]
     if ranks_started_here_under_slurm():  # a sweep's jobs in a batch script: local ranks, as on a workstation
         plugins.append(LightningEnvironment())
