@@ -462,3 +462,32 @@ def test_a_failures_line_is_a_line_of_its_own_while_the_progress_bar_draws_its_l
     out = "".join(pipe.writes)
     assert "\nerror: rank 1 made no progress\n" in out, repr(out)
     assert any(line.startswith("Epoch 0/0") and "4/225" in line for line in out.splitlines()), repr(out)
+
+
+def test_a_forked_child_has_its_own_console_turn_while_its_parents_is_held_by_another_thread():
+    """A warm start, or a spare rank, is a fork; a turn its parent's other thread held at that moment would have kept
+    the child's every line waiting CONSOLE_WAIT_S."""
+    from src.core.errors import console_turn
+
+    held, done = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with console_turn():
+            held.set()
+            done.wait(30)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        assert held.wait(10)
+        pid = os.fork()
+        if pid == 0:
+            start = time.monotonic()
+            with console_turn():
+                pass
+            os._exit(0 if time.monotonic() - start < 1 else 1)
+        _, status = os.waitpid(pid, 0)
+    finally:
+        done.set()
+        holder.join()
+    assert os.waitstatus_to_exitcode(status) == 0

@@ -195,8 +195,16 @@ def one_line(message: str) -> str:
 # is its text and its newline in two writes, and a failure's line another thread printed between them was glued to
 # the bar, where a reader (or grep) of ``error:`` lines missed it.
 _CONSOLE = threading.RLock()
-os.register_at_fork(after_in_child=lambda: globals().update(_CONSOLE=threading.RLock()))  # a fork's is its own
 CONSOLE_WAIT_S = 5.0  # a thread that holds the turn longer (stuck on a full pipe) no longer keeps it
+
+
+def _console_of_its_own() -> None:
+    """A forked child's: the thread that held its parent's turn at the fork does not exist there to give it back."""
+    global _CONSOLE
+    _CONSOLE = threading.RLock()
+
+
+os.register_at_fork(after_in_child=_console_of_its_own)
 
 
 @contextlib.contextmanager
