@@ -22,6 +22,8 @@ from pathlib import Path
 
 BUCKET = "runs"
 KEY, SECRET = "cifar10-ddp-tests", "not-a-secret-of-anyone-0123456789"
+# a key that may read and list but not write (a token a store's admin made read-only, or one cut back mid-run)
+READER_KEY, READER_SECRET = "cifar10-ddp-reader", "not-a-secret-of-anyone-reader-0123"
 # weed mini's servers: master, volume, filer, s3, admin; each also listens on its port + 10000 (gRPC)
 PORTS = 5
 GRPC_OFFSET = 10000
@@ -115,7 +117,12 @@ def start(folder: Path, ports: list[int] | None = None, timeout_s: float = 60, w
                         "name": "tests",
                         "credentials": [{"accessKey": KEY, "secretKey": SECRET}],
                         "actions": ["Admin", "Read", "Write", "List", "Tagging"],
-                    }
+                    },
+                    {
+                        "name": "reader",
+                        "credentials": [{"accessKey": READER_KEY, "secretKey": READER_SECRET}],
+                        "actions": ["Read", "List"],
+                    },
                 ]
             }
         )

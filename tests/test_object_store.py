@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from tests.conftest import FAST, output, run_module, train
-from tests.s3server import SECRET, start
+from tests.s3server import READER_KEY, READER_SECRET, SECRET, start
 from tests.test_checkpoints import EXACT, assert_same_training, small_disk  # noqa: F401 - the fixture: a tmpfs
 
 # EXACT, shorter: 2 epochs of 6 steps, last.ckpt every 2 (a save to the store is the slow part here)
@@ -83,6 +83,8 @@ def test_a_ddp_run_writes_its_checkpoints_to_the_store_and_no_secret_anywhere(un
     url, run_dir, result = uninterrupted
     names = store.names(url)
     assert names[1:] == ["last.ckpt", "last.prev.ckpt"] and names[0].startswith("best-epoch001-"), names
+    everything = [p.rsplit("/", 1)[1] for p in store.fs.ls(url.split("://")[1], refresh=True)]
+    assert sorted(everything) == names  # nothing else: the start's write check took its object back
     assert store.load(f"{url}/last.ckpt")["global_step"] == 12
     assert store.load(f"{url}/last.prev.ckpt")["global_step"] == 10  # the generation before, kept
     assert not (run_dir / "checkpoints").exists()  # the run dir keeps the logs, the lock and the config
@@ -185,12 +187,24 @@ def test_a_truncated_last_ckpt_is_passed_over_and_the_checkpoint_resumed_from_is
     "env, url, said",
     [
         ({"AWS_SECRET_ACCESS_KEY": "not-the-key"}, "runs/x", "the store refused the credentials"),
+        (
+            {"AWS_ACCESS_KEY_ID": READER_KEY, "AWS_SECRET_ACCESS_KEY": READER_SECRET},
+            "runs/x",
+            "cannot write there: the store refused the credentials",
+        ),
         ({}, "no-such-bucket/x", "the bucket no-such-bucket does not exist"),
         ({"AWS_ENDPOINT_URL": "http://127.0.0.1:9"}, "runs/x", "the store at http://127.0.0.1:9 cannot be reached"),
         ({}, "key:secret@runs/x", "the URL holds credentials"),
         ({}, "", "only s3:// URLs are supported"),
     ],
-    ids=["wrong credentials", "no bucket", "unreachable", "credentials in the URL", "another scheme"],
+    ids=[
+        "wrong credentials",
+        "a key that may only read",
+        "no bucket",
+        "unreachable",
+        "credentials in the URL",
+        "another scheme",
+    ],
 )
 def test_a_store_that_cannot_work_is_one_line_before_any_rank_trains(env, url, said, s3_store, tmp_path):
     where = f"s3://{url}" if url else "gs://runs/x"
@@ -230,6 +244,32 @@ def test_the_server_stopped_mid_run_is_one_line_and_the_checkpoint_before_stays_
         assert store.load(f"{url}/last.ckpt")["global_step"] >= 2  # whole: it loads, with its step
     finally:
         server.stop()
+
+
+def test_a_first_last_ckpt_the_store_refuses_says_there_is_none_to_resume_from(tmp_path, s3_store, monkeypatch):
+    """Before, the line said "the previous last.ckpt ... is kept" and "resume with ckpt_path=last" also where the
+    store had none yet (ckpt_path=last would find nothing)."""
+    from src.checkpoints import object_store
+    from src.core.errors import StorageError
+
+    for name, value in s3_store.env.items():
+        monkeypatch.setenv(name, value)
+    stage = tmp_path / "last.ckpt"
+    stage.write_bytes(b"x")
+    folder = s3_store.url(f"first-{uuid.uuid4().hex[:8]}")
+    said = {}
+    # a key that may read but not write: the store says there is no last.ckpt yet, and refuses the put;
+    # a wrong key: the store says nothing, so the line claims only what holds either way
+    for key, secret in ((READER_KEY, READER_SECRET), (READER_KEY, "not-the-key")):
+        monkeypatch.setenv("AWS_ACCESS_KEY_ID", key)
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", secret)
+        monkeypatch.setattr(object_store, "_FS", None)
+        with pytest.raises(StorageError) as refused:
+            object_store.put(stage, f"{folder}/last.ckpt", f"{folder}/last.prev.ckpt", "the previous one is kept")
+        said[secret] = str(refused.value)
+        assert said[secret].startswith(f"cannot write {folder}/last.ckpt (") and "kept" not in said[secret], said
+    assert said[READER_SECRET].endswith(f": there is no last.ckpt in {folder} yet; fix the store and run again"), said
+    assert said["not-the-key"].endswith(f": {folder} is as it was; fix the store and resume with ckpt_path=last"), said
 
 
 # -- this user's node-local folder: staged and downloaded checkpoints (in-process, and one process killed holding one)

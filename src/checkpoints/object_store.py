@@ -28,6 +28,7 @@ import hashlib
 import logging
 import os
 import re
+import socket
 import stat
 import tempfile
 import time
@@ -141,11 +142,12 @@ def _chain(err: BaseException | None) -> list[BaseException]:
     return seen
 
 
-def check_store(url: str) -> None:
+def check_store(url: str, write: bool = True) -> None:
     """Before any rank trains: this node's folder for staged checkpoints is this user's, the bucket is there, the
-    credentials are taken (a listing under the prefix), the endpoint answers. Each failure is one UserError naming what
-    to change. Nothing is written to the store: a store without the right to write there fails the first save, in one
-    line too."""
+    credentials are taken (a listing under the prefix), the endpoint answers, and (``write``: a training) the
+    credentials may write and remove there: an empty object of this process's, put and removed again. A key that may
+    only read would otherwise fail the first save, an epoch of every GPU later; one that may not remove, the first
+    better checkpoint, which replaces the best before it. Each failure is one UserError naming what to change."""
     check_url(url)
     try:
         node_folder()
@@ -163,6 +165,20 @@ def check_store(url: str) -> None:
         fs.call_s3("list_objects_v2", Bucket=bucket, Prefix=_key(url).partition("/")[2], MaxKeys=1)
     except Exception as err:  # noqa: BLE001
         raise UserError(f"{KEY}={url}: {why(err)}") from None
+    if not write:
+        return
+    probe = f"{_key(url).rstrip('/')}/.write-check-{socket.gethostname()}-{os.getpid()}"
+    try:
+        fs.pipe_file(probe, b"")
+    except Exception as err:  # noqa: BLE001
+        raise UserError(f"{KEY}={url}: cannot write there: {why(err)}") from None
+    try:
+        fs.rm_file(probe)
+    except Exception as err:  # noqa: BLE001
+        raise UserError(
+            f"{KEY}={url}: cannot remove what it writes there (a run replaces its best checkpoints; "
+            f"s3://{probe}, empty, is left): {why(err)}"
+        ) from None
 
 
 def exists(url: str | Path) -> bool:
@@ -184,16 +200,22 @@ def names(folder: str | Path, pattern: str) -> list[str]:
 
 def put(stage: Path, url: str, previous: str | None, intact: str) -> None:
     """Put the staged file ``stage`` at ``url``; first copy what is there to ``previous`` (server-side), if given.
-    A failure is one StorageError: what failed, why, and that ``intact`` is kept."""
+    A failure is one StorageError: what failed, why, and what holds: ``intact``; where ``previous`` is given, that
+    only once the store said it holds one (none yet: nothing to resume from; no answer: the folder is as it was)."""
     fs = filesystem()
+    folder, name = url.rsplit("/", 1)
+    said, again = intact, "resume with ckpt_path=last"
     try:
-        if previous is not None and fs.exists(_key(url)):
-            fs.copy(_key(url), _key(previous))
+        if previous is not None:
+            said = f"{folder} is as it was"  # until the store says whether it holds one
+            if fs.exists(_key(url)):
+                said = intact
+                fs.copy(_key(url), _key(previous))
+            else:  # the run's first: nothing kept, and ckpt_path=last would find nothing
+                said, again = f"there is no {name} in {folder} yet", "run again"
         fs.put_file(str(stage), _key(url))
     except Exception as err:  # noqa: BLE001 - the store refused or went away: the previous checkpoint stands
-        raise StorageError(
-            f"cannot write {url} ({why(err)}): {intact}; fix the store and resume with ckpt_path=last"
-        ) from err
+        raise StorageError(f"cannot write {url} ({why(err)}): {said}; fix the store and {again}") from err
 
 
 def remove(url: str) -> None:

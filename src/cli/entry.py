@@ -205,7 +205,7 @@ def check_extras(cfg: Any) -> None:
         object_store.check_url(str(checkpoints))
         require("s3fs", "s3", f"paths.checkpoints={checkpoints}")
         if ranks.is_launch_rank_zero():
-            object_store.check_store(str(checkpoints))
+            object_store.check_store(str(checkpoints), write=cfg.get("task_name") == "train")
     if ranks.is_launch_rank_zero():  # only rank zero logs: only its way to the servers matters
         servers.check_servers(loggers)
 
