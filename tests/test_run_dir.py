@@ -127,6 +127,31 @@ def test_a_run_refused_for_a_dir_another_run_holds_takes_nothing_back_even_if_it
         holder.wait()
 
 
+def test_the_line_for_a_held_run_dir_offers_ckpt_path_last_to_a_training_only(tmp_path, capsys):
+    """Before, an eval, export or predict pointed at a dir in use was told to continue that run with
+    ckpt_path=last."""
+    from omegaconf import OmegaConf
+
+    from src.launch import run_dir
+
+    holder = hold(tmp_path, 600)
+    try:
+        assert holder.stdout.readline() == "holding\n", holder.stderr.read()
+        said = {}
+        for command in ("train", "eval", "export", "predict"):
+            config = OmegaConf.create({"task_name": command, "hydra": {"run": {"dir": str(tmp_path)}}})
+            with pytest.raises(SystemExit) as refused:
+                run_dir.hold(config, "run")
+            assert refused.value.code == 2
+            said[command] = capsys.readouterr().err
+    finally:
+        holder.kill()
+        holder.wait()
+    assert said["train"].rstrip().endswith("hydra.run.dir=DIR (to continue that run once it has ended: ckpt_path=last)")
+    for command in ("eval", "export", "predict"):
+        assert said[command].rstrip().endswith("wait for it to end, or pass another hydra.run.dir=DIR"), said
+
+
 def test_runs_started_in_the_same_second_get_a_run_dir_each(tmp_path):
     timestamped = f"hydra.run.dir={tmp_path}/runs/${{now:%Y}}"  # the default is ${now:%H-%M-%S}: this one never ticks
     with ThreadPoolExecutor(2) as pool:  # dry runs: each ends as soon as it said what it would do (a refused run's

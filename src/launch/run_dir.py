@@ -73,7 +73,7 @@ def hold(config: DictConfig, kind: str) -> Path:
             report(unwritable_run_dir(err))
     # what a refused run may take back: only a dir it holds, never one that another run, started the same instant,
     # made too and holds (that run refused this one)
-    if lock_run_dir(path, kind) and kind == "run":
+    if lock_run_dir(path, kind, resumable=config.get("task_name", "train") == "train") and kind == "run":
         _made[:] = made
     return path
 
@@ -147,9 +147,10 @@ def _claim_fresh(path: Path) -> tuple[Path, list[Path]]:
     report(f"cannot find a free run dir next to {path}: pass hydra.run.dir=DIR")
 
 
-def lock_run_dir(path: Path, kind: str = "run") -> bool:
+def lock_run_dir(path: Path, kind: str = "run", resumable: bool = True) -> bool:
     """Hold ``path`` for as long as this process lives, or refuse it (one line, exit 2) if another run holds it.
-    False where it goes on without the lock (a filesystem without locks, a requeued Slurm job's earlier run's)."""
+    False where it goes on without the lock (a filesystem without locks, a requeued Slurm job's earlier run's).
+    ``resumable``: a training's dir, which the refusal's line says how to continue (not an eval's or an export's)."""
     lock_path = path / LOCK_FILE
     try:
         fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
@@ -175,7 +176,7 @@ def lock_run_dir(path: Path, kind: str = "run") -> bool:
             if holder
             else f"another process holds {lock_path}"
         )
-        resume = " (to continue that run once it has ended: ckpt_path=last)" if kind == "run" else ""
+        resume = " (to continue that run once it has ended: ckpt_path=last)" if kind == "run" and resumable else ""
         report(
             f"hydra.{kind}.dir={path} is in use by another run: {held_by}; wait for it to end, or pass another "
             f"hydra.{kind}.dir=DIR{resume}"
