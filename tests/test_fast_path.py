@@ -142,10 +142,29 @@ def test_onednn_itself_sees_no_bf16_under_the_cap_this_project_reads():
     assert result.stdout.split() == ["None", "False"]
 
 
-def test_a_precision_the_user_set_is_kept(monkeypatch):
+def test_a_precision_the_user_set_is_kept_and_channels_last_auto_times_nothing_and_says_its_own_reason(monkeypatch):
+    """Before, channels_last=auto asked the whole fast path: beside a precision the user set, it timed bf16 steps
+    that nothing used, and the run line gave that measurement as the layout's reason."""
+    from types import SimpleNamespace
+
+    from lightning.pytorch.utilities.parsing import AttributeDict
+
+    from src.callbacks.run_summary import number_format
+
     timed = pretend_cpu(monkeypatch, True, False, speedup=3.0)
     assert hardware_defaults(cpu_trainer(precision="32-true"), "resnet50") == {"benchmark": False}
+    assert fp.channels_last_choice("cpu")[0] is True
+    trainer = SimpleNamespace(precision="32-true", strategy=SimpleNamespace(root_device=torch.device("cpu")))
+    module = SimpleNamespace(
+        memory_format=torch.channels_last, hparams=AttributeDict(arch="resnet50", channels_last="auto")
+    )
+    assert number_format(trainer, module, "32-true") == (
+        "precision 32-true, channels-last (channels_last auto: oneDNN's convolutions run channels-last faster on "
+        "CPUs, in fp32 and bf16 alike)"
+    )
     assert timed == []
+    assert fast_path("cpu", "resnet50").channels_last  # the same layout where auto's precision is timed
+    assert timed == ["resnet50"]
 
 
 def test_the_measurement_is_kept_per_network_and_read_back_by_later_processes(monkeypatch):

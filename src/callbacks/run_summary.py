@@ -8,7 +8,7 @@ import lightning as L
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
-from src.models.fast_path import fast_path
+from src.models.fast_path import channels_last_choice, fast_path
 
 log = logging.getLogger(__name__)
 
@@ -32,12 +32,14 @@ def number_format(trainer: L.Trainer, pl_module: L.LightningModule, precision: s
     layout = "channels-last" if getattr(pl_module, "memory_format", None) == torch.channels_last else "contiguous"
     asked = [precision == "auto", getattr(pl_module, "hparams", {}).get("channels_last") == "auto"]
     why = ""
-    if any(asked):
-        what = "auto" if all(asked) else ("precision auto" if asked[0] else "channels_last auto")
+    if asked[0]:
+        what = "auto" if all(asked) else "precision auto"
         # on CUDA, the GPUs whose capability chose the precision (trainer.device_ids reads [cuda:0, cuda:0] as [0, 1])
         devices = getattr(trainer.strategy, "parallel_devices", None) or [trainer.strategy.root_device]
         gpus = (tuple(d.index for d in devices),) if devices[0].type == "cuda" else ()
         why = f" ({what}: {fast_path(devices[0].type, pl_module.hparams.arch, *gpus).why})"
+    elif asked[1]:  # the precision was the user's: the layout's own reason, not what chose a precision
+        why = f" (channels_last auto: {channels_last_choice(trainer.strategy.root_device.type)[1]})"
     if not asked[0] and str(trainer.precision) != LIGHTNING_ALIASES.get(precision, precision):
         # Lightning's own substitution: fp16 autocast needs a GPU, so 16-mixed runs bf16-mixed on a CPU
         device = trainer.strategy.root_device.type

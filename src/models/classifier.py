@@ -17,7 +17,7 @@ from torchmetrics.classification import MulticlassAccuracy
 from src.core.errors import UserError, check_number, whole
 from src.models.batch_size import record_in_config
 from src.models.batch_size import resolve as resolve_batch_size
-from src.models.fast_path import check_compile, compile_choice, fast_path
+from src.models.fast_path import channels_last_choice, check_compile, compile_choice
 from src.models.resnet import WIDTH, build_resnet
 
 DECAYS = ("cosine", "linear", "none")
@@ -119,8 +119,8 @@ class ImageClassifier(L.LightningModule):
 
     def setup(self, stage: str) -> None:
         channels_last = self.hparams.channels_last
-        if channels_last == "auto":  # what the hardware found runs faster: src/models/fast_path.py
-            channels_last = fast_path(self.trainer.strategy.root_device.type, self.hparams.arch).channels_last
+        if channels_last == "auto":  # what runs faster on the device found: src/models/fast_path.py
+            channels_last = channels_last_choice(self.trainer.strategy.root_device.type)[0]
         if self.trainer.strategy.root_device.type == "mps":  # no float64 there
             for metric in (self.val_loss, self.test_loss):
                 metric.set_dtype(torch.float32)

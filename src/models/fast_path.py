@@ -119,10 +119,22 @@ def cpu_capability() -> str:
     return torch.backends.cpu.get_cpu_capability()
 
 
+def channels_last_choice(device_type: str) -> tuple[bool, str]:
+    """What ``model.channels_last=auto`` becomes on a device of ``device_type``, and why, timing nothing (whatever
+    the precision): channels-last on CUDA and CPUs, in fp32 and in bf16 alike (docs/performance.md's tables),
+    contiguous where no fast path is known."""
+    if device_type == "cuda":
+        return True, "cuDNN's convolutions run channels-last fastest on tensor cores"
+    if device_type == "cpu":
+        return True, "oneDNN's convolutions run channels-last faster on CPUs, in fp32 and bf16 alike"
+    return False, f"no fast path known for {device_type}"
+
+
 @functools.cache
 def fast_path(device_type: str, arch: str = "resnet50", gpus: tuple[int, ...] = (0,)) -> FastPath:
     """The precision and memory format ``auto`` resolves to for ``arch`` on a device of ``device_type`` here; on CUDA
     for the visible GPUs ``gpus`` this node's ranks train on (each rank reads them all, so all agree)."""
+    layout = channels_last_choice(device_type)[0]
     if device_type == "cuda":
         # the lowest capability of the node's GPUs: ranks that scaled their losses and ranks that did not would
         # all-reduce gradients of different scales
@@ -131,22 +143,22 @@ def fast_path(device_type: str, arch: str = "resnet50", gpus: tuple[int, ...] = 
         )
         found = f"GPU cuda:{index} has compute capability {major}.{minor}"
         if major >= 8:
-            return FastPath("bf16-mixed", True, f"{found}: native bf16")
-        return FastPath("16-mixed", True, f"{found}, below 8.0 bf16 would be emulated: fp16 with a gradient scaler")
+            return FastPath("bf16-mixed", layout, f"{found}: native bf16")
+        return FastPath("16-mixed", layout, f"{found}, below 8.0 bf16 would be emulated: fp16 with a gradient scaler")
     if device_type == "cpu":
         isa = cpu_bf16_isa()
         if isa is None:
             cap, found = onednn_isa_cap(), cpu_bf16_isa(capped=False)
             if cap is not None and found is not None:
                 why = f"{cap[0]} keeps oneDNN from the CPU's native bf16 ({found}): bf16 would be emulated"
-                return FastPath("32-true", True, why)
-            return FastPath("32-true", True, f"the CPU has no native bf16 ({cpu_capability()}): bf16 would be emulated")
+                return FastPath("32-true", layout, why)
+            return FastPath("32-true", layout, f"the CPU has no native bf16 ({cpu_capability()}): bf16 would be emulated")
         speedup = bf16_speedup(arch)
         measured = f"a {arch} train step measured {speedup:.2f}x the fp32 rate in bf16 on this CPU"
         if speedup >= BF16_MIN_SPEEDUP:
-            return FastPath("bf16-mixed", True, f"the CPU has native bf16 ({isa}) and {measured}")
-        return FastPath("32-true", True, f"the CPU has native bf16 ({isa}) but {measured}")
-    return FastPath("32-true", False, f"no fast path known for {device_type}")
+            return FastPath("bf16-mixed", layout, f"the CPU has native bf16 ({isa}) and {measured}")
+        return FastPath("32-true", layout, f"the CPU has native bf16 ({isa}) but {measured}")
+    return FastPath("32-true", layout, f"no fast path known for {device_type}")
 
 
 def check_compile(value: object) -> None:
