@@ -152,7 +152,9 @@ def fast_path(device_type: str, arch: str = "resnet50", gpus: tuple[int, ...] = 
             if cap is not None and found is not None:
                 why = f"{cap[0]} keeps oneDNN from the CPU's native bf16 ({found}): bf16 would be emulated"
                 return FastPath("32-true", layout, why)
-            return FastPath("32-true", layout, f"the CPU has no native bf16 ({cpu_capability()}): bf16 would be emulated")
+            return FastPath(
+                "32-true", layout, f"the CPU has no native bf16 ({cpu_capability()}): bf16 would be emulated"
+            )
         speedup = bf16_speedup(arch)
         measured = f"a {arch} train step measured {speedup:.2f}x the fp32 rate in bf16 on this CPU"
         if speedup >= BF16_MIN_SPEEDUP:
