@@ -222,7 +222,12 @@ def test_help_starts_with_the_usage_examples_and_where_the_docs_are_and_ends_wit
         assert options.split(", ") == sorted(p.stem for p in (ROOT / "conf" / group).glob("*.yaml"))
     footer = next(line for line in page.splitlines() if line.startswith("The config as it will run: "))
     assert footer.endswith(f"python -m src.{command} [OVERRIDES] --cfg job --resolve")
-    assert f"\ntask_name: {command}\n" in "\n" + run("--cfg", "job", "--resolve").stdout  # the footer's command works
+    shown = "\n" + run("--cfg", "job", "--resolve").stdout
+    assert f"\ntask_name: {command}\n" in shown  # the footer's command works
+    # where the run would write (before: output_dir: null, checkpoints: None/checkpoints, the loggers' dirs null)
+    run_dir = yaml.safe_load(shown)["paths"]["output_dir"]
+    assert run_dir and Path(run_dir).is_absolute() and "/outputs/runs/" in run_dir, shown
+    assert "None/" not in shown and "save_dir: null" not in shown, shown
 
 
 def test_trainer_builds_from_the_composed_config(tmp_path):

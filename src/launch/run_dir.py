@@ -55,6 +55,26 @@ class RunDirLock(Callback):
         hold(config, "sweep")
 
 
+def output_dir() -> str | None:
+    """``paths.output_dir`` (``${output_dir:}``): the dir Hydra runs the job in, ``hydra.runtime.output_dir``. Where
+    it runs none (``--cfg job --resolve`` shows the config without running it), the dir a run would get,
+    ``hydra.run.dir`` (a sweep's: ``hydra.sweep.dir``/``subdir``), not ``null`` and ``None/checkpoints``."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if not HydraConfig.initialized():
+        return None
+    hydra = HydraConfig.get()
+    ran = OmegaConf.select(hydra, "runtime.output_dir", default=None, throw_on_missing=False)
+    if ran:
+        return str(ran)
+    try:
+        where = Path(hydra.sweep.dir, hydra.sweep.subdir) if hydra.mode == RunMode.MULTIRUN else Path(hydra.run.dir)
+    except Exception:  # noqa: BLE001 - a sweep's subdir names its job, which a shown config has not
+        return None
+    return str(where.absolute())
+
+
 def hold(config: DictConfig, kind: str) -> Path:
     """Create (or claim, if timestamped) the ``hydra.<kind>.dir`` and lock it; refuse it if another run holds it."""
     node = config.hydra[kind]
