@@ -55,6 +55,9 @@ CASES = {
     ),
     "unknown-argument": Case([*FAST, "+model.dropout=0.5"], ["model.dropout", "ImageClassifier", "remove it"]),
     "unparsable-override": Case([*FAST, "trainer.devices=[1,"], ["trainer.devices=[1,", "quote"]),
+    "config-of-a-sweep": Case(  # before: Hydra's ValueError, a traceback
+        ["--cfg", "job", "-m", "trainer.devices=1,2"], ["Only one of --run, --multirun, --cfg", "drop -m"]
+    ),
     "broken-interpolation": Case(
         [*FAST, "data.batch_size=${{nope}}"],
         ["data.batch_size: Interpolation key 'nope' not found", "--cfg job --resolve"],

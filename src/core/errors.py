@@ -258,6 +258,12 @@ def hydra_error_message(err: Exception, task_started: bool = False) -> str | Non
         return f"{str(err).strip()} ({detail})" if detail else str(err)
     if isinstance(err, OSError) and not task_started:  # Hydra's own writes: the run dir, its log file
         return unwritable_run_dir(err)
+    if isinstance(err, ValueError) and str(err).startswith("Only one of --run, --multirun, --cfg"):
+        # Hydra's, for -m with --cfg or --info (a traceback, before): the config they show is one run's
+        return (
+            f"{err}: --cfg and --info show one run's config, not a sweep's; drop -m and give each key one value "
+            f"(python -m {_entry_module()} --cfg job trainer.devices=2, for each job of trainer.devices=1,2)"
+        )
     return None
 
 
