@@ -55,9 +55,13 @@ CASES = {
     ),
     "unknown-argument": Case([*FAST, "+model.dropout=0.5"], ["model.dropout", "ImageClassifier", "remove it"]),
     "unparsable-override": Case([*FAST, "trainer.devices=[1,"], ["trainer.devices=[1,", "quote"]),
-    "config-of-a-sweep": Case(  # before: Hydra's ValueError, a traceback
-        ["--cfg", "job", "-m", "trainer.devices=1,2"], ["Only one of --run, --multirun, --cfg", "drop -m"]
+    # Hydra's checks of its flags (before: its ValueError, a traceback)
+    "config-of-a-sweep": Case(
+        ["--cfg", "job", "-m", "trainer.devices=1,2"], ["Only one of --run, --multirun", "drop -m"]
     ),
+    "run-and-multirun": Case(["--run", "-m", "trainer.devices=1,2"], ["Only one of --run, --multirun, --cfg"]),
+    "resolve-without-cfg": Case(["--resolve"], ["The --resolve flag can only be used in conjunction with --cfg"]),
+    "rerun-of-no-file": Case(["--experimental-rerun", "{tmp}/no.pickle"], ["File {tmp}/no.pickle does not exist"]),
     "broken-interpolation": Case(
         [*FAST, "data.batch_size=${{nope}}"],
         ["data.batch_size: Interpolation key 'nope' not found", "--cfg job --resolve"],

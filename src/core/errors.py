@@ -258,13 +258,27 @@ def hydra_error_message(err: Exception, task_started: bool = False) -> str | Non
         return f"{str(err).strip()} ({detail})" if detail else str(err)
     if isinstance(err, OSError) and not task_started:  # Hydra's own writes: the run dir, its log file
         return unwritable_run_dir(err)
-    if isinstance(err, ValueError) and str(err).startswith("Only one of --run, --multirun, --cfg"):
-        # Hydra's, for -m with --cfg or --info (a traceback, before): the config they show is one run's
-        return (
-            f"{err}: --cfg and --info show one run's config, not a sweep's; drop -m and give each key one value "
-            f"(python -m {_entry_module()} --cfg job trainer.devices=2, for each job of trainer.devices=1,2)"
-        )
+    if isinstance(err, ValueError) and any(
+        _raised_in(err, os.path.join("hydra", *where)) for where in (("_internal", "utils.py"), ("main.py",))
+    ):
+        # Hydra's checks of its own flags (a traceback, before): --resolve without --cfg, two of --run, -m, --cfg and
+        # --info, --experimental-rerun's missing file
+        shows = {"--cfg", "-c", "--info", "-i"} & {arg.split("=", 1)[0] for arg in sys.argv}
+        if str(err).startswith("Only one of") and shows:  # -m with --cfg or --info: they show one run's config
+            return (
+                f"{err}: --cfg and --info show one run's config, not a sweep's; drop -m and give each key one value "
+                f"(python -m {_entry_module()} --cfg job trainer.devices=2, for each job of trainer.devices=1,2)"
+            )
+        return str(err)
     return None
+
+
+def _raised_in(err: BaseException, path: str) -> bool:
+    """Whether ``err`` was raised in a file whose path ends with ``path``."""
+    tb = err.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and tb.tb_frame.f_code.co_filename.endswith(path)
 
 
 def _unknown_key_message(err: Exception) -> str | None:
