@@ -341,8 +341,8 @@ def test_hydra_full_error_keeps_the_traceback(name, runs):
 
 @pytest.mark.parametrize("seed", ["abc", -1, 2**32, 1.5, True])
 def test_a_seed_numpy_would_refuse_is_one_line_naming_it(seed):
-    from src.cli.entry import check_seed
     from src.core.errors import UserError
+    from src.core.settings import check_seed
 
     with pytest.raises(UserError, match=rf"^seed={seed} must be a whole number from 0 to 4294967295$"):
         check_seed(seed)
@@ -422,8 +422,8 @@ def test_trainer_values_lightning_misreads_or_takes_silently_are_refused_naming_
     mode) or fails on only deep inside a fit (accumulate_grad_batches=0: a ZeroDivisionError)."""
     from omegaconf import OmegaConf
 
-    from src.cli.entry import check_trainer_settings
     from src.core.errors import UserError
+    from src.core.settings import check_trainer_settings
 
     with pytest.raises(UserError, match=rf"^trainer\.{key}={bad} (must be|is not known)"):
         check_trainer_settings(OmegaConf.create({"accelerator": "cpu", key: bad}))

@@ -25,14 +25,13 @@ from src.core.errors import (
     EXIT_USER_ERROR,
     USER_FULL_ERROR,
     UserError,
-    check_number,
     hydra_error_message,
     report,
     require,
     storage_error_in,
     wants_traceback,
-    whole,
 )
+from src.core.settings import check_seed, check_trainer_settings
 from src.launch import ranks, run_dir, torchrun
 from src.resilience import failure, heartbeat, supervision
 from src.tracking import servers
@@ -208,61 +207,6 @@ def check_extras(cfg: Any) -> None:
             object_store.check_store(str(checkpoints), write=cfg.get("task_name") == "train")
     if ranks.is_launch_rank_zero():  # only rank zero logs: only its way to the servers matters
         servers.check_servers(loggers)
-
-
-ACCELERATORS = ("auto", "cpu", "gpu", "cuda", "mps")
-
-
-def check_trainer_settings(trainer_cfg: Any) -> None:
-    """The ``trainer.*`` values Lightning misreads (``max_epochs=-1``: train forever), takes without a word
-    (``deterministic=maybe``) or fails on deep inside a fit (``accumulate_grad_batches=0``), each a one-line UserError
-    before any other process starts. What Lightning refuses itself (``precision=15``) it says as each rank builds its
-    Trainer, and a dry run builds one to say it too (src/distributed/dry_run.py)."""
-    if trainer_cfg is None:
-        return
-    accelerator = trainer_cfg.get("accelerator", "auto")
-    if accelerator not in ACCELERATORS:
-        raise UserError(f"trainer.accelerator={accelerator} is not supported here: choose one of auto, cpu, gpu")
-    check_number(
-        "trainer.max_epochs",
-        trainer_cfg.get("max_epochs"),
-        whole(1),
-        "a whole number >= 1: the epochs to train (Lightning's -1, 'forever', would leave the learning-rate "
-        "schedule without an end)",
-        optional=True,
-    )
-    deterministic = trainer_cfg.get("deterministic")
-    if deterministic is not None and not isinstance(deterministic, bool) and deterministic != "warn":
-        raise UserError(
-            f"trainer.deterministic={deterministic} is not known: true (deterministic kernels only), warn (a warning "
-            "where one has none) or false"
-        )
-    max_steps = trainer_cfg.get("max_steps", -1)
-    if max_steps != -1:  # Lightning's -1: the epochs decide; 0 trained nothing and tested the first weights
-        check_number(
-            "trainer.max_steps", max_steps, whole(1), "-1 (trainer.max_epochs decides) or a whole number of steps >= 1"
-        )
-    # a negative clip value flips every gradient in torch's clip_grad_norm_ (its scale is clip / norm) and trains away
-    check_number(
-        "trainer.gradient_clip_val",
-        trainer_cfg.get("gradient_clip_val"),
-        lambda v: v >= 0,
-        "a number >= 0 (the largest gradient norm, or value), or null for no clipping",
-        optional=True,
-    )
-    check_number(
-        "trainer.accumulate_grad_batches",
-        trainer_cfg.get("accumulate_grad_batches", 1),
-        whole(1),
-        "a whole number >= 1: the batches whose gradients make one optimizer step (1: every batch steps)",
-    )
-
-
-def check_seed(seed: Any) -> None:
-    """``seed``, which Lightning's seed_everything and the data's split take: a whole number numpy accepts."""
-    check_number(
-        "seed", seed, lambda v: whole(0)(v) and v < 2**32, f"a whole number from 0 to {2**32 - 1}", optional=True
-    )
 
 
 def overridden_keys() -> set[str]:

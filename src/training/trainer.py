@@ -91,7 +91,7 @@ def not_mpi_environment() -> ClusterEnvironment:
 def build_trainer(cfg: DictConfig, arch: str) -> L.Trainer:
     """A Trainer whose strategy, callbacks and loggers come from their config groups; ``arch``: the network it
     trains or tests (what ``trainer.precision=auto`` is measured with on a CPU). Its ``trainer.*`` values were checked
-    before any process started (src/cli/entry.py's ``check_trainer_settings``); Lightning checks the rest here."""
+    before any process started (src/core/settings.py's ``check_trainer_settings``); Lightning checks the rest here."""
     route_lightning_logs()
     callbacks = [instantiate(c) for c in (cfg.get("callbacks") or {}).values() if c is not None]
     loggers = [instantiate(lg) for lg in (cfg.get("logger") or {}).values() if lg is not None]
