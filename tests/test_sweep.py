@@ -89,6 +89,21 @@ def test_a_failing_job_is_reported_and_the_sweep_goes_on(tmp_path):
     assert_no_process_mentions(str(sweep_dir))
 
 
+def test_a_value_every_command_checks_refuses_the_sweep_before_its_first_job_and_takes_its_dir_back(tmp_path):
+    """Before, job 1's trainer.max_epochs=0 was refused once job 0 had trained, and the sweep dir stayed behind
+    a sweep refused before any job (its multirun.yaml and lock)."""
+    sweep_dir = tmp_path / "new" / "sweep"
+    result = train("-m", *SWEEP, "trainer.max_epochs=1,0", f"hydra.sweep.dir={sweep_dir}")
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert result.returncode == 2 and len(errors) == 1, output(result)[-3000:]
+    assert errors[0].startswith("error: job 1 (trainer.max_epochs=0") and "no job of the sweep started" in errors[0]
+    assert "Run:" not in output(result) and not (tmp_path / "new").exists()  # nothing trained; its dirs gone
+    (tmp_path / "mine").mkdir()  # a sweep dir that was there before: kept, as it was
+    result = train("-m", *SWEEP, "trainer.max_epochs=0,1", f"hydra.sweep.dir={tmp_path / 'mine'}")
+    assert result.returncode == 2 and "job 0 (trainer.max_epochs=0" in result.stderr, output(result)[-3000:]
+    assert (tmp_path / "mine").is_dir()
+
+
 def test_sweeping_the_strategy_reports_one_series_per_strategy(tmp_path):
     sweep_dir = tmp_path / "sweep"
     result, listeners = watch_listeners(
@@ -263,6 +278,15 @@ def test_slurm_sweep_checks_every_jobs_size_first_and_says_a_failed_sbatch_in_on
     assert capsys.readouterr().err == (
         "error: trainer.devices=0 / trainer.num_nodes=1: a Slurm sweep needs whole numbers >= 1\n"
     )
+    # every job's config composed and checked first (before: each a job that queued for its allocation, then failed)
+    for overrides, said in (
+        (["trainer.max_epoch=1,2"], "error: job 0 (trainer.max_epoch=1): trainer.max_epoch is not a key of the config"),
+        (["trainer.devices=1", "strategy=ddp,horovod"], "error: job 1 (strategy=horovod): strategy=horovod is not an"),
+        (["trainer.max_epochs=1,0"], "error: job 1 (trainer.max_epochs=0): trainer.max_epochs=0 must be a whole"),
+    ):
+        assert slurm_sweep.main(["--", *overrides]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(said) and err.endswith("; no job was submitted\n") and err.count("\n") == 1, err
     assert slurm_sweep.main(["--", "trainer.devices=1,2"]) == 2
     said = capsys.readouterr().err
     assert said.count("\n") == 1 and said.endswith(

@@ -38,6 +38,7 @@ LOCK_FILE = ".lock"
 _held: list[int] = []  # open for the life of the process: closing the file would drop the lock
 _made: list[Path] = []  # the folders hold() made for this run, its run dir first, then the parents it made
 CONFIG_FILE = "config.yaml"  # the resolved config, src/training/trainer.py's record_config
+MULTIRUN_FILE = "multirun.yaml"  # Hydra's record of a sweep's config, in its sweep dir
 HYDRA_RECORD = {"config.yaml", "hydra.yaml", "overrides.yaml"}  # what Hydra writes into DIR/.hydra as a run starts
 
 
@@ -93,7 +94,7 @@ def hold(config: DictConfig, kind: str) -> Path:
             report(unwritable_run_dir(err))
     # what a refused run may take back: only a dir it holds, never one that another run, started the same instant,
     # made too and holds (that run refused this one)
-    if lock_run_dir(path, kind, resumable=config.get("task_name", "train") == "train") and kind == "run":
+    if lock_run_dir(path, kind, resumable=config.get("task_name", "train") == "train"):
         _made[:] = made
     return path
 
@@ -108,11 +109,12 @@ def _missing(path: Path) -> list[Path]:
 
 
 def forget_refused_run() -> None:
-    """Remove the run dir this process made, and the parents it made for it (``outputs/runs/<date>``), when the run
-    was refused or stopped before it ran: called at exit status 2 and 130 (Ctrl-C). Only a dir that holds nothing but
-    what every run writes as it starts (Hydra's ``.hydra`` record of the config, the resolved ``config.yaml``, the lock
-    file, this process's log, whose lines the console showed too) goes: another rank's log, a checkpoint, a file of
-    the user's, anything else keeps it, and so does a dir that was there before the run."""
+    """Remove the run dir (or a sweep's dir) this process made, and the parents it made for it
+    (``outputs/runs/<date>``), when the run was refused or stopped before it ran: called at exit status 2 and 130
+    (Ctrl-C). Only a dir that holds nothing but what every run writes as it starts (Hydra's ``.hydra`` record of the
+    config, the resolved ``config.yaml``, a sweep's ``multirun.yaml``, the lock file, this process's log, whose lines
+    the console showed too) goes: a job's dir, another rank's log, a checkpoint, a file of the user's, anything else
+    keeps it, and so does a dir that was there before the run."""
     if not _made:
         return
     run_dir, parents = _made[0], _made[1:]
@@ -139,7 +141,7 @@ def forget_refused_run() -> None:
 def _start_file(entry: os.DirEntry, logs: set[str]) -> bool:
     if entry.name == ".hydra":
         return entry.is_dir(follow_symlinks=False)
-    started = entry.name in (LOCK_FILE, CONFIG_FILE) or os.path.abspath(entry.path) in logs
+    started = entry.name in (LOCK_FILE, CONFIG_FILE, MULTIRUN_FILE) or os.path.abspath(entry.path) in logs
     return started and entry.is_file(follow_symlinks=False)
 
 

@@ -38,6 +38,7 @@ from omegaconf import DictConfig, OmegaConf
 from src.core.errors import FAILURE_FILE, UserError, check_number, print_line, require, whole
 from src.launch.ranks import is_launch_rank_zero
 from src.launch.run_dir import RESULT_FILE, read_result
+from src.sweeps.sweep import job_config
 from src.sweeps.sweep import job_dir as sweep_job_dir
 
 log = logging.getLogger(__name__)
@@ -162,7 +163,7 @@ class OptunaSweeper(Sweeper):
         import optuna
 
         overrides = [*(f"{key}={_override_value(v)}" for key, v in params.items()), *job, f"search.trial={number}"]
-        job_dir = sweep_job_dir(self.hydra_context, self.config, number, overrides)
+        job_dir = sweep_job_dir(job_config(self.hydra_context, self.config, number, overrides))
         result = read_result(job_dir)
         if result is None:
             (job_dir / FAILURE_FILE).unlink(missing_ok=True)  # an earlier attempt's: this one decides anew

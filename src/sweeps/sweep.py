@@ -29,6 +29,7 @@ from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from src.core.errors import FAILURE_FILE, UserError, print_line
+from src.core.settings import check_seed, check_trainer_settings
 from src.launch.ranks import in_sweep
 from src.launch.run_dir import RESULT_FILE, read_result
 from src.resilience import supervision
@@ -132,11 +133,14 @@ class _SkipFinished:
                 returns.extend(self.launcher.launch([o for _, o in pending], initial_job_idx=pending[0][0]))
                 pending.clear()
 
-        jobs = [
-            (num, list(overrides), job_dir(self.hydra_context, self.config, num, list(overrides)))
-            for num, overrides in enumerate(job_overrides, start=initial_job_idx)
-        ]
-        for num, overrides, folder in jobs:  # before any job runs
+        jobs = []
+        common = set.intersection(*(set(o) for o in job_overrides)) if job_overrides else set()
+        for num, overrides in enumerate(job_overrides, start=initial_job_idx):  # before any job runs
+            config = job_config(self.hydra_context, self.config, num, list(overrides))
+            own = [o for o in overrides if o not in common] or list(overrides)  # what sets it apart from the others
+            check_job_values(config, num, own)
+            jobs.append((num, list(overrides), job_dir(config)))
+        for num, overrides, folder in jobs:
             check_same_job(folder, num, overrides)
         for num, overrides, folder in jobs:
             result = read_result(folder)
@@ -165,15 +169,30 @@ class _SkipFinished:
         return returns
 
 
-def job_dir(hydra_context: HydraContext, config: DictConfig, num: int, overrides: list[str]) -> Path:
-    """Where job ``num`` of a sweep writes: ``hydra.sweep.dir``/``hydra.sweep.subdir``, as Hydra's launcher
-    computes it."""
-    job_config = hydra_context.config_loader.load_sweep_config(config, list(overrides))
-    with open_dict(job_config):
-        job_config.hydra.job.id = job_config.hydra.job.num = num
+def job_config(hydra_context: HydraContext, config: DictConfig, num: int, overrides: list[str]) -> DictConfig:
+    """Job ``num``'s config, composed as Hydra's launcher composes it."""
+    job = hydra_context.config_loader.load_sweep_config(config, list(overrides))
+    with open_dict(job):
+        job.hydra.job.id = job.hydra.job.num = num
+    return job
+
+
+def job_dir(job: DictConfig) -> Path:
+    """Where a sweep's job writes: ``hydra.sweep.dir``/``hydra.sweep.subdir``, as Hydra's launcher computes it."""
     return Path(
-        str(OmegaConf.select(job_config, "hydra.sweep.dir")), str(OmegaConf.select(job_config, "hydra.sweep.subdir"))
+        str(OmegaConf.select(job, "hydra.sweep.dir")), str(OmegaConf.select(job, "hydra.sweep.subdir"))
     ).resolve()
+
+
+def check_job_values(job: DictConfig, num: int, own: list[str]) -> None:
+    """The values each command checks as it starts (src/core/settings.py), for every job before the first runs: a
+    value refused in job 3 (``trainer.max_epochs=0,1``) was found once jobs 0 to 2 had trained. ``own``: the job's
+    overrides that the others do not share, which the line names."""
+    try:
+        check_trainer_settings(job.get("trainer"))
+        check_seed(job.get("seed"))
+    except UserError as err:
+        raise UserError(f"job {num} ({' '.join(own)}): {err}; no job of the sweep started") from None
 
 
 def check_same_job(folder: Path, num: int, overrides: list[str]) -> None:
