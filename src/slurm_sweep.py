@@ -29,6 +29,8 @@ from pathlib import Path
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
+from src.core.errors import hydra_error_message, one_line
+from src.core.settings import check_seed, check_trainer_settings
 from src.launch.run_dir import RESULT_FILE, read_result, write_json
 
 SBATCH_SCRIPT = "slurm/train.sbatch"
@@ -58,6 +60,28 @@ def sbatch_command(job: list[str], run_dir: Path, sbatch_options: list[str]) -> 
     # the allocation sets trainer.devices / trainer.num_nodes (slurm/train.sbatch), so they are not repeated
     rest = [o for o in job if o.split("=", 1)[0] not in SIZE_KEYS]
     return ["sbatch", "--parsable", *sizing, f"--export=ALL,RUN_DIR={run_dir}", *sbatch_options, SBATCH_SCRIPT, *rest]
+
+
+def check_jobs(jobs: list[list[str]]) -> str | None:
+    """Every job's config composed as its run will compose it, with the values every command checks as it starts
+    (src/core/settings.py), before the first is submitted; what is wrong, in words, or None. A misspelled key, a
+    group's unknown option or a refused value was each found by a job that had queued for its allocation."""
+    from hydra import compose, initialize_config_dir
+
+    common = set.intersection(*(set(job) for job in jobs))
+    with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[1] / "conf"), version_base="1.3"):
+        for k, job in enumerate(jobs):
+            try:
+                cfg = compose(config_name="train", overrides=job)
+                check_trainer_settings(cfg.get("trainer"))
+                check_seed(cfg.get("seed"))
+            except Exception as err:  # noqa: BLE001 - Hydra's and the checks' refusals, in their words
+                said = hydra_error_message(err)
+                if said is None:
+                    raise
+                own = " ".join(o for o in job if o not in common) or " ".join(job)
+                return f"job {k} ({own}): {one_line(said)}; no job was submitted"
+    return None
 
 
 def submit(cmd: list[str]) -> str:
@@ -95,6 +119,10 @@ def main(argv: list[str] | None = None) -> int:
             sbatch_command(job, sweep_dir / str(k), sbatch_options)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
+        return 2
+    refused = check_jobs(jobs)
+    if refused is not None:
+        print(f"error: {refused}", file=sys.stderr)
         return 2
     made = not sweep_dir.exists()
     sweep_dir.mkdir(parents=True, exist_ok=True)
