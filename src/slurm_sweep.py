@@ -32,6 +32,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from src.core.errors import hydra_error_message, one_line
 from src.core.settings import check_seed, check_trainer_settings
 from src.launch.run_dir import RESULT_FILE, read_result, write_json
+from src.sweeps.sweep import distinct
 
 SBATCH_SCRIPT = "slurm/train.sbatch"
 JOBS_FILE = "jobs.json"
@@ -68,7 +69,6 @@ def check_jobs(jobs: list[list[str]]) -> str | None:
     group's unknown option or a refused value was each found by a job that had queued for its allocation."""
     from hydra import compose, initialize_config_dir
 
-    common = set.intersection(*(set(job) for job in jobs))
     with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[1] / "conf"), version_base="1.3"):
         for k, job in enumerate(jobs):
             try:
@@ -79,8 +79,7 @@ def check_jobs(jobs: list[list[str]]) -> str | None:
                 said = hydra_error_message(err)
                 if said is None:
                     raise
-                own = " ".join(o for o in job if o not in common) or " ".join(job)
-                return f"job {k} ({own}): {one_line(said)}; no job was submitted"
+                return f"job {k} ({' '.join(distinct(job, jobs))}): {one_line(said)}; no job was submitted"
     return None
 
 

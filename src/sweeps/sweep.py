@@ -19,7 +19,7 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import yaml
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
@@ -134,11 +134,9 @@ class _SkipFinished:
                 pending.clear()
 
         jobs = []
-        common = set.intersection(*(set(o) for o in job_overrides)) if job_overrides else set()
         for num, overrides in enumerate(job_overrides, start=initial_job_idx):  # before any job runs
             config = job_config(self.hydra_context, self.config, num, list(overrides))
-            own = [o for o in overrides if o not in common] or list(overrides)  # what sets it apart from the others
-            check_job_values(config, num, own)
+            check_job_values(config, num, distinct(overrides, job_overrides))
             jobs.append((num, list(overrides), job_dir(config)))
         for num, overrides, folder in jobs:
             check_same_job(folder, num, overrides)
@@ -167,6 +165,13 @@ class _SkipFinished:
             )
         run_pending()
         return returns
+
+
+def distinct(job: Sequence[str], jobs: Sequence[Sequence[str]]) -> list[str]:
+    """The overrides of ``job`` that not every one of ``jobs`` has (all of its own where it has no other), which
+    name the job in a line."""
+    common = set.intersection(*(set(other) for other in jobs)) if jobs else set()
+    return [o for o in job if o not in common] or list(job)
 
 
 def job_config(hydra_context: HydraContext, config: DictConfig, num: int, overrides: list[str]) -> DictConfig:
