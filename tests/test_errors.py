@@ -55,6 +55,11 @@ CASES = {
     ),
     "unknown-argument": Case([*FAST, "+model.dropout=0.5"], ["model.dropout", "ImageClassifier", "remove it"]),
     "unparsable-override": Case([*FAST, "trainer.devices=[1,"], ["trainer.devices=[1,", "quote"]),
+    # an empty value, as KEY=$VAR gives with VAR unset (before: the directory the run started in, or no checkpoint)
+    "empty-run-dir": Case([*FAST, "hydra.run.dir="], ["hydra.run.dir is empty", "leave it out for outputs/runs/"]),
+    "empty-ckpt-path": Case([*FAST, "ckpt_path="], ["ckpt_path is empty", "a checkpoint, last or auto"]),
+    "empty-checkpoints": Case([*FAST, "paths.checkpoints="], ["paths.checkpoints is empty", "s3://BUCKET/PREFIX"]),
+    "empty-data-root": Case([*FAST_RUN, "data.root="], ["data.root is empty", "cifar-10-batches-py"]),
     # Hydra's checks of its flags (before: its ValueError, a traceback)
     "config-of-a-sweep": Case(
         ["--cfg", "job", "-m", "trainer.devices=1,2"], ["Only one of --run, --multirun", "drop -m"]

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from omegaconf import OmegaConf
+
 from src.core.errors import UserError, check_number, whole
 
 ACCELERATORS = ("auto", "cpu", "gpu", "cuda", "mps")
@@ -61,3 +63,24 @@ def check_seed(seed: Any) -> None:
     check_number(
         "seed", seed, lambda v: whole(0)(v) and v < 2**32, f"a whole number from 0 to {2**32 - 1}", optional=True
     )
+
+
+# Keys whose empty value (``paths.checkpoints=$CKPT_DIR`` with the variable unset) a run would take quietly: a path
+# as the directory it starts in, ckpt_path as no checkpoint at all (a resume become a fresh start).
+EMPTY_MEANS = {
+    "ckpt_path": "a checkpoint, last or auto (or leave ckpt_path out to start afresh)",
+    "paths.checkpoints": "a folder or s3://BUCKET/PREFIX (or leave it out: the run dir's checkpoints/)",
+    "paths.data_dir": "a folder (or leave it out: data/ where you start)",
+    "data.root": "the folder that holds cifar-10-batches-py (or leave it out: paths.data_dir)",
+}
+
+
+def check_no_empty_paths(cfg: Any) -> None:
+    """A training's path or checkpoint given as an empty string: one line naming it. (src.eval, src.export and
+    src.predict refuse an empty ckpt_path as a missing one.)"""
+    for key, what in EMPTY_MEANS.items():
+        if key == "ckpt_path" and cfg.get("task_name") != "train":
+            continue
+        value = OmegaConf.select(cfg, key, default=None, throw_on_missing=False)
+        if isinstance(value, str) and not value.strip():
+            raise UserError(f"{key} is empty (a shell variable that is not set?): give {what}")

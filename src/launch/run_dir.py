@@ -79,6 +79,11 @@ def output_dir() -> str | None:
 def hold(config: DictConfig, kind: str) -> Path:
     """Create (or claim, if timestamped) the ``hydra.<kind>.dir`` and lock it; refuse it if another run holds it."""
     node = config.hydra[kind]
+    if not str(node.dir).strip():  # Path("") is the directory the run starts in: a checkout, a home
+        report(
+            f"hydra.{kind}.dir is empty (a shell variable that is not set?): give a dir, or leave it out for "
+            f"outputs/{'runs' if kind == 'run' else 'multirun'}/<date>/<time>/"
+        )
     path = Path(str(node.dir))
     if _timestamped(node):
         path, made = _claim_fresh(path)
