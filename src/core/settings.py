@@ -1,6 +1,7 @@
 """The values every command checks before it starts, and a sweep for each of its jobs before the first runs
-(src/sweeps/sweep.py): ``trainer.*`` values Lightning misreads or takes without a word, and the seed. Imports nothing
-of the project but its errors, and nothing heavy: a refusal here takes the fraction of a second Hydra takes."""
+(src/sweeps/sweep.py): ``trainer.*`` values Lightning misreads or takes without a word, and the seed; and, as a
+command starts, paths given empty. Imports nothing of the project but its errors, and nothing heavy: a refusal here
+takes the fraction of a second Hydra takes."""
 
 from __future__ import annotations
 
