@@ -106,8 +106,9 @@ class S3Server:
 
 def start(folder: Path, ports: list[int] | None = None, timeout_s: float = 60, watch: int | None = None) -> S3Server:
     """Start ``weed mini`` with its data in ``folder`` (kept: started again on the same folder and ports, it serves
-    the same objects), in a session of its own; return once its bucket answers S3 requests. ``watch``: a pid whose
-    end stops the server too (the test session's, should it be killed before it stops the server itself)."""
+    the same objects), in a session of its own; return once its bucket answers S3 requests and each object there
+    reads back. ``watch``: a pid whose end stops the server too (the test session's, should it be killed before it
+    stops the server itself)."""
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "s3.json").write_text(
         json.dumps(
@@ -142,7 +143,7 @@ def start(folder: Path, ports: list[int] | None = None, timeout_s: float = 60, w
         client = _client(server)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline and proc.poll() is None:
-            if _bucket_answers(client):
+            if _bucket_answers(client) and _objects_read_back(client):
                 server.save()
                 if watch is not None:
                     _stop_when_gone(watch, server.pid)
@@ -181,6 +182,21 @@ def _bucket_answers(client) -> bool:
 
     try:
         client.head_bucket(Bucket=BUCKET)
+        return True
+    except (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError):
+        return False
+
+
+def _objects_read_back(client) -> bool:
+    """Every object the bucket lists reads back: started again on its data, the server answered for the bucket
+    while the volume holding an object was still loading, and a read of it was its ``InternalError``, each of
+    s3fs's five tries (seen once in a full run)."""
+    import botocore.exceptions
+
+    try:
+        for page in client.get_paginator("list_objects_v2").paginate(Bucket=BUCKET):
+            for item in page.get("Contents", []):
+                client.get_object(Bucket=BUCKET, Key=item["Key"])["Body"].read()
         return True
     except (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError):
         return False
