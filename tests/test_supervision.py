@@ -491,3 +491,84 @@ def test_a_forked_child_has_its_own_console_turn_while_its_parents_is_held_by_an
         done.set()
         holder.join()
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+def terminal_screen(output: str, width: int) -> list[str]:
+    """What a terminal ``width`` columns wide shows once ``output`` is written to it: text, carriage returns,
+    newlines, long lines wrapped, and the two moves a rich live display redraws itself with (a line cleared, the
+    cursor up); colours and the cursor's showing dropped."""
+    rows: list[list[str]] = [[]]
+    row = col = 0
+    for token in re.findall(r"\x1b\[[0-9;?]*[A-Za-z]|\r|\n|[^\x1b\r\n]", output):
+        if token == "\r":
+            col = 0
+        elif token == "\n":
+            row += 1
+        elif token.startswith("\x1b["):
+            if token == "\x1b[2K":
+                rows[row] = []
+            elif token.endswith("A"):
+                row = max(0, row - int(token[2:-1] or 1))
+        else:
+            if col >= width:
+                row, col = row + 1, 0
+            while len(rows) <= row:
+                rows.append([])
+            line = rows[row]
+            line.extend(" " * (col + 1 - len(line)))
+            line[col] = token
+            col += 1
+        while len(rows) <= row:
+            rows.append([])
+    return ["".join(line).rstrip() for line in rows]
+
+
+def test_in_a_terminal_another_ranks_error_line_is_not_wiped_by_the_progress_bars_next_drawing(tmp_path):
+    """Seen in a terminal: rank 1 printed its error line on the terminal rank 0's live progress bar was drawn on,
+    and the bar's next drawing (clear the lines it drew, from where the cursor is) wiped it: the run ended with exit
+    status 1 and no line. Rank 0, whose bar it is, says the line again, above its bar."""
+    import fcntl
+    import pty
+    import select
+    import struct
+    import termios
+
+    from tests import warm
+
+    width = 220
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 50, width, 0, 0))
+    args = [
+        *LONG[:-2],  # the project's bar on
+        "test=false",
+        "strategy=ddp",
+        "trainer.devices=2",
+        "+callbacks.fault._target_=tests.faults.RaiseAt",
+        "+callbacks.fault.rank=1",
+        "+callbacks.fault.step=12",
+        f"hydra.run.dir={tmp_path}",
+    ]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    with os.fdopen(slave, "wb", closefd=True) as terminal:
+        proc = warm.popen(
+            [sys.executable, "-m", "src.train", *args], cwd=ROOT, env=env, stdout=terminal, stderr=terminal
+        )
+    written, deadline = b"", time.monotonic() + 120
+    try:
+        while time.monotonic() < deadline:
+            if select.select([master], [], [], 1)[0]:
+                try:
+                    chunk = os.read(master, 65536)
+                except OSError:  # every process that held the terminal has ended
+                    break
+                if not chunk:
+                    break
+                written += chunk
+            elif proc.poll() is not None and not any(running(p) for p in descendants(proc.pid)):
+                break
+    finally:
+        os.close(master)
+    assert proc.wait(30) == 1, written[-3000:]
+    shown = terminal_screen(written.decode(errors="replace"), width)
+    said = [line for line in shown if line.startswith("error: rank 1: RuntimeError: injected failure at step 12")]
+    assert said, "\n".join(shown[-15:])

@@ -37,6 +37,7 @@ class ProgressBar(RichProgressBar):
         supervision.OPEN_LINES[:] = [
             lambda: (b := bar()) is not None and b.progress is not None and not b._progress_stopped
         ]
+        supervision.BARS_DRAWN[:] = [lambda: (b := bar()) is not None and b.progress is not None]
 
     def _stop_progress(self) -> None:
         # its last drawing (where the console is no terminal: the bar's text, then its newline, in two writes) in the

@@ -79,6 +79,7 @@ _stopped_here: set[int] = set()  # pids this process stopped on purpose: their e
 _ending = threading.Lock()  # held by the thread that is ending this process
 
 OPEN_LINES: list[Callable[[], bool]] = []  # whether a progress bar may have left a line unfinished
+BARS_DRAWN: list[Callable[[], bool]] = []  # whether this process has drawn a progress bar (live, on a terminal)
 KILL_NOTES: list[Callable[[int], None]] = []  # told the pid of a stuck rank this process kills (ddp_spawn's parent)
 
 # Local ranks started by this process, so a job can wait for (or stop) its own before the next one starts.
@@ -989,11 +990,30 @@ def _let_the_failing_rank_speak(wait_s: float = SPEAK_WAIT_S) -> None:
 
 def say_error(line: str) -> None:
     """``error: line``, a line of its own: after a newline where a progress bar's line is open, and never between a
-    bar's last text and its newline, which the bar's stop writes in the console's turn (src/callbacks/progress.py)."""
+    bar's last text and its newline, which the bar's stop writes in the console's turn (src/callbacks/progress.py).
+    In a terminal the live bar takes this process's lines itself and prints them above it."""
     with console_turn():
-        if any(open_line() for open_line in OPEN_LINES):  # a progress bar's line, still being drawn
+        if any(open_line() for open_line in OPEN_LINES) and not _terminal():  # a bar's line, still being drawn
             print(file=sys.stderr, flush=True)
         print_line(f"error: {line}")
+
+
+def _terminal() -> bool:
+    stream = sys.__stderr__
+    return stream is not None and stream.isatty()
+
+
+def _said_elsewhere_on_this_terminal() -> str | None:
+    """The run's line, where another rank of this node printed it on the terminal this process drew its live
+    progress bar on: the bar's next drawing, its last at its stop too, clears the lines it drew from where the
+    cursor is, and the cursor is then below the other rank's line, which it wipes (seen: a run that ended with exit
+    status 1 and no line). Where the bar had stopped before the other rank printed, the line shows twice."""
+    if FAILURES is None or not _terminal() or not any(drawn() for drawn in BARS_DRAWN):
+        return None
+    record = FAILURES.read()
+    if record is None or record.get("rank") == FAILURES.rank or record.get("node") != FAILURES.node_rank:
+        return None
+    return record.get("line") or None
 
 
 def end_run(
@@ -1015,6 +1035,7 @@ def end_run(
     if HANGS is not None:
         HANGS.close()
     first = FAILURES.publish(line, code, dead + bool(stuck), stuck) if publish and FAILURES is not None else True
+    line = line or _said_elsewhere_on_this_terminal()  # said again, above the bar that would wipe it
     if line and first:
         say_error(line)
     kill_stuck(stuck)
