@@ -998,9 +998,9 @@ def say_error(line: str) -> None:
         print_line(f"error: {line}")
 
 
-def _terminal() -> bool:
-    stream = sys.__stderr__
-    return stream is not None and stream.isatty()
+def _terminal(*streams: Any) -> bool:
+    """Whether each of ``streams`` (stderr, by default) is a terminal."""
+    return all(stream is not None and stream.isatty() for stream in streams or (sys.__stderr__,))
 
 
 def _said_elsewhere_on_this_terminal() -> str | None:
@@ -1008,7 +1008,8 @@ def _said_elsewhere_on_this_terminal() -> str | None:
     progress bar on: the bar's next drawing, its last at its stop too, clears the lines it drew from where the
     cursor is, and the cursor is then below the other rank's line, which it wipes (seen: a run that ended with exit
     status 1 and no line). Where the bar had stopped before the other rank printed, the line shows twice."""
-    if FAILURES is None or not _terminal() or not any(drawn() for drawn in BARS_DRAWN):
+    # the bar draws on stdout, the line goes to stderr: both the terminal (not `> log`, where the bar is no live one)
+    if FAILURES is None or not _terminal(sys.__stdout__, sys.__stderr__) or not any(d() for d in BARS_DRAWN):
         return None
     record = FAILURES.read()
     if record is None or record.get("rank") == FAILURES.rank or record.get("node") != FAILURES.node_rank:
