@@ -30,7 +30,7 @@ from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
 from src.core.errors import hydra_error_message, one_line
-from src.core.settings import check_seed, check_trainer_settings
+from src.core.settings import check_values
 from src.launch.run_dir import RESULT_FILE, read_result, write_json
 from src.sweeps.sweep import distinct
 
@@ -72,9 +72,7 @@ def check_jobs(jobs: list[list[str]]) -> str | None:
     with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[1] / "conf"), version_base="1.3"):
         for k, job in enumerate(jobs):
             try:
-                cfg = compose(config_name="train", overrides=job)
-                check_trainer_settings(cfg.get("trainer"))
-                check_seed(cfg.get("seed"))
+                check_values(compose(config_name="train", overrides=job))
             except Exception as err:  # noqa: BLE001 - Hydra's and the checks' refusals, in their words
                 said = hydra_error_message(err)
                 if said is None:

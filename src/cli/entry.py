@@ -31,7 +31,7 @@ from src.core.errors import (
     storage_error_in,
     wants_traceback,
 )
-from src.core.settings import check_no_empty_paths, check_seed, check_trainer_settings
+from src.core.settings import check_no_empty_paths, check_values
 from src.launch import ranks, run_dir, torchrun
 from src.resilience import failure, heartbeat, supervision
 from src.tracking import servers
@@ -135,8 +135,7 @@ def handle_errors(task: Callable[..., Any]) -> Callable[..., Any]:
                 from src.checkpoints.resume import resume_own_run_dir  # loads torch, as the run does next
 
                 resume_own_run_dir(cfg)
-            check_trainer_settings(cfg.get("trainer"))
-            check_seed(cfg.get("seed"))
+            check_values(cfg)
             check_no_empty_paths(cfg)
             check_extras(cfg)
             _resolve_all(cfg)

@@ -66,6 +66,13 @@ def check_seed(seed: Any) -> None:
     )
 
 
+def check_values(cfg: Any) -> None:
+    """A composed config's ``trainer.*`` values and seed: what every command checks as it starts, and a sweep for each
+    of its jobs before the first."""
+    check_trainer_settings(cfg.get("trainer"))
+    check_seed(cfg.get("seed"))
+
+
 # Keys whose empty value (``paths.checkpoints=$CKPT_DIR`` with the variable unset) a run would take quietly: a path
 # as the directory it starts in, ckpt_path as no checkpoint at all (a resume become a fresh start).
 EMPTY_MEANS = {

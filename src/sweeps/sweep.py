@@ -29,7 +29,7 @@ from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from src.core.errors import FAILURE_FILE, UserError, print_line
-from src.core.settings import check_seed, check_trainer_settings
+from src.core.settings import check_values
 from src.launch.ranks import in_sweep
 from src.launch.run_dir import RESULT_FILE, read_result
 from src.resilience import supervision
@@ -194,8 +194,7 @@ def check_job_values(job: DictConfig, num: int, own: list[str]) -> None:
     value refused in job 3 (``trainer.max_epochs=0,1``) was found once jobs 0 to 2 had trained. ``own``: the job's
     overrides that the others do not share, which the line names."""
     try:
-        check_trainer_settings(job.get("trainer"))
-        check_seed(job.get("seed"))
+        check_values(job)
     except UserError as err:
         raise UserError(f"job {num} ({' '.join(own)}): {err}; no job of the sweep started") from None
 
