@@ -84,15 +84,36 @@ def wait_for(condition, timeout: float, what: str, proc: subprocess.Popen | None
     pytest.fail(f"no {what} within {timeout:.0f} s")
 
 
-def test_a_count_that_disagrees_with_torchrun_is_one_line_naming_both(new_run_dirs):
-    result = torchrun("--standalone", "--nproc-per-node=2", "-m", "src.train", *FAST, "trainer.devices=3")
+@pytest.mark.parametrize(
+    "mistake, attempts, line",
+    [
+        (  # found as the task starts (src/cli/entry.py's checks, src/resilience/supervision.py's end)
+            "trainer.devices=3",
+            1,
+            "error: trainer.devices=3 but torchrun started 2 process(es) on this node (--nproc-per-node=2): leave "
+            "trainer.devices out under torchrun, or make them equal",
+        ),
+        (  # found by Hydra before any task (src/core/errors.py's report), with a restart that fails the same way
+            "trainer.max_epoch=3",
+            2,
+            "error: trainer.max_epoch is not a key of the config: did you mean trainer.max_epochs or "
+            "trainer.min_epochs? (a key the config lacks on purpose is added with +trainer.max_epoch=3)",
+        ),
+    ],
+)
+def test_a_mistake_is_one_line_an_attempt_from_local_rank_0_and_torchruns_report_gives_it(
+    mistake, attempts, line, new_run_dirs
+):
+    result = torchrun(
+        "--standalone", "--nproc-per-node=2", f"--max-restarts={attempts - 1}", "-m", "src.train", *FAST, mistake
+    )
     assert result.returncode != 0
-    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-    assert errors and set(errors) == {
-        "error: trainer.devices=3 but torchrun started 2 process(es) on this node "
-        "(--nproc-per-node=2): leave trainer.devices out under torchrun, or make them "
-        "equal"
-    }, result.stderr[-3000:]
+    errors = [text for text in result.stderr.splitlines() if text.startswith("error:")]
+    assert errors == [line] * attempts, result.stderr[-3000:]  # not one a worker: the other waits for its stop
+    # torchrun's failure report: each worker ended with the mistake's status and gave it the line, where it said
+    # "To enable traceback see ..." (the quiet worker stopped by the agent is no "Signal 15 (SIGTERM)")
+    assert re.findall(r"exitcode  : (\S+)", result.stderr) == ["2", "2"], result.stderr[-3000:]
+    assert result.stderr.count(f"traceback : {line}") == 2, result.stderr[-3000:]
     assert str(ROOT / "src") not in output(result)  # no worker's traceback (torchrun adds its own report)
 
 
@@ -432,6 +453,31 @@ def test_a_config_that_disagrees_with_torchrun_is_one_error(under_torchrun, tmp_
     under_torchrun(world=8, local=4)
     with pytest.raises(UserError, match=re.escape(message)):
         adopted(tmp_path, *overrides)
+
+
+def test_a_worker_whose_local_rank_0_did_not_fail_says_its_own_line_after_the_quiet_wait(
+    under_torchrun, tmp_path, monkeypatch
+):
+    """The fallback of the real runs above: a mistake only local rank 1 meets. It waits QUIET_S for the agent's stop,
+    then returns to say its line, its signals as they were; local rank 0 does not wait. Each tells the agent."""
+    from src.launch import torchrun
+
+    under_torchrun(world=2, local=2)
+    monkeypatch.setattr(torchrun, "QUIET_S", 0.3)
+    handlers = (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT))
+    for local_rank, waits in (("1", True), ("0", False)):
+        monkeypatch.setenv("LOCAL_RANK", local_rank)
+        monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / f"error{local_rank}.json"))
+        started = time.monotonic()
+        torchrun.before_error_line("data.root=/x holds no CIFAR-10", 2)
+        assert (time.monotonic() - started >= 0.3) == waits
+        assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == handlers
+        said = json.loads((tmp_path / f"error{local_rank}.json").read_text())
+        assert said["message"] == "error: data.root=/x holds no CIFAR-10" and said["timestamp"] > 0
+    started = time.monotonic()
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    torchrun.before_error_line("rank 1 died", 1)  # a failure, not a mistake every worker meets: no wait
+    assert time.monotonic() - started < 0.3
 
 
 def test_a_global_batch_the_new_world_cannot_divide_becomes_the_nearest_and_says_so():

@@ -228,9 +228,16 @@ def print_line(text: str) -> None:
         sys.stderr.flush()
 
 
+# told the line before report() prints it: under torchrun, only local rank 0 says it (src/launch/torchrun.py)
+BEFORE_REPORT: list[Callable[[str], None]] = []
+
+
 def report(message: str) -> NoReturn:
     """Print ``error: message`` as one line and exit 2."""
-    print_line("error: " + one_line(message))
+    line = one_line(message)
+    for hook in BEFORE_REPORT:
+        hook(line)
+    print_line("error: " + line)
     sys.exit(EXIT_USER_ERROR)
 
 

@@ -14,7 +14,9 @@ torchrun's agent starts every worker of a node, restarts the whole group when on
 - a restart at another world size keeps the global batch (larger or smaller per-process batches) and so
   the learning rate and its schedule, and the epoch in progress goes on with the images it has not
   trained on yet (src/data/device_batches.py);
-- the process group of each attempt forms under a key prefix of its own (:func:`attempt_store`).
+- the process group of each attempt forms under a key prefix of its own (:func:`attempt_store`);
+- a mistake found before the group forms is said once per node, by local rank 0, and torchrun's own failure
+  report gives the line too (:func:`before_error_line`).
 
 Nothing here loads Lightning.
 """
@@ -22,8 +24,10 @@ Nothing here loads Lightning.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
+import signal
 import threading
 import time
 import uuid
@@ -31,12 +35,14 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from src.core.errors import UserError
+from src.core.errors import BEFORE_REPORT, EXIT_USER_ERROR, UserError
 from src.launch.devices import gpu_ids
 
 log = logging.getLogger(__name__)
 
 RUN_ID = "TORCHELASTIC_RUN_ID"
+ERROR_FILE = "TORCHELASTIC_ERROR_FILE"  # where the agent reads why a worker failed, for its failure report
+QUIET_S = 30.0  # how long a worker other than local rank 0 leaves a mistake's line to it (before_error_line)
 
 
 def active() -> bool:
@@ -70,6 +76,47 @@ def agent_hosts_store() -> bool:
             if os.readlink(os.path.join(agent_fds, name)) in listening:
                 return True
     return False
+
+
+def before_error_line(line: str, code: int) -> None:
+    """Under torchrun, before this worker prints ``error: line`` and ends with ``code``, where its process group has
+    not formed.
+
+    A mistake found then (exit status 2: the command line, the config, torchrun's counts, the data) is the same on
+    every worker of a node, and each printed it (8 workers: up to 8 lines an attempt). Local rank 0 says it; the
+    others wait here, quiet, for the agent, which stops them (SIGTERM) once local rank 0 has ended, and they end
+    with ``code`` as they would have. A worker whose local rank 0 did not end so says its own line after
+    ``QUIET_S``. Each worker's error file gets the line (``tell_agent``). After the group forms, one rank says a
+    failure for the run (src/resilience/supervision.py), and it tells the agent."""
+    if not active():
+        return
+    tell_agent(line)
+    if code == EXIT_USER_ERROR and os.environ.get("LOCAL_RANK", "0") != "0" and _main_thread():
+        # the agent's stop, or Ctrl-C at the terminal: this worker ends as it would have, without a word (a shell's
+        # background job keeps ignoring Ctrl-C)
+        stops = [stop for stop in (signal.SIGTERM, signal.SIGINT) if signal.getsignal(stop) is not signal.SIG_IGN]
+        before = {stop: signal.signal(stop, lambda *_: os._exit(code)) for stop in stops}
+        try:
+            time.sleep(QUIET_S)
+        finally:  # no stop came: this worker says its own line
+            for stop, handler in before.items():
+                signal.signal(stop, handler)
+
+
+def tell_agent(line: str) -> None:
+    """``error: line`` in this worker's error file (torch's ErrorHandler's format, its short form): the agent's failure
+    report gives it (``traceback : error: ...``) where it said ``To enable traceback see ...``."""
+    path = os.environ.get(ERROR_FILE)
+    if path:
+        with contextlib.suppress(OSError), open(path, "w") as file:
+            json.dump({"message": f"error: {line}", "timestamp": int(time.time())}, file)
+
+
+def _main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()
+
+
+BEFORE_REPORT.append(lambda line: before_error_line(line, EXIT_USER_ERROR))  # Hydra's mistakes, the run dir's
 
 
 def restart() -> tuple[int, int]:

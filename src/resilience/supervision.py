@@ -1027,6 +1027,8 @@ def end_run(
     cannot run Python, killed by its host's ranks. Several threads may get here at once (the
     main one with an exception, a watch); the first ends the process, the others wait for it.
     """
+    if line and FAILURES is None:  # before the group: under torchrun, local rank 0 says it (a watch may end this one)
+        torchrun.before_error_line(line, code)
     if not _ending.acquire(blocking=False):
         while True:
             time.sleep(60)
@@ -1038,6 +1040,8 @@ def end_run(
     first = FAILURES.publish(line, code, dead + bool(stuck), stuck) if publish and FAILURES is not None else True
     line = line or _said_elsewhere_on_this_terminal()  # said again, above the bar that would wipe it
     if line and first:
+        if FAILURES is not None:
+            torchrun.tell_agent(line)  # torchrun's failure report gives it
         say_error(line)
     kill_stuck(stuck)
     if FAILURES is not None:  # on CUDA, NCCL's flight recorder: this rank's last collectives, into the run dir
