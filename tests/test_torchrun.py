@@ -178,6 +178,15 @@ def test_two_workers_train_one_world_with_the_launchers_counts_and_a_restart_res
     assert_loopback_only({found for found in listeners if found[2] != agent.pid}, "torchrun's workers")
     assert new_run_dirs() == [run_dir]  # the restart wrote the same dir
     assert re.fullmatch(r"torchrun-[0-9a-f-]{36}", run_dir.name)  # the id --standalone makes
+    # the first attempt's failure: the rank that said it gave the agent its line too (its error file, which torchrun's
+    # failure report reads)
+    said = [line for line in out.splitlines() if line.startswith("error:")]
+    run_id = run_dir.name.removeprefix("torchrun-")
+    told = [
+        json.loads(path.read_text())["message"]
+        for path in Path(os.environ["TMPDIR"]).glob(f"torchelastic_*/{run_id}_*/attempt_0/*/error.json")
+    ]
+    assert len(said) == 1 and told == said, (said, told, out[-3000:])
     assert sorted(p.name for p in run_dir.glob("*.log")) == ["train.log", "train_rank1.log"]
     log = (run_dir / "train.log").read_text()
     resumed = re.findall(r"restart 1 of 1: resuming from step (\d+) of (\S+)", log)
