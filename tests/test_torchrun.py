@@ -183,7 +183,7 @@ def test_two_workers_train_one_world_with_the_launchers_counts_and_a_restart_res
     said = [line for line in out.splitlines() if line.startswith("error:")]
     run_id = run_dir.name.removeprefix("torchrun-")
     told = [
-        json.loads(path.read_text())["message"]
+        json.loads(path.read_text())["message"]["message"]
         for path in Path(os.environ["TMPDIR"]).glob(f"torchelastic_*/{run_id}_*/attempt_0/*/error.json")
     ]
     assert len(said) == 1 and told == said, (said, told, out[-3000:])
@@ -481,8 +481,8 @@ def test_a_worker_whose_local_rank_0_did_not_fail_says_its_own_line_after_the_qu
         torchrun.before_error_line("data.root=/x holds no CIFAR-10", 2)
         assert (time.monotonic() - started >= 0.3) == waits
         assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == handlers
-        said = json.loads((tmp_path / f"error{local_rank}.json").read_text())
-        assert said["message"] == "error: data.root=/x holds no CIFAR-10" and said["timestamp"] > 0
+        said = json.loads((tmp_path / f"error{local_rank}.json").read_text())["message"]
+        assert said["message"] == "error: data.root=/x holds no CIFAR-10" and int(said["extraInfo"]["timestamp"]) > 0
     started = time.monotonic()
     monkeypatch.setenv("LOCAL_RANK", "1")
     torchrun.before_error_line("rank 1 died", 1)  # a failure, not a mistake every worker meets: no wait

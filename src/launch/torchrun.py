@@ -104,12 +104,15 @@ def before_error_line(line: str, code: int) -> None:
 
 
 def tell_agent(line: str) -> None:
-    """``error: line`` in this worker's error file (torch's ErrorHandler's format, its short form): the agent's failure
-    report gives it (``traceback : error: ...``) where it said ``To enable traceback see ...``."""
+    """``error: line`` in this worker's error file, as torch's ``@record`` writes an exception there, without its call
+    stack: the agent's failure report gives the line (``traceback : error: ...``) where it said ``To enable traceback
+    see ...``, and the agent copies it to its own error file where it has one (the format torch's agent expects: a
+    short one made it warn)."""
     path = os.environ.get(ERROR_FILE)
     if path:
+        said = {"message": f"error: {line}", "extraInfo": {"timestamp": str(int(time.time()))}}
         with contextlib.suppress(OSError), open(path, "w") as file:
-            json.dump({"message": f"error: {line}", "timestamp": int(time.time())}, file)
+            json.dump({"message": said}, file)
 
 
 def _main_thread() -> bool:
