@@ -388,14 +388,17 @@ def test_a_run_dir_that_turns_read_only_or_vanishes_mid_run_stops_the_run_with_o
     errors = error_lines(out)
     assert len(errors) == 1, out[-3000:]
     if how == "read-only":
-        # the next last.ckpt, or TensorBoard's next flush (it opens its file again each time), whichever comes first
+        # the next last.ckpt, or TensorBoard's next flush (it opens its file again each time), whichever comes first;
+        # the line names the step of the last.ckpt that stays whole: step 4's, or a later one's where the remount's
+        # tries outlasted a few steps (seen under a full suite's load: step 8's)
+        intact = load(run_dir / "checkpoints" / "last.ckpt")["global_step"]
+        assert intact >= 4 and intact % 4 == 0, intact
         assert re.fullmatch(
             rf"error: rank 0: cannot write {run_dir}/(checkpoints/last.ckpt|tensorboard/events\S+) "
-            r"\(Read-only file system\): (the previous )?last.ckpt \(step 4\) is intact; "
+            rf"\(Read-only file system\): (the previous )?last.ckpt \(step {intact}\) is intact; "
             rf"make {run_dir}/\w+ writable and resume with ckpt_path=last",
             errors[0],
         ), errors[0]
-        assert load(run_dir / "checkpoints" / "last.ckpt")["global_step"] == 4
         assert not list((run_dir / "checkpoints").glob(".*tmp*"))
     else:
         assert errors[0].startswith(f"error: rank 0: {run_dir} vanished during the run"), errors[0]
