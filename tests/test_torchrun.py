@@ -110,10 +110,13 @@ def test_a_mistake_is_one_line_an_attempt_from_local_rank_0_and_torchruns_report
     assert result.returncode != 0
     errors = [text for text in result.stderr.splitlines() if text.startswith("error:")]
     assert errors == [line] * attempts, result.stderr[-3000:]  # not one a worker: the other waits for its stop
-    # torchrun's failure report: each worker ended with the mistake's status and gave it the line, where it said
-    # "To enable traceback see ..." (the quiet worker stopped by the agent is no "Signal 15 (SIGTERM)")
-    assert re.findall(r"exitcode  : (\S+)", result.stderr) == ["2", "2"], result.stderr[-3000:]
-    assert result.stderr.count(f"traceback : {line}") == 2, result.stderr[-3000:]
+    # torchrun's failure report (the last attempt's): its root cause gives the line, and so does every worker that
+    # ended with the mistake's status, where each said "To enable traceback see ..."; the quiet worker, stopped by
+    # the agent, ended with that status too, or (under load) was stopped before it got as far: "Signal 15 (SIGTERM)"
+    root = result.stderr[result.stderr.index("Root Cause (first observed failure):") :]
+    assert "exitcode  : 2 " in root and f"traceback : {line}" in root, result.stderr[-3000:]
+    assert "To enable traceback" not in result.stderr, result.stderr[-3000:]
+    assert set(re.findall(r"exitcode  : (\S+)", result.stderr)) <= {"2", "-15"}, result.stderr[-3000:]
     assert str(ROOT / "src") not in output(result)  # no worker's traceback (torchrun adds its own report)
 
 
