@@ -113,7 +113,9 @@ def test_a_mistake_is_one_line_an_attempt_from_local_rank_0_and_torchruns_report
     # torchrun's failure report (the last attempt's): its root cause gives the line, and so does every worker that
     # ended with the mistake's status, where each said "To enable traceback see ..."; the quiet worker, stopped by
     # the agent, ended with that status too, or (under load) was stopped before it got as far: "Signal 15 (SIGTERM)"
-    root = result.stderr[result.stderr.index("Root Cause (first observed failure):") :]
+    at = result.stderr.find("Root Cause (first observed failure):")
+    assert at >= 0, result.stderr[-3000:]
+    root = result.stderr[at:]
     assert "exitcode  : 2 " in root and f"traceback : {line}" in root, result.stderr[-3000:]
     assert "To enable traceback" not in result.stderr, result.stderr[-3000:]
     assert set(re.findall(r"exitcode  : (\S+)", result.stderr)) <= {"2", "-15"}, result.stderr[-3000:]
@@ -490,6 +492,16 @@ def test_a_worker_whose_local_rank_0_did_not_fail_says_its_own_line_after_the_qu
     monkeypatch.setenv("LOCAL_RANK", "1")
     torchrun.before_error_line("rank 1 died", 1)  # a failure, not a mistake every worker meets: no wait
     assert time.monotonic() - started < 0.3
+
+    def cut_short(obj, file):  # the agent's SIGTERM in the middle of the write
+        file.write('{"message": {"mess')
+        raise OSError("stopped")
+
+    cut = tmp_path / "cut.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(cut))
+    monkeypatch.setattr(torchrun.json, "dump", cut_short)
+    torchrun.tell_agent("data.root=/x holds no CIFAR-10")
+    assert not cut.exists()  # no half file, which the agent failed to parse: it ended on a traceback, no report
 
 
 def test_a_global_batch_the_new_world_cannot_divide_becomes_the_nearest_and_says_so():

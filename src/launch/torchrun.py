@@ -111,8 +111,13 @@ def tell_agent(line: str) -> None:
     path = os.environ.get(ERROR_FILE)
     if path:
         said = {"message": f"error: {line}", "extraInfo": {"timestamp": str(int(time.time()))}}
-        with contextlib.suppress(OSError), open(path, "w") as file:
-            json.dump({"message": said}, file)
+        # whole or not at all: the agent reads the file of a worker it has just stopped, and one it stopped in the
+        # middle of this write left half a file, which the agent cannot parse and ended on (its traceback, no report)
+        partial = f"{path}.{os.getpid()}.tmp"
+        with contextlib.suppress(OSError):
+            with open(partial, "w") as file:
+                json.dump({"message": said}, file)
+            os.replace(partial, path)
 
 
 def _main_thread() -> bool:
