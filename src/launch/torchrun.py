@@ -91,7 +91,8 @@ def before_error_line(line: str, code: int) -> None:
     if not active():
         return
     tell_agent(line)
-    if code == EXIT_USER_ERROR and os.environ.get("LOCAL_RANK", "0") != "0" and _main_thread():
+    main = threading.current_thread() is threading.main_thread()  # only its signal handlers can be set
+    if code == EXIT_USER_ERROR and os.environ.get("LOCAL_RANK", "0") != "0" and main:
         # the agent's stop, or Ctrl-C at the terminal: this worker ends as it would have, without a word (a shell's
         # background job keeps ignoring Ctrl-C)
         stops = [stop for stop in (signal.SIGTERM, signal.SIGINT) if signal.getsignal(stop) is not signal.SIG_IGN]
@@ -118,10 +119,6 @@ def tell_agent(line: str) -> None:
             with open(partial, "w") as file:
                 json.dump({"message": said}, file)
             os.replace(partial, path)
-
-
-def _main_thread() -> bool:
-    return threading.current_thread() is threading.main_thread()
 
 
 BEFORE_REPORT.append(lambda line: before_error_line(line, EXIT_USER_ERROR))  # Hydra's mistakes, the run dir's
