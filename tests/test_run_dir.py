@@ -197,3 +197,70 @@ def test_a_run_stopped_with_ctrl_c_before_it_trains_exits_130_in_one_line_and_ta
     assert "Traceback" not in out
     assert not (tmp_path / "runs").exists()
     assert [p.name for p in root.iterdir()] == [".cifar-10-download.lock"]
+
+
+def test_a_refused_torchrun_run_takes_back_what_its_workers_made_whichever_made_it_first(tmp_path, monkeypatch):
+    """Under torchrun every worker makes the run dir (Hydra makes each process's dir and log), and a refused run
+    left one behind whenever another worker made it before local rank 0 looked, or made it again after local rank 0
+    had taken it back, with .hydra, the lock and empty logs. In-process, in the order the workers meet it; the real
+    run: tests/test_torchrun.py."""
+    import logging
+
+    from omegaconf import OmegaConf
+
+    from src.launch import run_dir
+
+    monkeypatch.setattr(run_dir, "_made", [])
+    monkeypatch.setattr(run_dir, "_held", [])
+    monkeypatch.setattr(run_dir, "_found_missing", [])
+    root = logging.getLogger()
+
+    def refused_first(path, other_log: str, made_by_other: bool):
+        """Local rank 0 of a run whose other worker wrote ``other_log`` (None: no log) and may have made the dir."""
+        if made_by_other:
+            path.mkdir(parents=True)
+        run_dir.hold(OmegaConf.create({"hydra": {"run": {"dir": str(path)}}}), "run", shared=True)
+        (path / ".hydra").mkdir()
+        (path / ".hydra" / "config.yaml").write_text("seed: 1\n")
+        (path / "train_rank1.log").write_text(other_log)
+        handler = logging.FileHandler(path / "train.log")
+        root.addHandler(handler)
+        try:
+            run_dir.forget_refused_run()  # what src/cli/entry.py does at exit status 2
+        finally:
+            root.removeHandler(handler)
+            handler.close()
+            for fd in run_dir._held:
+                os.close(fd)
+            run_dir._held.clear()
+
+    for made_by_other in (False, True):
+        refused_first(tmp_path / "runs" / "day" / "torchrun-a", "", made_by_other)
+        assert not (tmp_path / "runs" / "day" / "torchrun-a").exists()
+    assert (tmp_path / "runs" / "day").is_dir()  # local rank 0 found it there: the other worker made it
+    # a log with a line in it is the other worker's own account: the dir stays
+    refused_first(tmp_path / "runs" / "day" / "torchrun-b", "a warning\n", False)
+    assert sorted(p.name for p in (tmp_path / "runs" / "day" / "torchrun-b").iterdir()) == [
+        ".hydra",
+        ".lock",
+        "train.log",
+        "train_rank1.log",
+    ]
+    # an attempt before this one locked the dir: it is not this attempt's to take back
+    before = tmp_path / "runs" / "day" / "torchrun-c"
+    before.mkdir()
+    (before / ".lock").write_text("")
+    refused_first(before, "", False)
+    assert (before / ".hydra").is_dir()
+
+    # the other worker, stopped by the agent once local rank 0 ended, takes back the folders it found missing as it
+    # started, while empty, deepest first: here the date folder local rank 0 found there, and a run dir it made again
+    again = tmp_path / "runs" / "late" / "torchrun-d"
+    run_dir._found_missing[:] = [again, again.parent]
+    again.mkdir(parents=True)
+    run_dir.leave_refused_run()
+    assert not again.parent.exists() and (tmp_path / "runs").is_dir()
+    # one it found missing that is not empty (local rank 0's files, or another run's) stays, and its parents with it
+    run_dir._found_missing[:] = [tmp_path / "runs" / "day" / "torchrun-b", tmp_path / "runs" / "day"]
+    run_dir.leave_refused_run()
+    assert (tmp_path / "runs" / "day" / "torchrun-b" / ".lock").is_file()

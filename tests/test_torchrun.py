@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -49,12 +50,13 @@ def torchrun_dirs() -> set[Path]:
 @pytest.fixture
 def new_run_dirs():
     """The torchrun run dirs a test made (removed afterwards)."""
-    before = torchrun_dirs()
-    made: list[Path] = []
+    before, days = torchrun_dirs(), set(RUNS.glob("*"))
     yield lambda: sorted(torchrun_dirs() - before)
     for path in torchrun_dirs() - before:
         shutil.rmtree(path, ignore_errors=True)
-    del made
+    for day in set(RUNS.glob("*")) - days:  # the date's folder, while empty (another test's runs may be in it)
+        with contextlib.suppress(OSError):
+            day.rmdir()
 
 
 def workers(agent_pid: int) -> dict[int, int]:
@@ -120,6 +122,9 @@ def test_a_mistake_is_one_line_an_attempt_from_local_rank_0_and_torchruns_report
     assert "To enable traceback" not in result.stderr, result.stderr[-3000:]
     assert set(re.findall(r"exitcode  : (\S+)", result.stderr)) <= {"2", "-15"}, result.stderr[-3000:]
     assert str(ROOT / "src") not in output(result)  # no worker's traceback (torchrun adds its own report)
+    # no run dir: local rank 0 takes back what the run made (another worker may have made the folders first), the
+    # other worker its empty log and any folder it made after local rank 0 had taken them back
+    assert new_run_dirs() == []
 
 
 def test_two_workers_train_one_world_with_the_launchers_counts_and_a_restart_resumes_in_the_same_run_dir(

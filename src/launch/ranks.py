@@ -321,7 +321,7 @@ def check_one_process(command: str) -> None:
         return
     launcher, count = found
     if launcher_rank() not in (None, "0"):
-        _drop_empty_run_log()  # so that the first takes back the run dir it made
+        drop_empty_run_log()  # so that the first takes back the run dir it made
         raise SystemExit(0)
     raise UserError(
         f"python -m src.{command} runs in one process, but {launcher} started {count}, each of which would do the "
@@ -330,9 +330,10 @@ def check_one_process(command: str) -> None:
     )
 
 
-def _drop_empty_run_log() -> None:
+def drop_empty_run_log() -> None:
     """Remove this process's log file in the run dir while it is still empty: Hydra's job log, a regular file
-    directly in ``hydra.runtime.output_dir``; no other file a logging handler writes."""
+    directly in ``hydra.runtime.output_dir``; no other file a logging handler writes. What a rank other than the
+    run's first does as it ends refused: the first takes back the run dir it made (src/launch/run_dir.py)."""
     from hydra.core.hydra_config import HydraConfig
 
     if not HydraConfig.initialized():

@@ -20,6 +20,7 @@ import fcntl
 import json
 import logging
 import os
+import re
 import socket
 import time
 from pathlib import Path
@@ -30,13 +31,14 @@ from omegaconf import DictConfig, OmegaConf, read_write
 
 from src.core.errors import print_line, report, unwritable_run_dir
 from src.launch import torchrun
-from src.launch.ranks import is_launch_rank_zero
+from src.launch.ranks import drop_empty_run_log, is_launch_rank_zero
 
 log = logging.getLogger(__name__)
 
 LOCK_FILE = ".lock"
 _held: list[int] = []  # open for the life of the process: closing the file would drop the lock
 _made: list[Path] = []  # the folders hold() made for this run, its run dir first, then the parents it made
+_found_missing: list[Path] = []  # another rank's: the run dir and parents that were not there as it started
 CONFIG_FILE = "config.yaml"  # the resolved config, src/training/trainer.py's record_config
 MULTIRUN_FILE = "multirun.yaml"  # Hydra's record of a sweep's config, in its sweep dir
 HYDRA_RECORD = {"config.yaml", "hydra.yaml", "overrides.yaml"}  # what Hydra writes into DIR/.hydra as a run starts
@@ -46,11 +48,14 @@ class RunDirLock(Callback):
     """Hydra callback: hold ``hydra.run.dir`` (``hydra.sweep.dir`` for ``-m``) before the run writes into it."""
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
-        if torchrun.active() and _timestamped(config.hydra.run):  # every worker: one dir per rendezvous id
+        per_rendezvous = torchrun.active() and _timestamped(config.hydra.run)
+        if per_rendezvous:  # every worker: one dir per rendezvous id
             with read_write(config.hydra):
                 config.hydra.run.dir = str(torchrun.run_dir_for(Path(str(config.hydra.run.dir))))
         if is_launch_rank_zero():
-            hold(config, "run")
+            hold(config, "run", shared=per_rendezvous)
+        else:
+            _found_missing[:] = _missing(Path(str(config.hydra.run.dir)))
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         hold(config, "sweep")
@@ -76,8 +81,10 @@ def output_dir() -> str | None:
     return str(where.absolute())
 
 
-def hold(config: DictConfig, kind: str) -> Path:
-    """Create (or claim, if timestamped) the ``hydra.<kind>.dir`` and lock it; refuse it if another run holds it."""
+def hold(config: DictConfig, kind: str, shared: bool = False) -> Path:
+    """Create (or claim, if timestamped) the ``hydra.<kind>.dir`` and lock it; refuse it if another run holds it.
+    ``shared``: a torchrun run's own dir, which any worker of the attempt may have made first: this run's unless a
+    run before (an attempt before) has locked it."""
     node = config.hydra[kind]
     if not str(node.dir).strip():  # Path("") is the directory the run starts in: a checkout, a home
         report(
@@ -93,6 +100,8 @@ def hold(config: DictConfig, kind: str) -> Path:
                 config.hydra.overrides.hydra.append(f'hydra.sweep.dir="{path}"')
     else:
         made = _missing(path)
+        if shared and not made and not (path / LOCK_FILE).exists():
+            made = [path.absolute()]
         try:
             path.mkdir(parents=True, exist_ok=True)
         except OSError as err:
@@ -118,9 +127,12 @@ def forget_refused_run() -> None:
     (``outputs/runs/<date>``), when the run was refused or stopped before it ran: called at exit status 2 and 130
     (Ctrl-C). Only a dir that holds nothing but what every run writes as it starts (Hydra's ``.hydra`` record of the
     config, the resolved ``config.yaml``, a sweep's ``multirun.yaml``, the lock file, this process's log, whose lines
-    the console showed too) goes: a job's dir, another rank's log, a checkpoint, a file of the user's, anything else
-    keeps it, and so does a dir that was there before the run."""
+    the console showed too, and the other ranks' logs while empty) goes: a job's dir, a log with lines in it, a
+    checkpoint, a file of the user's, anything else keeps it, and so does a dir that was there before the run. The
+    run's other ranks, refused too, remove their own logs while empty."""
     if not _made:
+        if not is_launch_rank_zero():  # another rank of the run: its own log, while empty
+            drop_empty_run_log()
         return
     run_dir, parents = _made[0], _made[1:]
     _made.clear()
@@ -128,7 +140,7 @@ def forget_refused_run() -> None:
     try:
         entries = list(os.scandir(run_dir))
         hydra = [e.name for e in os.scandir(run_dir / ".hydra")] if (run_dir / ".hydra").is_dir() else []
-        if not set(hydra) <= HYDRA_RECORD or not all(_start_file(e, logs) for e in entries):
+        if not set(hydra) <= HYDRA_RECORD or not all(_start_file(e, logs) or _empty_rank_log(e, logs) for e in entries):
             return
         for name in hydra:
             (run_dir / ".hydra" / name).unlink()
@@ -143,11 +155,35 @@ def forget_refused_run() -> None:
         return
 
 
+def leave_refused_run() -> None:
+    """What a torchrun worker other than the run's first takes back as the agent stops it, refused, once the first
+    has ended (src/launch/torchrun.py): its log while empty, and the folders that were not there as it started, while
+    empty: the run dir and its parents, where this worker made them (before the first, or again after the first
+    took them back). Only then: where the others may still be starting (srun's tasks, another node's workers), a
+    folder taken from under a starting process would fail its log."""
+    drop_empty_run_log()
+    for folder in _found_missing:  # deepest first
+        try:
+            folder.rmdir()
+        except FileNotFoundError:  # taken back by the first
+            continue
+        except OSError:  # not empty: the first's files, another worker's log, another run's dir
+            return
+
+
 def _start_file(entry: os.DirEntry, logs: set[str]) -> bool:
     if entry.name == ".hydra":
         return entry.is_dir(follow_symlinks=False)
     started = entry.name in (LOCK_FILE, CONFIG_FILE, MULTIRUN_FILE) or os.path.abspath(entry.path) in logs
     return started and entry.is_file(follow_symlinks=False)
+
+
+def _empty_rank_log(entry: os.DirEntry, logs: set[str]) -> bool:
+    """Another process's log of this run (``train_rank1.log``, ``train_node1_local0.log``: conf/hydra/default.yaml)
+    that is still empty: the other ranks of a refused run met the same mistake and said nothing there."""
+    stems = {Path(log).stem for log in logs if os.path.dirname(os.path.abspath(log)) == os.path.dirname(entry.path)}
+    named = any(re.fullmatch(rf"{re.escape(stem)}_(rank\d+|node\d+_local\d+)\.log", entry.name) for stem in stems)
+    return named and entry.is_file(follow_symlinks=False) and entry.stat(follow_symlinks=False).st_size == 0
 
 
 def _timestamped(node: DictConfig) -> bool:
@@ -180,7 +216,11 @@ def lock_run_dir(path: Path, kind: str = "run", resumable: bool = True) -> bool:
     ``resumable``: a training's dir, which the refusal's line says how to continue (not an eval's or an export's)."""
     lock_path = path / LOCK_FILE
     try:
-        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except FileNotFoundError:  # taken back since it was made: by a refused worker of this run (leave_refused_run)
+            path.mkdir(parents=True, exist_ok=True)
+            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     except OSError as err:
         report(unwritable_run_dir(err))
     try:

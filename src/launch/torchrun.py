@@ -96,12 +96,19 @@ def before_error_line(line: str, code: int) -> None:
         # the agent's stop, or Ctrl-C at the terminal: this worker ends as it would have, without a word (a shell's
         # background job keeps ignoring Ctrl-C)
         stops = [stop for stop in (signal.SIGTERM, signal.SIGINT) if signal.getsignal(stop) is not signal.SIG_IGN]
-        before = {stop: signal.signal(stop, lambda *_: os._exit(code)) for stop in stops}
+        before = {stop: signal.signal(stop, lambda *_: _end_quietly(code)) for stop in stops}
         try:
             time.sleep(QUIET_S)
         finally:  # no stop came: this worker says its own line
             for stop, handler in before.items():
                 signal.signal(stop, handler)
+
+
+def _end_quietly(code: int) -> None:
+    from src.launch import run_dir  # which imports this module
+
+    run_dir.leave_refused_run()  # after local rank 0, which has ended: it takes back the run dir's files
+    os._exit(code)
 
 
 def tell_agent(line: str) -> None:
