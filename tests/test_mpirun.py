@@ -36,26 +36,36 @@ def mpirun() -> str:
     return found
 
 
-def run_mpirun(mpirun: str, *overrides: str, ranks: int = 2) -> subprocess.CompletedProcess:
+def run_mpirun(
+    mpirun: str, *overrides: str, ranks: int = 2, python: str = sys.executable
+) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
     for key in ("RANK", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
     # mpirun binds each rank to a core of its own (its default at 2 ranks); --oversubscribe only where there are fewer
-    cmd = [mpirun, "-np", str(ranks), "--oversubscribe", sys.executable, "-m", "src.train", *overrides]
+    cmd = [mpirun, "-np", str(ranks), "--oversubscribe", python, "-m", "src.train", *overrides]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
 
 
 def test_mpiruns_ranks_train_one_world_and_a_failing_rank_stops_the_other_with_one_line(mpirun, tmp_path):
     args = [*FAST, "strategy=ddp", "trainer.devices=2", "strategy.timeout_s=60"]
-    result = run_mpirun(mpirun, *args, f"hydra.run.dir={tmp_path}/run")
+    # the default run dir's form (timestamped), and rank 1 started 1.2 s after rank 0, as a slow node starts it:
+    # before, each rank took its own clock's time, and rank 1 wrote its log into a dir of its own
+    late = tmp_path / "python"
+    late.write_text(f'#!/bin/sh\n[ "$OMPI_COMM_WORLD_RANK" = 1 ] && sleep 1.2\nexec {sys.executable} "$@"\n')
+    late.chmod(0o755)
+    result = run_mpirun(mpirun, *args, f"hydra.run.dir={tmp_path}/runs/${{now:%H-%M-%S}}", python=str(late))
     out = result.stdout + result.stderr
     assert result.returncode == 0, out[-3000:]
-    log = (tmp_path / "run" / "train.log").read_text()
+    named = [p.name for p in (tmp_path / "runs").iterdir()]  # one dir, named after mpirun's PMIx namespace
+    assert len(named) == 1 and named[0].startswith("mpirun-"), named
+    run = tmp_path / "runs" / named[0]
+    log = (run / "train.log").read_text()
     assert "world size 2 | strategy ddp | backend gloo" in log, log[-3000:]
     assert "test accuracy" in log
     # each rank knew which it was: rank 1 wrote its own log, and rank 0 alone the checkpoints
-    assert (tmp_path / "run" / "train_rank1.log").exists()
-    last = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    assert (run / "train_rank1.log").exists()
+    last = torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
     assert last["saved_by"]["world_size"] == 2 and last["global_step"] == 2
 
     start = time.monotonic()

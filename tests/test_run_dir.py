@@ -264,3 +264,34 @@ def test_a_refused_torchrun_run_takes_back_what_its_workers_made_whichever_made_
     run_dir._found_missing[:] = [tmp_path / "runs" / "day" / "torchrun-b", tmp_path / "runs" / "day"]
     run_dir.leave_refused_run()
     assert (tmp_path / "runs" / "day" / "torchrun-b" / ".lock").is_file()
+
+
+def test_the_default_run_dir_under_a_launcher_is_named_after_the_launch_every_process_knows(monkeypatch):
+    """srun's tasks and mpirun's ranks each read their own clock as they start; the real runs: tests/slurm and
+    tests/test_mpirun.py. A requeued job is a new run (its own dir, as a new timestamp was); a batch script, one
+    process or a launcher without a shared id keep the timestamp."""
+    from src.launch.ranks import launch_name
+
+    for key in [k for k in os.environ if k.startswith(("SLURM_", "TORCHELASTIC_", "OMPI_", "PMI_", "PMIX_"))]:
+        monkeypatch.delenv(key)
+    for key in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    assert launch_name() is None  # python -m src.train
+    step = {"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "3", "SLURM_PROCID": "1", "SLURM_NTASKS": "2"}
+    for key, value in step.items():
+        monkeypatch.setenv(key, value)
+    assert launch_name() == "slurm-7.3"
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "2")
+    assert launch_name() == "slurm-7.3-restart2"
+    monkeypatch.setenv("SLURM_NTASKS", "1")
+    assert launch_name() is None  # one task
+    monkeypatch.setenv("SLURM_NTASKS", "2")
+    monkeypatch.setenv("SLURM_STEP_ID", "batch")
+    assert launch_name() is None  # the batch script of a 2-task job (python without srun)
+    for key in step:
+        monkeypatch.delenv(key)
+    monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "1")
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "2")
+    assert launch_name() is None  # an MPI without PMIx: each rank its own time, as before
+    monkeypatch.setenv("PMIX_NAMESPACE", "701038593")
+    assert launch_name() == "mpirun-701038593"

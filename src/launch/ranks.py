@@ -311,6 +311,24 @@ def launched_processes() -> tuple[str, int] | None:
     return ("mpirun", size) if size > 1 else None
 
 
+def launch_name() -> str | None:
+    """A name for this run that every process a launcher started computes alike, without a word to the others:
+    ``slurm-<job id>.<step id>`` for srun's tasks (``-restart<N>`` once the job is requeued: a new run, as a new
+    timestamp was), ``mpirun-<PMIx namespace>`` for mpirun's ranks. None for one process, or a launcher that gives
+    its processes no shared id (torchrun's is its rendezvous id: src/launch/torchrun.py). The default run dir's
+    time cannot serve: each process reads its own clock as it starts, and a task that starts a second later (a
+    slow node, a shared filesystem) wrote its log into a dir of its own, or into another run's."""
+    found = launched_processes()
+    if found is None or found[0] == "torchrun":
+        return None
+    if found[0] == "srun":
+        restart = int(os.environ.get("SLURM_RESTART_COUNT") or 0)
+        step = f"slurm-{os.environ['SLURM_JOB_ID']}.{os.environ['SLURM_STEP_ID']}"
+        return f"{step}-restart{restart}" if restart else step
+    namespace = os.environ.get("PMIX_NAMESPACE")  # Open MPI's and any PMIx launcher's, the same in every rank
+    return f"mpirun-{namespace}" if namespace else None
+
+
 def check_one_process(command: str) -> None:
     """``src.export`` and ``src.predict`` run in one process: under a launcher that started several, each would do
     the same work into the same files. The first says so in one line and exits 2; the others end at once, quietly,

@@ -8,6 +8,8 @@ too — so a crashed run's dir is free for ``ckpt_path=last`` at once. The other
 lock, so they are never refused. A second run pointed at a held dir stops before it writes anything,
 naming the host and pid that hold it. A timestamped dir (the default ``outputs/runs/<date>/<time>``) is
 claimed instead: a run that finds its timestamp owned by another run takes ``<time>_2``, ``<time>_3``, ...
+Under a launcher that starts every process itself, the default is named after the launch instead
+(``torchrun-<rdzv id>``, ``slurm-<job>.<step>``, ``mpirun-<PMIx namespace>``): each process reads its own clock.
 A run refused before it ran (exit 2: a bad value, a missing file), or stopped with Ctrl-C before it trained (exit
 130), takes back the folders it made for itself (``forget_refused_run``): a typo leaves no empty run dir behind.
 """
@@ -31,7 +33,7 @@ from omegaconf import DictConfig, OmegaConf, read_write
 
 from src.core.errors import print_line, report, unwritable_run_dir
 from src.launch import torchrun
-from src.launch.ranks import drop_empty_run_log, is_launch_rank_zero
+from src.launch.ranks import drop_empty_run_log, is_launch_rank_zero, launch_name
 
 log = logging.getLogger(__name__)
 
@@ -48,12 +50,16 @@ class RunDirLock(Callback):
     """Hydra callback: hold ``hydra.run.dir`` (``hydra.sweep.dir`` for ``-m``) before the run writes into it."""
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
-        per_rendezvous = torchrun.active() and _timestamped(config.hydra.run)
-        if per_rendezvous:  # every worker: one dir per rendezvous id
+        # the default dir, under a launcher: every process of the run finds the same dir, named after the launch
+        launched = _timestamped(config.hydra.run) and (torchrun.active() or launch_name())
+        if launched:
+            default = Path(str(config.hydra.run.dir))  # <runs>/<date>/<time>
             with read_write(config.hydra):
-                config.hydra.run.dir = str(torchrun.run_dir_for(Path(str(config.hydra.run.dir))))
+                config.hydra.run.dir = str(
+                    torchrun.run_dir_for(default) if torchrun.active() else default.parent / str(launched)
+                )
         if is_launch_rank_zero():
-            hold(config, "run", shared=per_rendezvous)
+            hold(config, "run", shared=bool(launched))
         else:
             _found_missing[:] = _missing(Path(str(config.hydra.run.dir)))
 
@@ -83,8 +89,8 @@ def output_dir() -> str | None:
 
 def hold(config: DictConfig, kind: str, shared: bool = False) -> Path:
     """Create (or claim, if timestamped) the ``hydra.<kind>.dir`` and lock it; refuse it if another run holds it.
-    ``shared``: a torchrun run's own dir, which any worker of the attempt may have made first: this run's unless a
-    run before (an attempt before) has locked it."""
+    ``shared``: a dir named after the launch (torchrun's, srun's, mpirun's), which any process of the run may have
+    made first: this run's unless a run before (a torchrun attempt before) has locked it."""
     node = config.hydra[kind]
     if not str(node.dir).strip():  # Path("") is the directory the run starts in: a checkout, a home
         report(
@@ -348,3 +354,6 @@ def locked(path: Path) -> Iterator[None]:
         yield
     finally:
         os.close(fd)  # drops the lock
+
+
+torchrun.QUIET_END.append(leave_refused_run)  # a torchrun worker that left a mistake to local rank 0

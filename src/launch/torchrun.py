@@ -33,7 +33,7 @@ import time
 import uuid
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from src.core.errors import BEFORE_REPORT, EXIT_USER_ERROR, UserError
 from src.launch.devices import gpu_ids
@@ -43,6 +43,7 @@ log = logging.getLogger(__name__)
 RUN_ID = "TORCHELASTIC_RUN_ID"
 ERROR_FILE = "TORCHELASTIC_ERROR_FILE"  # where the agent reads why a worker failed, for its failure report
 QUIET_S = 30.0  # how long a worker other than local rank 0 leaves a mistake's line to it (before_error_line)
+QUIET_END: list[Callable[[], None]] = []  # what a quiet worker takes back as it ends: src/launch/run_dir.py's
 
 
 def active() -> bool:
@@ -105,9 +106,8 @@ def before_error_line(line: str, code: int) -> None:
 
 
 def _end_quietly(code: int) -> None:
-    from src.launch import run_dir  # which imports this module
-
-    run_dir.leave_refused_run()  # after local rank 0, which has ended: it takes back the run dir's files
+    for leave in QUIET_END:  # after local rank 0, which has ended and taken back the run dir's files
+        leave()
     os._exit(code)
 
 
