@@ -353,6 +353,9 @@ def test_a_seed_numpy_would_refuse_is_one_line_naming_it(seed):
         check_seed(seed)
     check_seed(0)
     check_seed(2**32 - 1)
+    # before: taken, and the run failed on it once the data split (TypeError, a traceback in the log)
+    with pytest.raises(UserError, match=r"^seed=null must be a whole number from 0 to 4294967295, the same for every"):
+        check_seed(None)
 
 
 def test_the_users_hydra_full_error_wins_over_the_one_set_for_hydra(monkeypatch):

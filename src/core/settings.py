@@ -60,17 +60,20 @@ def check_trainer_settings(trainer_cfg: Any) -> None:
 
 
 def check_seed(seed: Any) -> None:
-    """``seed``, which Lightning's seed_everything and the data's split take: a whole number numpy accepts."""
-    check_number(
-        "seed", seed, lambda v: whole(0)(v) and v < 2**32, f"a whole number from 0 to {2**32 - 1}", optional=True
-    )
+    """``seed``, which Lightning's seed_everything and the data's split take: a whole number numpy accepts. Not null:
+    each process would seed itself at random (Lightning's choice), and the data's split failed on it."""
+    words = f"a whole number from 0 to {2**32 - 1}"
+    if seed is None:
+        raise UserError(f"seed=null must be {words}, the same for every process (a new one each run: seed=$RANDOM)")
+    check_number("seed", seed, lambda v: whole(0)(v) and v < 2**32, words)
 
 
 def check_values(cfg: Any) -> None:
     """A composed config's ``trainer.*`` values and seed: what every command checks as it starts, and a sweep for each
     of its jobs before the first."""
     check_trainer_settings(cfg.get("trainer"))
-    check_seed(cfg.get("seed"))
+    if "seed" in cfg:  # src.predict has none
+        check_seed(cfg.seed)
 
 
 # Keys whose empty value (``paths.checkpoints=$CKPT_DIR`` with the variable unset) a run would take quietly: a path
