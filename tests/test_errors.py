@@ -358,6 +358,31 @@ def test_a_seed_numpy_would_refuse_is_one_line_naming_it(seed):
         check_seed(None)
 
 
+@pytest.mark.parametrize(
+    "key, value, line",
+    [
+        ("data.seed", None, "data.seed=null must be a whole number from 0 to 4294967295, the same for every process"),
+        ("model.label_smoothing", None, "model.label_smoothing=null must be in [0, 1)"),
+        ("model.num_classes", None, "model.num_classes=null must be a whole number >= 2 (it follows data.num_classes"),
+        ("model.num_classes", 0, "model.num_classes=0 must be a whole number >= 2"),  # a ZeroDivisionError before
+    ],
+)
+def test_a_null_the_data_or_the_network_cannot_take_is_one_line_before_the_run(key, value, line):
+    """Each went as far as a TypeError or a ZeroDivisionError (exit 1, a traceback in the log)."""
+    from omegaconf import OmegaConf
+
+    from src.core.errors import UserError
+    from src.core.settings import check_values
+    from src.models.classifier import ImageClassifier
+
+    with pytest.raises(UserError) as refused:
+        if key == "data.seed":
+            check_values(OmegaConf.create({"seed": 42, "data": {"seed": value}}))
+        else:
+            ImageClassifier(arch="resnet18", **{key.split(".")[1]: value})
+    assert str(refused.value).startswith(line), refused.value
+
+
 def test_the_users_hydra_full_error_wins_over_the_one_set_for_hydra(monkeypatch):
     """Entry points set HYDRA_FULL_ERROR=1 for Hydra's sake; the user's own value, recorded beside it, decides."""
     monkeypatch.setenv("HYDRA_FULL_ERROR", "1")
@@ -448,6 +473,17 @@ def test_trainer_values_lightning_misreads_or_takes_silently_are_refused_naming_
         ("throughput_record", "warmup_steps", -1, "callbacks.throughput_record.warmup_steps=-1 must be"),
         ("progress_bar", "min_interval_s", -1, "callbacks.progress_bar.min_interval_s=-1 must be"),
         ("last_checkpoint", "every_n_minutes", float("nan"), "callbacks.last_checkpoint.every_n_minutes=nan must be"),
+        # null, which each took as far as a TypeError (InstantiationException, exit 1, a traceback in the log)
+        (
+            "model_checkpoint",
+            "save_top_k",
+            None,
+            "callbacks.model_checkpoint: '<' not supported between instances of "
+            "'NoneType' and 'int' (raised by lightning.pytorch.callbacks.model_checkpoint.ModelCheckpoint): a "
+            "callbacks.model_checkpoint.* value is null where it needs one: give it a value, or leave it out",
+        ),
+        ("last_checkpoint", "dirpath", None, "callbacks.last_checkpoint.dirpath=null must be a folder or s3://"),
+        ("last_checkpoint", "every_n_train_steps", None, "callbacks.last_checkpoint.every_n_train_steps=null must be"),
     ],
 )
 def test_a_callbacks_value_its_class_refuses_is_one_line_naming_the_callback(node, key, bad, words, tmp_path):

@@ -20,7 +20,7 @@ from lightning.pytorch.loops.utilities import _is_max_limit_reached
 
 from src.checkpoints import object_store
 from src.checkpoints.files import LAST, remove_stale_temp_files
-from src.core.errors import check_number, whole
+from src.core.errors import UserError, check_number, whole
 
 
 class LastCheckpoint(Checkpoint):
@@ -34,6 +34,11 @@ class LastCheckpoint(Checkpoint):
     """
 
     def __init__(self, dirpath: str, every_n_minutes: float = 10, every_n_train_steps: int = 0) -> None:
+        if dirpath is None:
+            raise UserError(
+                "callbacks.last_checkpoint.dirpath=null must be a folder or s3://BUCKET/PREFIX (or leave it out: "
+                "paths.checkpoints)"
+            )
         check_number(
             "callbacks.last_checkpoint.every_n_train_steps",
             every_n_train_steps,

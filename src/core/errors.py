@@ -51,7 +51,7 @@ def check_number(key: str, value: Any, within: Callable[[Any], bool], words: str
     if value is None and optional:
         return
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not within(value):
-        raise UserError(f"{key}={value} must be {words}")
+        raise UserError(f"{key}={'null' if value is None else value} must be {words}")
 
 
 # errno values that mean the filesystem, not the program, refused a write
@@ -131,6 +131,12 @@ def user_error_in(err: BaseException | None) -> BaseException | None:
             if kind in ("ValueError", "MisconfigurationException") and quoted:
                 return UserError(
                     f"{node}: {detail[1:-1].strip()} (raised by {target}): change the offending {node}.* value"
+                )
+            # callbacks.model_checkpoint.save_top_k=null: the class compared or used a null value it needs
+            if kind == "TypeError" and quoted and "NoneType" in detail:
+                return UserError(
+                    f"{node}: {detail[1:-1].strip()} (raised by {target}): a {node}.* value is null where it needs "
+                    "one: give it a value, or leave it out for the default"
                 )
             if kind in ("ModuleNotFoundError", "ImportError") and quoted:  # a value that needs a package not here
                 return UserError(  # (trainer.precision=transformer-engine without NVIDIA's Transformer Engine)

@@ -59,13 +59,13 @@ def check_trainer_settings(trainer_cfg: Any) -> None:
     )
 
 
-def check_seed(seed: Any) -> None:
+def check_seed(seed: Any, key: str = "seed") -> None:
     """``seed``, which Lightning's seed_everything and the data's split take: a whole number numpy accepts. Not null:
     each process would seed itself at random (Lightning's choice), and the data's split failed on it."""
     words = f"a whole number from 0 to {2**32 - 1}"
     if seed is None:
-        raise UserError(f"seed=null must be {words}, the same for every process (a new one each run: seed=$RANDOM)")
-    check_number("seed", seed, lambda v: whole(0)(v) and v < 2**32, words)
+        raise UserError(f"{key}=null must be {words}, the same for every process (a new one each run: seed=$RANDOM)")
+    check_number(key, seed, lambda v: whole(0)(v) and v < 2**32, words)
 
 
 def check_values(cfg: Any) -> None:
@@ -74,6 +74,9 @@ def check_values(cfg: Any) -> None:
     check_trainer_settings(cfg.get("trainer"))
     if "seed" in cfg:  # src.predict has none
         check_seed(cfg.seed)
+    data = cfg.get("data")
+    if data is not None and "seed" in data:  # ${seed}, unless set apart
+        check_seed(data.seed, "data.seed")
 
 
 # Keys whose empty value (``paths.checkpoints=$CKPT_DIR`` with the variable unset) a run would take quietly: a path

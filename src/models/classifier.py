@@ -72,8 +72,10 @@ class ImageClassifier(L.LightningModule):
             raise UserError(
                 f"model.scheduler.decay={scheduler['decay']} is not known: choose one of {', '.join(DECAYS)}"
             )
-        if not 0.0 <= label_smoothing < 1.0:
-            raise UserError(f"model.label_smoothing={label_smoothing} must be in [0, 1)")
+        check_number("model.label_smoothing", label_smoothing, lambda v: 0.0 <= v < 1.0, "in [0, 1)")
+        check_number(
+            "model.num_classes", num_classes, whole(2), "a whole number >= 2 (it follows data.num_classes, the data's)"
+        )
         if optimizer["lr_scaling"] not in LR_SCALINGS:
             raise UserError(
                 f"model.optimizer.lr_scaling={optimizer['lr_scaling']} is not known: "
