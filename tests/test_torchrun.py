@@ -50,13 +50,14 @@ def torchrun_dirs() -> set[Path]:
 @pytest.fixture
 def new_run_dirs():
     """The torchrun run dirs a test made (removed afterwards)."""
-    before, days = torchrun_dirs(), set(RUNS.glob("*"))
+    before, days, runs = torchrun_dirs(), set(RUNS.glob("*")), RUNS.exists()
     yield lambda: sorted(torchrun_dirs() - before)
     for path in torchrun_dirs() - before:
         shutil.rmtree(path, ignore_errors=True)
-    for day in set(RUNS.glob("*")) - days:  # the date's folder, while empty (another test's runs may be in it)
+    # the date's folder and outputs/runs, while empty (only this file's tests run in the checkout's outputs/runs)
+    for folder in [*(set(RUNS.glob("*")) - days), *([] if runs else [RUNS])]:
         with contextlib.suppress(OSError):
-            day.rmdir()
+            folder.rmdir()
 
 
 def workers(agent_pid: int) -> dict[int, int]:
