@@ -358,6 +358,25 @@ def test_a_seed_numpy_would_refuse_is_one_line_naming_it(seed):
         check_seed(None)
 
 
+@pytest.mark.parametrize("key", ["ckpt_trusted", "test", "dry_run", "model.optimizer.nesterov"])
+def test_a_switch_given_a_word_is_one_line_not_true(key):
+    """A word is a string to Hydra, and a string is true: ckpt_trusted=no loaded a checkpoint in full (code and all),
+    test=off tested, model.optimizer.nesterov=off kept Nesterov on. Every command checks them (src/cli/entry.py)."""
+    from omegaconf import OmegaConf
+
+    from src.core.errors import UserError
+    from src.core.settings import check_values
+
+    composed = OmegaConf.create({"seed": 42, "ckpt_trusted": False, "test": True, "dry_run": False})
+    composed.merge_with({"model": {"optimizer": {"nesterov": True}}})
+    check_values(composed)
+    for word in ("no", "off", 0, None):
+        OmegaConf.update(composed, key, word)
+        with pytest.raises(UserError) as refused:
+            check_values(composed)
+        assert str(refused.value) == f"{key}={'null' if word is None else word} must be true or false"
+
+
 @pytest.mark.parametrize(
     "key, value, line",
     [

@@ -68,9 +68,29 @@ def check_seed(seed: Any, key: str = "seed") -> None:
     check_number(key, seed, lambda v: whole(0)(v) and v < 2**32, words)
 
 
+# The project's own switches. A word (ckpt_trusted=no, test=off) is a string, and a string is true: ckpt_trusted=no
+# loaded a checkpoint in full, code and all. (data.augment, data.pin_memory: their datamodule's check.)
+SWITCHES = (
+    "ckpt_trusted",
+    "test",
+    "dry_run",
+    "model.optimizer.nesterov",
+    "model.optimizer.decay_norm_and_bias",
+    "trainer.enable_model_summary",
+)
+
+
+def check_switches(cfg: Any) -> None:
+    for key in SWITCHES:
+        value = OmegaConf.select(cfg, key, default=False)
+        if not isinstance(value, bool):
+            raise UserError(f"{key}={'null' if value is None else value} must be true or false")
+
+
 def check_values(cfg: Any) -> None:
-    """A composed config's ``trainer.*`` values and seed: what every command checks as it starts, and a sweep for each
-    of its jobs before the first."""
+    """A composed config's ``trainer.*`` values, seed and switches: what every command checks as it starts, and a
+    sweep for each of its jobs before the first."""
+    check_switches(cfg)
     check_trainer_settings(cfg.get("trainer"))
     if "seed" in cfg:  # src.predict has none
         check_seed(cfg.seed)
