@@ -467,6 +467,11 @@ def test_hydras_rejections_become_one_line_naming_the_override(override, words, 
         # max_steps=0 trained nothing and tested the first weights; a negative clip flipped every gradient
         *(("max_steps", v, g) for v, g in ((0, -1), (-2, 5), (2.5, 10))),
         *(("gradient_clip_val", v, g) for v, g in ((-1, 0.5), ("abc", None))),
+        # a TypeError deep in the fit (or in the Trainer: benchmark=abc), or taken as every step / every epoch
+        *(("log_every_n_steps", v, g) for v, g in (("abc", 10), (-1, None), (0, 1))),
+        *(("check_val_every_n_epoch", v, g) for v, g in ((-1, None), (0, 2))),
+        *(("num_sanity_val_steps", v, g) for v, g in (("abc", -1), (-2, 0))),
+        *(("benchmark", v, g) for v, g in (("abc", "auto"), (-1, True))),
     ],
 )
 def test_trainer_values_lightning_misreads_or_takes_silently_are_refused_naming_the_key(key, bad, good):
@@ -503,6 +508,15 @@ def test_trainer_values_lightning_misreads_or_takes_silently_are_refused_naming_
         ),
         ("last_checkpoint", "dirpath", None, "callbacks.last_checkpoint.dirpath=null must be a folder or s3://"),
         ("last_checkpoint", "every_n_train_steps", None, "callbacks.last_checkpoint.every_n_train_steps=null must be"),
+        # a value of another type than the class uses (a TypeError there too)
+        (
+            "model_checkpoint",
+            "dirpath",
+            -1,
+            "callbacks.model_checkpoint: expected str, bytes or os.PathLike object, "
+            "not int (raised by lightning.pytorch.callbacks.model_checkpoint.ModelCheckpoint): change the offending "
+            "callbacks.model_checkpoint.* value",
+        ),
     ],
 )
 def test_a_callbacks_value_its_class_refuses_is_one_line_naming_the_callback(node, key, bad, words, tmp_path):

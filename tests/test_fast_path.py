@@ -142,6 +142,15 @@ def test_onednn_itself_sees_no_bf16_under_the_cap_this_project_reads():
     assert result.stdout.split() == ["None", "False"]
 
 
+def test_trainer_devices_minus_one_on_a_cpu_is_the_one_process_auto_runs():
+    """trainer.devices=-1, all devices: the project counted one process on a CPU, and Lightning's CPU accelerator
+    refused -1 (a TypeError, exit 1, a traceback in the log)."""
+    for devices in (-1, "-1"):
+        chosen = hardware_defaults(cpu_trainer(precision="32-true", devices=devices), "resnet50")
+        assert chosen == {"devices": "auto", "benchmark": False}
+    assert "devices" not in hardware_defaults(cpu_trainer(precision="32-true", devices=2), "resnet50")
+
+
 def test_a_precision_the_user_set_is_kept_and_channels_last_auto_times_nothing_and_says_its_own_reason(monkeypatch):
     """Before, channels_last=auto asked the whole fast path: beside a precision the user set, it timed bf16 steps
     that nothing used, and the run line gave that measurement as the layout's reason."""

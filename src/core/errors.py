@@ -132,12 +132,15 @@ def user_error_in(err: BaseException | None) -> BaseException | None:
                 return UserError(
                     f"{node}: {detail[1:-1].strip()} (raised by {target}): change the offending {node}.* value"
                 )
-            # callbacks.model_checkpoint.save_top_k=null: the class compared or used a null value it needs
-            if kind == "TypeError" and quoted and "NoneType" in detail:
-                return UserError(
-                    f"{node}: {detail[1:-1].strip()} (raised by {target}): a {node}.* value is null where it needs "
-                    "one: give it a value, or leave it out for the default"
+            # callbacks.model_checkpoint.save_top_k=null, logger.tensorboard.save_dir=-1: a value of a type the class
+            # cannot use
+            if kind == "TypeError" and quoted:
+                fix = (
+                    f"a {node}.* value is null where it needs one: give it a value, or leave it out for the default"
+                    if "NoneType" in detail
+                    else f"change the offending {node}.* value"
                 )
+                return UserError(f"{node}: {detail[1:-1].strip()} (raised by {target}): {fix}")
             if kind in ("ModuleNotFoundError", "ImportError") and quoted:  # a value that needs a package not here
                 return UserError(  # (trainer.precision=transformer-engine without NVIDIA's Transformer Engine)
                     f"{node}: {detail[1:-1].strip()} (raised by {target}): install it, or change the {node}.* value "

@@ -32,6 +32,32 @@ def check_trainer_settings(trainer_cfg: Any) -> None:
         "schedule without an end)",
         optional=True,
     )
+    check_number(
+        "trainer.log_every_n_steps",
+        trainer_cfg.get("log_every_n_steps"),
+        whole(1),
+        "a whole number >= 1: the steps between logged values",
+        optional=True,
+    )
+    check_number(
+        "trainer.check_val_every_n_epoch",
+        trainer_cfg.get("check_val_every_n_epoch"),
+        whole(1),
+        "a whole number >= 1, or null (trainer.val_check_interval alone decides)",
+        optional=True,
+    )
+    check_number(
+        "trainer.num_sanity_val_steps",
+        trainer_cfg.get("num_sanity_val_steps"),
+        whole(-1),
+        "a whole number >= 0 of validation batches before training, or -1 for all of them",
+        optional=True,
+    )
+    benchmark = trainer_cfg.get("benchmark")
+    if benchmark is not None and not isinstance(benchmark, bool) and benchmark != "auto":
+        raise UserError(
+            f"trainer.benchmark={benchmark} is not known: auto (cuDNN's autotuning on a GPU), true or false"
+        )
     deterministic = trainer_cfg.get("deterministic")
     if deterministic is not None and not isinstance(deterministic, bool) and deterministic != "warn":
         raise UserError(

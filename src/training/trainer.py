@@ -52,7 +52,8 @@ def route_lightning_logs() -> None:
 
 def hardware_defaults(trainer_cfg: DictConfig, arch: str = "resnet50") -> dict:
     """``precision`` and ``benchmark`` left at ``auto``, resolved for the hardware found and the network
-    ``arch`` trains (src/models/fast_path.py), and the accelerator of an srun task that has one GPU of its own.
+    ``arch`` trains (src/models/fast_path.py), the accelerator of an srun task that has one GPU of its own, and
+    ``devices=-1`` on a CPU (``auto``: the one process).
 
     On CUDA also cuDNN autotuning (CIFAR's shapes never change) and TF32 matmuls.
     """
@@ -67,6 +68,8 @@ def hardware_defaults(trainer_cfg: DictConfig, arch: str = "resnet50") -> dict:
         resolved["precision"] = chosen.precision
     if cuda and one_gpu_per_task(trainer_cfg.accelerator, trainer_cfg.devices):
         resolved["accelerator"] = TaskGPU()  # every local rank on its own task's cuda:0
+    if not cuda and trainer_cfg.get("devices") in (-1, "-1"):  # all devices: on a CPU, the one process auto runs
+        resolved["devices"] = "auto"  # (Lightning's CPU accelerator refuses -1)
     if trainer_cfg.benchmark == "auto":
         resolved["benchmark"] = cuda and not trainer_cfg.deterministic
     if cuda:
