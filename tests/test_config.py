@@ -115,11 +115,18 @@ def test_bad_strategy_settings_are_user_errors(kwargs, words):
 def test_the_allocation_checks_reading_of_slurm_is_lightnings(monkeypatch, env):
     from lightning.fabric.plugins.environments import SLURMEnvironment
 
-    for key in ("SLURM_NTASKS", "SLURM_JOB_NAME"):
+    for key in ("SLURM_NTASKS", "SLURM_JOB_NAME", "SLURM_STEP_ID", "SLURM_STEP_NUM_TASKS"):
         monkeypatch.delenv(key, raising=False)
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     assert slurm_detected() == SLURMEnvironment.detect()
+    # but for srun's tasks in an allocation named so, as salloc names its job: one run, not one a task (the real
+    # run: tests/slurm/test_one_node.py); one task there (srun --pty bash) is the shell Lightning means
+    monkeypatch.setenv("SLURM_STEP_ID", "0")
+    for tasks in ("1", "2"):
+        monkeypatch.setenv("SLURM_STEP_NUM_TASKS", tasks)
+        named = env.get("SLURM_JOB_NAME") in ("bash", "interactive")
+        assert slurm_detected() == (SLURMEnvironment.detect() or (named and tasks == "2"))
 
 
 def imported_modules(stderr: str) -> set[str]:

@@ -79,7 +79,9 @@ def quiet_dependencies() -> None:
     warnings.filterwarnings("ignore", message=r"This DataLoader will create \d+ worker processes in total")
     # trainer.precision=16-mixed on a CPU: the run line says it runs bf16-mixed, and why (src/callbacks/run_summary.py)
     warnings.filterwarnings("ignore", message=r"You passed `Trainer\(accelerator='cpu', precision='16-mixed'\)`")
-    if "SLURM_JOB_ID" not in os.environ:
+    step = os.environ.get("SLURM_STEP_ID", "")  # srun's: a number ("4294967294", older Slurm's batch script: none)
+    if "SLURM_JOB_ID" not in os.environ or (step.isdigit() and step != "4294967294"):  # outside Slurm, or in srun
+        # (Lightning says srun is not used in an allocation named interactive, as salloc names its job, srun or not)
         warnings.filterwarnings("ignore", message=r"The `srun` command is available on your system but is not used")
 
 

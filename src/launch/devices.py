@@ -118,10 +118,23 @@ def _narrowed() -> str:
 
 
 def slurm_detected() -> bool:
-    """What Lightning's ``SLURMEnvironment.detect()`` answers (a Slurm job, not an interactive allocation named bash
-    or interactive), read without loading Lightning: the allocation check runs before it loads. tests/test_config.py
-    holds the two to the same answers."""
-    return "SLURM_NTASKS" in os.environ and os.environ.get("SLURM_JOB_NAME") not in ("bash", "interactive")
+    """Whether Slurm placed this process. What Lightning's ``SLURMEnvironment.detect()`` answers (a Slurm job, not an
+    interactive allocation named bash or interactive: there you start the processes yourself), read without loading
+    Lightning, as the allocation check runs before it loads; and also a task of an srun step of several tasks in an
+    allocation so named. salloc names its job interactive, and ``srun python -m src.train`` there started one run:
+    Lightning took each task for a run of its own (each its own world, its local ranks started again, one run dir
+    for all). tests/test_config.py holds the two to these answers."""
+    if "SLURM_NTASKS" not in os.environ:
+        return False
+    if os.environ.get("SLURM_JOB_NAME") not in ("bash", "interactive"):
+        return True
+    step = os.environ.get("SLURM_STEP_ID")
+    return step is not None and step.isdigit() and step != "4294967294" and _count("SLURM_STEP_NUM_TASKS") > 1
+
+
+def _count(variable: str) -> int:
+    value = os.environ.get(variable, "")
+    return int(value) if value.isdigit() else 1
 
 
 def srun_task() -> bool:

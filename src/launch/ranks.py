@@ -14,14 +14,17 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
 import stat
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
-from src.core.errors import EXIT_USER_ERROR, UserError
+from src.core.errors import BEFORE_REPORT, EXIT_USER_ERROR, UserError
 from src.launch import torchrun
 from src.launch.devices import local_device_count, slurm_detected, srun_task, torch_cuda_available, uses_cuda
 
@@ -329,6 +332,75 @@ def launch_name() -> str | None:
     return f"mpirun-{namespace}" if namespace else None
 
 
+LOCAL_RANKS = {"srun": "SLURM_LOCALID", "mpirun": "OMPI_COMM_WORLD_LOCAL_RANK"}  # each process's place on its node
+
+
+def before_error_line(line: str, code: int) -> None:
+    """Under srun and Open MPI's mpirun, before this process prints ``error: line`` and ends with ``code``, where its
+    process group has not formed.
+
+    A mistake found then (exit status 2: the command line, the config, the allocation, the data) is the same in every
+    process of a node, and each printed it: 8 lines a node, 2,048 at 256 nodes, in the one file srun gathers them in.
+    Local rank 0 says it; the others wait, quiet, until it has ended (their launcher started them side by side: the
+    same parent) and then end with ``code`` as they would have, without a word, or at once where the launcher stops
+    them. One whose local rank 0 goes on (it did not fail so) says its own line after ``QUIET_S``, and so does one
+    that finds no such local rank 0 (a wrapper between the launcher and Python). torchrun's workers: its own
+    ``before_error_line``."""
+    found = launched_processes()
+    if code != EXIT_USER_ERROR or found is None or found[0] not in LOCAL_RANKS:
+        return
+    if os.environ.get(LOCAL_RANKS[found[0]], "0") == "0" or threading.current_thread() is not threading.main_thread():
+        return
+    first = _local_rank_zero(LOCAL_RANKS[found[0]])
+    if first is None and not _started_by_launcher():
+        return
+    stops = [stop for stop in (signal.SIGTERM, signal.SIGINT) if signal.getsignal(stop) is not signal.SIG_IGN]
+    before = {stop: signal.signal(stop, lambda *_: os._exit(code)) for stop in stops}
+    try:
+        deadline = time.monotonic() + torchrun.QUIET_S
+        while time.monotonic() < deadline:
+            if first is None or not os.path.exists(f"/proc/{first}"):  # it said the line and ended
+                drop_empty_run_log()
+                logging.shutdown()
+                os._exit(code)
+            time.sleep(0.05)
+    finally:  # it goes on: this process says its own line
+        for stop, handler in before.items():
+            signal.signal(stop, handler)
+
+
+LAUNCHER_DAEMONS = {"slurmstepd", "mpirun", "orted", "prterun", "prted"}  # what starts srun's and Open MPI's processes
+
+
+def _started_by_launcher() -> bool:
+    """Whether this process's parent is the launcher's own process on this node (not a wrapper of the user's), where
+    local rank 0, not beside this one any more, has ended."""
+    try:
+        with open(f"/proc/{os.getppid()}/comm") as file:
+            return file.read().strip() in LAUNCHER_DAEMONS
+    except OSError:
+        return False
+
+
+def _local_rank_zero(variable: str) -> int | None:
+    """The pid of this node's local rank 0 of this launch: the process beside this one (the same parent, srun's
+    slurmstepd or mpirun's daemon) whose ``variable`` is 0."""
+    parent = os.getppid()
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat") as file:  # pid (comm) state ppid ...: comm may hold spaces
+                if int(file.read().rsplit(")", 1)[1].split()[1]) != parent:
+                    continue
+            with open(f"/proc/{entry.name}/environ", "rb") as file:
+                if f"{variable}=0".encode() in file.read().split(b"\0"):
+                    return int(entry.name)
+        except (OSError, ValueError, IndexError):  # ended meanwhile, or another user's
+            continue
+    return None
+
+
 def check_one_process(command: str) -> None:
     """``src.export`` and ``src.predict`` run in one process: under a launcher that started several, each would do
     the same work into the same files. The first says so in one line and exits 2; the others end at once, quietly,
@@ -454,3 +526,6 @@ def rank_log_suffix() -> str:
     if rank is not None:
         return f"_rank{rank}"
     return f"_node{os.environ.get('NODE_RANK', 0)}_local{os.environ.get('LOCAL_RANK', 0)}"
+
+
+BEFORE_REPORT.append(lambda line: before_error_line(line, EXIT_USER_ERROR))  # Hydra's mistakes, the run dir's

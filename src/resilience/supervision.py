@@ -54,7 +54,7 @@ from typing import Any, Callable, NoReturn, Sequence
 
 from src.core.errors import EXIT_FAILED, EXIT_USER_ERROR, console_turn, print_line
 from src.launch import torchrun
-from src.launch.ranks import in_sweep, launcher_rank
+from src.launch.ranks import before_error_line, in_sweep, launcher_rank
 from src.resilience.node_board import NodeBoard
 
 POLL_S = 0.25
@@ -1027,8 +1027,9 @@ def end_run(
     cannot run Python, killed by its host's ranks. Several threads may get here at once (the
     main one with an exception, a watch); the first ends the process, the others wait for it.
     """
-    if line and FAILURES is None:  # before the group: under torchrun, local rank 0 says it (a watch may end this one)
+    if line and FAILURES is None:  # before the group: each node's local rank 0 says it (a watch may end this one)
         torchrun.before_error_line(line, code)
+        before_error_line(line, code)
     if not _ending.acquire(blocking=False):
         while True:
             time.sleep(60)

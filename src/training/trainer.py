@@ -24,7 +24,7 @@ from src.checkpoints.files import AtomicCheckpointIO, read_checkpoint
 from src.core.console import quiet_console, quiet_dependencies
 from src.distributed.strategy import TaskGPU
 from src.launch import torchrun
-from src.launch.devices import node_gpus, one_gpu_per_task, uses_cuda
+from src.launch.devices import node_gpus, one_gpu_per_task, slurm_detected, uses_cuda
 from src.launch.ranks import is_launch_rank_zero, mpi_launched, ranks_started_here_under_slurm
 from src.launch.run_dir import CONFIG_FILE
 from src.models.fast_path import fast_path
@@ -112,7 +112,7 @@ def build_trainer(cfg: DictConfig, arch: str) -> L.Trainer:
     plugins = [AtomicCheckpointIO()]
     if ranks_started_here_under_slurm():  # a sweep's jobs in a batch script: local ranks, as on a workstation
         plugins.append(LightningEnvironment())
-    elif SLURMEnvironment.detect() and not torchrun.active():  # srun torchrun: torchrun's environment, Lightning's
+    elif slurm_detected() and not torchrun.active():  # srun torchrun: torchrun's environment, Lightning's
         # src/callbacks/slurm_requeue.py owns SIGUSR1 instead of Lightning (see there why)
         plugins.append(SLURMEnvironment(auto_requeue=False))
     elif not mpi_launched():

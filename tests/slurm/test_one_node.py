@@ -121,13 +121,15 @@ def test_sigusr1_requeues_and_the_restart_resumes_from_the_object_store_to_exact
     assert {int(r["step"]) for r in rows if r.get("train/loss")} == logged, log
 
 
-def test_tasks_that_srun_binds_to_a_core_each_count_that_core_once_and_a_late_task_finds_the_default_run_dir(
+def test_srun_in_an_interactive_allocation_binding_a_core_each_trains_one_world_into_one_default_run_dir(
     cluster, tmp_path
 ):
     """SLURM_CPU_BIND=cores: each of the 2 tasks runs on a core of its own. (This machine's 2 cores cannot show a
-    task of several bound cores divided again by the tasks; tests/test_data.py checks that arithmetic.) The run dir
-    is the default's form, timestamped, as under a bare srun, and task 1 starts 1.2 s after task 0, as a task on a
-    slow node does: before, each task took its own clock's time, and task 1 wrote its log into a dir of its own."""
+    task of several bound cores divided again by the tasks; tests/test_data.py checks that arithmetic.) The job is
+    named interactive, as salloc names its jobs: before, Lightning took each task for a run of its own (each started
+    its own second rank; one ran, the other was refused the run dir). The run dir is the default's form, timestamped,
+    as under a bare srun, and task 1 starts 1.2 s after task 0, as a task on a slow node does: before, each task took
+    its own clock's time, and task 1 wrote its log into a dir of its own."""
     late = tmp_path / "python"
     late.write_text(f'#!/bin/sh\n[ "$SLURM_PROCID" = 1 ] && sleep 1.2\nexec {ROOT}/.venv/bin/python "$@"\n')
     late.chmod(0o755)
@@ -136,6 +138,7 @@ def test_tasks_that_srun_binds_to_a_core_each_count_that_core_once_and_a_late_ta
         "--ntasks-per-node=2",
         "--cpus-per-task=1",
         *CPU,
+        "--job-name=interactive",
         f"--export=ALL,SLURM_CPU_BIND=cores,PYTHON={late}",
         "slurm/train.sbatch",
         *RUN,
@@ -146,6 +149,8 @@ def test_tasks_that_srun_binds_to_a_core_each_count_that_core_once_and_a_late_ta
     log = cluster.log(job)
     assert info["JobState"] == "COMPLETED", log
     assert "| 0 loader workers (auto: on the CPU this rank's 1 core(s) train)" in log, log
+    assert log.count("world size 2 | strategy ddp | backend gloo") == 1, log
+    assert "srun` command is available on your system but is not used" not in log  # Lightning's, there
     # one dir for the run, named after its step, whatever the clock said as each task started
     assert [p.name for p in (tmp_path / "runs").iterdir()] == [f"slurm-{job}.0"]
     assert {"train.log", "train_rank1.log", "checkpoints"} <= {
@@ -158,7 +163,8 @@ def test_an_allocation_that_does_not_match_the_config_fails_fast_with_what_to_ch
     job = cluster.sbatch("--nodes=1", "--ntasks-per-node=2", *CPU, "slurm/train.sbatch", *RUN, "trainer.devices=1")
     info = cluster.wait(job, timeout=120)
     assert info["JobState"] == "FAILED"
-    assert "--ntasks-per-node=2 but trainer.devices=1" in cluster.log(job)
+    # said once: the node's other task, quiet, ends once local rank 0 has (before: a line from each task)
+    assert cluster.log(job).count("--ntasks-per-node=2 but trainer.devices=1") == 1, cluster.log(job)
     assert time.monotonic() - start < 90
 
 
