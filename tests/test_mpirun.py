@@ -84,3 +84,13 @@ def test_mpiruns_ranks_train_one_world_and_a_failing_rank_stops_the_other_with_o
         -3000:
     ]
     assert "Traceback" not in out
+
+    # a world of 2 with trainer.devices=3: before, it trained, its run line saying "1 node(s) x 3 device(s) = world
+    # size 2"; now refused before Lightning loads
+    result = run_mpirun(mpirun, *FAST, "strategy=ddp", "trainer.devices=3", f"hydra.run.dir={tmp_path}/mismatch")
+    out = result.stdout + result.stderr
+    assert result.returncode == 2, out[-3000:]
+    assert set(error_lines(out)) == {
+        "error: mpirun started 2 processes, but trainer.num_nodes x trainer.devices is 1 x 3 = 3: make them equal "
+        "(trainer.devices: the ranks mpirun starts on each node)"
+    }, out[-3000:]

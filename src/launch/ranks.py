@@ -111,6 +111,7 @@ def start_local_ranks(strategy: Any, ckpt_path: str | None = None) -> tuple[list
         strategy.name, strategy.backend, strategy.timeout_s, strategy.accelerator, strategy.devices, strategy.num_nodes
     )
     check_slurm_allocation(local, strategy.num_nodes)
+    check_mpi_world(local, strategy.num_nodes)
     if name != "ddp" or local == 1 or ranks_placed_by_launcher():
         return [], []
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -149,6 +150,19 @@ def in_sweep() -> bool:
 _HELD_PORT: socket.socket | None = None
 
 
+def check_mpi_world(devices: int, num_nodes: int) -> None:
+    """Under mpirun every process is a rank of the world mpirun started: trainer.devices x trainer.num_nodes must be
+    its size. Before, a run of 2 ranks with trainer.devices=3 trained, its run line saying "1 node(s) x 3 device(s) =
+    world size 2"."""
+    size = mpi_world_size()
+    if size is None or "SLURM_STEP_ID" in os.environ or torchrun.active() or int(size) == devices * num_nodes:
+        return
+    raise UserError(
+        f"mpirun started {size} processes, but trainer.num_nodes x trainer.devices is {num_nodes} x {devices} = "
+        f"{devices * num_nodes}: make them equal (trainer.devices: the ranks mpirun starts on each node)"
+    )
+
+
 def check_slurm_allocation(devices: int, num_nodes: int) -> None:
     """Under a Slurm job, the processes must come from srun and match the allocation, or DDP waits forever.
 
@@ -157,8 +171,8 @@ def check_slurm_allocation(devices: int, num_nodes: int) -> None:
     thousands of tasks).
     """
     if "SLURM_JOB_ID" not in os.environ or not slurm_detected() or torchrun.active():
-        return  # not Slurm, an interactive allocation (job name bash/interactive), or srun torchrun: its agents start
-        # the ranks (src/launch/torchrun.py matched the counts to them)
+        return  # not Slurm, one process of an interactive allocation (named bash/interactive), or srun torchrun:
+        # its agents start the ranks (src/launch/torchrun.py matched the counts to them)
     if ranks_started_here_under_slurm():  # a sweep in the batch script starts each job's ranks on this node
         if num_nodes > 1:
             raise UserError(
@@ -332,18 +346,20 @@ def launch_name() -> str | None:
     return f"mpirun-{namespace}" if namespace else None
 
 
-LOCAL_RANKS = {"srun": "SLURM_LOCALID", "mpirun": "OMPI_COMM_WORLD_LOCAL_RANK"}  # each process's place on its node
+# each process's place on its node. Not mpirun's: its rank 0 ends only once every rank has called MPI_Finalize
+# (src/cli/entry.py's exit_now), so a rank that waited for it waited out QUIET_S
+LOCAL_RANKS = {"srun": "SLURM_LOCALID"}
 
 
 def before_error_line(line: str, code: int) -> None:
-    """Under srun and Open MPI's mpirun, before this process prints ``error: line`` and ends with ``code``, where its
-    process group has not formed.
+    """Under srun, before this process prints ``error: line`` and ends with ``code``, where its process group has not
+    formed.
 
     A mistake found then (exit status 2: the command line, the config, the allocation, the data) is the same in every
     process of a node, and each printed it: 8 lines a node, 2,048 at 256 nodes, in the one file srun gathers them in.
     Local rank 0 says it; the others wait, quiet, until it has ended (their launcher started them side by side: the
-    same parent) and then end with ``code`` as they would have, without a word, or at once where the launcher stops
-    them. One whose local rank 0 goes on (it did not fail so) says its own line after ``QUIET_S``, and so does one
+    same parent, slurmstepd) and then end with ``code`` as they would have, without a word, or at once where srun
+    stops them. One whose local rank 0 goes on (it did not fail so) says its own line after ``QUIET_S``, and so does one
     that finds no such local rank 0 (a wrapper between the launcher and Python). torchrun's workers: its own
     ``before_error_line``."""
     found = launched_processes()
@@ -359,7 +375,7 @@ def before_error_line(line: str, code: int) -> None:
     try:
         deadline = time.monotonic() + torchrun.QUIET_S
         while time.monotonic() < deadline:
-            if first is None or not os.path.exists(f"/proc/{first}"):  # it said the line and ended
+            if first is None or _ended(first):  # it said the line and ended
                 drop_empty_run_log()
                 logging.shutdown()
                 os._exit(code)
@@ -369,7 +385,7 @@ def before_error_line(line: str, code: int) -> None:
             signal.signal(stop, handler)
 
 
-LAUNCHER_DAEMONS = {"slurmstepd", "mpirun", "orted", "prterun", "prted"}  # what starts srun's and Open MPI's processes
+LAUNCHER_DAEMONS = {"slurmstepd"}  # what starts srun's tasks on a node
 
 
 def _started_by_launcher() -> bool:
@@ -382,9 +398,18 @@ def _started_by_launcher() -> bool:
         return False
 
 
+def _ended(pid: int) -> bool:
+    """Whether ``pid`` has ended: gone, or a zombie its launcher has not reaped yet."""
+    try:
+        with open(f"/proc/{pid}/stat") as file:
+            return file.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except (OSError, IndexError):
+        return True
+
+
 def _local_rank_zero(variable: str) -> int | None:
     """The pid of this node's local rank 0 of this launch: the process beside this one (the same parent, srun's
-    slurmstepd or mpirun's daemon) whose ``variable`` is 0."""
+    slurmstepd) whose ``variable`` is 0."""
     parent = os.getppid()
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
