@@ -124,8 +124,11 @@ def test_a_mistake_is_one_line_an_attempt_from_local_rank_0_and_torchruns_report
     assert set(re.findall(r"exitcode  : (\S+)", result.stderr)) <= {"2", "-15"}, result.stderr[-3000:]
     assert str(ROOT / "src") not in output(result)  # no worker's traceback (torchrun adds its own report)
     # no run dir: local rank 0 takes back what the run made (another worker may have made the folders first), the
-    # other worker its empty log and any folder it made after local rank 0 had taken them back
-    assert new_run_dirs() == []
+    # other worker its empty log and any folder it made after local rank 0 had taken them back. Under a full suite's
+    # load the agent can stop that worker while it is still starting, before it has met the mistake: its empty log
+    # then stays (once in a full run; docs/torchrun.md says so)
+    left = [p for d in new_run_dirs() for p in d.rglob("*")]
+    assert all(re.fullmatch(r"train_rank1\.log", p.name) and p.stat().st_size == 0 for p in left), left
 
 
 def test_two_workers_train_one_world_with_the_launchers_counts_and_a_restart_resumes_in_the_same_run_dir(

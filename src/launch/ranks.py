@@ -346,11 +346,6 @@ def launch_name() -> str | None:
     return f"mpirun-{namespace}" if namespace else None
 
 
-# each process's place on its node. Not mpirun's: its rank 0 ends only once every rank has called MPI_Finalize
-# (src/cli/entry.py's exit_now), so a rank that waited for it waited out QUIET_S
-LOCAL_RANKS = {"srun": "SLURM_LOCALID"}
-
-
 def before_error_line(line: str, code: int) -> None:
     """Under srun, before this process prints ``error: line`` and ends with ``code``, where its process group has not
     formed.
@@ -361,13 +356,14 @@ def before_error_line(line: str, code: int) -> None:
     same parent, slurmstepd) and then end with ``code`` as they would have, without a word, or at once where srun
     stops them. One whose local rank 0 goes on (it did not fail so) says its own line after ``QUIET_S``, and so does one
     that finds no such local rank 0 (a wrapper between the launcher and Python). torchrun's workers: its own
-    ``before_error_line``."""
+    ``before_error_line``. Not mpirun's ranks: its rank 0 ends only once every rank has called MPI_Finalize
+    (src/cli/entry.py's ``exit_now``), and a rank that waited for it waited out ``QUIET_S``."""
     found = launched_processes()
-    if code != EXIT_USER_ERROR or found is None or found[0] not in LOCAL_RANKS:
+    if code != EXIT_USER_ERROR or found is None or found[0] != "srun":
         return
-    if os.environ.get(LOCAL_RANKS[found[0]], "0") == "0" or threading.current_thread() is not threading.main_thread():
+    if os.environ.get("SLURM_LOCALID", "0") == "0" or threading.current_thread() is not threading.main_thread():
         return
-    first = _local_rank_zero(LOCAL_RANKS[found[0]])
+    first = _local_rank_zero()
     if first is None and not _started_by_launcher():
         return
     stops = [stop for stop in (signal.SIGTERM, signal.SIGINT) if signal.getsignal(stop) is not signal.SIG_IGN]
@@ -385,15 +381,12 @@ def before_error_line(line: str, code: int) -> None:
             signal.signal(stop, handler)
 
 
-LAUNCHER_DAEMONS = {"slurmstepd"}  # what starts srun's tasks on a node
-
-
 def _started_by_launcher() -> bool:
-    """Whether this process's parent is the launcher's own process on this node (not a wrapper of the user's), where
-    local rank 0, not beside this one any more, has ended."""
+    """Whether this process's parent is srun's own process on this node, slurmstepd (not a wrapper of the user's),
+    where local rank 0, not beside this one any more, has ended."""
     try:
         with open(f"/proc/{os.getppid()}/comm") as file:
-            return file.read().strip() in LAUNCHER_DAEMONS
+            return file.read().strip() == "slurmstepd"
     except OSError:
         return False
 
@@ -407,9 +400,9 @@ def _ended(pid: int) -> bool:
         return True
 
 
-def _local_rank_zero(variable: str) -> int | None:
-    """The pid of this node's local rank 0 of this launch: the process beside this one (the same parent, srun's
-    slurmstepd) whose ``variable`` is 0."""
+def _local_rank_zero() -> int | None:
+    """The pid of this node's task 0 of this srun step: the process beside this one (the same parent, slurmstepd)
+    whose ``SLURM_LOCALID`` is 0."""
     parent = os.getppid()
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
@@ -419,7 +412,7 @@ def _local_rank_zero(variable: str) -> int | None:
                 if int(file.read().rsplit(")", 1)[1].split()[1]) != parent:
                     continue
             with open(f"/proc/{entry.name}/environ", "rb") as file:
-                if f"{variable}=0".encode() in file.read().split(b"\0"):
+                if b"SLURM_LOCALID=0" in file.read().split(b"\0"):
                     return int(entry.name)
         except (OSError, ValueError, IndexError):  # ended meanwhile, or another user's
             continue
