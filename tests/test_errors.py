@@ -358,6 +358,19 @@ def test_a_seed_numpy_would_refuse_is_one_line_naming_it(seed):
         check_seed(None)
 
 
+def test_a_key_given_null_reads_null_in_its_line_not_none():
+    """22 lines said KEY=None where the user had written KEY=null (backend, data.augment, model.arch, trainer.devices,
+    ...: a fuzz of every key of --cfg job); every UserError now says null. Other words stay as they are."""
+    from src.core.errors import UserError
+
+    assert str(UserError("backend=None is not known: choose one of auto, nccl, gloo")) == (
+        "backend=null is not known: choose one of auto, nccl, gloo"
+    )
+    assert str(UserError("data.augment=None must be true or false")) == "data.augment=null must be true or false"
+    assert str(UserError("the loader returned None for batch=3")) == "the loader returned None for batch=3"
+    assert str(UserError("x=Nonesuch")) == "x=Nonesuch"
+
+
 @pytest.mark.parametrize("key", ["ckpt_trusted", "test", "dry_run", "model.optimizer.nesterov"])
 def test_a_switch_given_a_word_is_one_line_not_true(key):
     """A word is a string to Hydra, and a string is true: ckpt_trusted=no loaded a checkpoint in full (code and all),

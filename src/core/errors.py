@@ -23,9 +23,18 @@ USER_FULL_ERROR = "CIFAR10_DDP_USER_HYDRA_FULL_ERROR"
 
 
 class UserError(Exception):
-    """A mistake in the command line, config, data or environment that the user can fix."""
+    """A mistake in the command line, config, data or environment that the user can fix. A key's value of None reads
+    ``KEY=null``, as the user wrote it (``data.augment=null``), not Python's ``KEY=None``."""
 
     exit_code = EXIT_USER_ERROR
+
+    def __init__(self, *args: object) -> None:
+        if args and isinstance(args[0], str):
+            args = (_NONE.sub(r"\1=null", args[0]), *args[1:])
+        super().__init__(*args)
+
+
+_NONE = re.compile(r"(\b[A-Za-z_][\w.]*)=None\b")  # a config key given null, as a line formats it
 
 
 class StorageError(UserError):
@@ -51,7 +60,7 @@ def check_number(key: str, value: Any, within: Callable[[Any], bool], words: str
     if value is None and optional:
         return
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not within(value):
-        raise UserError(f"{key}={'null' if value is None else value} must be {words}")
+        raise UserError(f"{key}={value} must be {words}")
 
 
 # errno values that mean the filesystem, not the program, refused a write

@@ -110,7 +110,7 @@ def check_switches(cfg: Any) -> None:
     for key in SWITCHES:
         value = OmegaConf.select(cfg, key, default=False)
         if not isinstance(value, bool):
-            raise UserError(f"{key}={'null' if value is None else value} must be true or false")
+            raise UserError(f"{key}={value} must be true or false")
 
 
 def check_values(cfg: Any) -> None:
