@@ -246,7 +246,8 @@ def print_line(text: str) -> None:
         sys.stderr.flush()
 
 
-# told the line before report() prints it: under torchrun, only local rank 0 says it (src/launch/torchrun.py)
+# told the line before report() prints it: under torchrun and srun, each node's first process says it
+# (src/launch/ranks.py)
 BEFORE_REPORT: list[Callable[[str], None]] = []
 
 

@@ -20,7 +20,7 @@ from torchvision.datasets.utils import download_url, extract_archive
 
 from src.core.errors import ToldElsewhere, UserError
 from src.data.in_memory import InMemoryImageDataModule
-from src.launch.ranks import is_launch_rank_zero
+from src.launch.ranks import alive, is_launch_rank_zero
 from src.launch.run_dir import locked, read_json, write_json
 
 log = logging.getLogger(__name__)
@@ -267,16 +267,8 @@ def _failed_meanwhile(record: dict) -> NoReturn:
     if record.get("run") is None or record.get("run") != _this_run() or record.get("host") != socket.gethostname():
         raise UserError(line)
     deadline = time.monotonic() + WRITER_EXIT_WAIT_S
-    while _alive(int(record.get("pid", 0))) and time.monotonic() < deadline:
+    while alive(int(record.get("pid", 0))) and time.monotonic() < deadline:
         time.sleep(0.1)
-    if _alive(int(record.get("pid", 0))):
+    if alive(int(record.get("pid", 0))):
         raise UserError(line)  # it has not said it yet: this one does
     raise ToldElsewhere(line)
-
-
-def _alive(pid: int) -> bool:
-    """Whether ``pid`` is a process on this node that has not ended (a zombie has)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import socket
 import stat
 import subprocess
@@ -355,9 +354,12 @@ def before_error_line(line: str, code: int) -> None:
     Local rank 0 says it; the others wait, quiet, until it has ended (their launcher started them side by side: the
     same parent, slurmstepd) and then end with ``code`` as they would have, without a word, or at once where srun
     stops them. One whose local rank 0 goes on (it did not fail so) says its own line after ``QUIET_S``, and so does one
-    that finds no such local rank 0 (a wrapper between the launcher and Python). torchrun's workers: its own
-    ``before_error_line``. Not mpirun's ranks: its rank 0 ends only once every rank has called MPI_Finalize
-    (src/cli/entry.py's ``exit_now``), and a rank that waited for it waited out ``QUIET_S``."""
+    that finds no such local rank 0 (a wrapper between the launcher and Python). torchrun's workers: its
+    ``before_error_line``, called from here. Not mpirun's ranks: its rank 0 ends only once every rank has called
+    MPI_Finalize (src/cli/entry.py's ``exit_now``), and a rank that waited for it waited out ``QUIET_S``."""
+    if torchrun.active():
+        torchrun.before_error_line(line, code)
+        return
     found = launched_processes()
     if code != EXIT_USER_ERROR or found is None or found[0] != "srun":
         return
@@ -366,19 +368,30 @@ def before_error_line(line: str, code: int) -> None:
     first = _local_rank_zero()
     if first is None and not _started_by_launcher():
         return
-    stops = [stop for stop in (signal.SIGTERM, signal.SIGINT) if signal.getsignal(stop) is not signal.SIG_IGN]
-    before = {stop: signal.signal(stop, lambda *_: os._exit(code)) for stop in stops}
-    try:
+    with torchrun.ending_on_stop(lambda: os._exit(code)):  # srun's stop, or Ctrl-C
         deadline = time.monotonic() + torchrun.QUIET_S
         while time.monotonic() < deadline:
-            if first is None or _ended(first):  # it said the line and ended
+            if first is None or not alive(first):  # it said the line and ended
                 drop_empty_run_log()
                 logging.shutdown()
                 os._exit(code)
             time.sleep(0.05)
-    finally:  # it goes on: this process says its own line
-        for stop, handler in before.items():
-            signal.signal(stop, handler)
+    # it goes on: this process says its own line
+
+
+def proc_stat(pid: int | str) -> list[str]:
+    """The fields of ``/proc/PID/stat`` after the command's name, which may hold spaces and ``)``: state, ppid, ...,
+    flags (``[6]``). OSError where there is no such process."""
+    with open(f"/proc/{pid}/stat") as file:
+        return file.read().rsplit(")", 1)[1].split()
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` is a process on this node that has not ended (a zombie has)."""
+    try:
+        return proc_stat(pid)[0] != "Z"
+    except (OSError, IndexError):
+        return False
 
 
 def _started_by_launcher() -> bool:
@@ -391,15 +404,6 @@ def _started_by_launcher() -> bool:
         return False
 
 
-def _ended(pid: int) -> bool:
-    """Whether ``pid`` has ended: gone, or a zombie its launcher has not reaped yet."""
-    try:
-        with open(f"/proc/{pid}/stat") as file:
-            return file.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except (OSError, IndexError):
-        return True
-
-
 def _local_rank_zero() -> int | None:
     """The pid of this node's task 0 of this srun step: the process beside this one (the same parent, slurmstepd)
     whose ``SLURM_LOCALID`` is 0."""
@@ -408,9 +412,8 @@ def _local_rank_zero() -> int | None:
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
             continue
         try:
-            with open(f"/proc/{entry.name}/stat") as file:  # pid (comm) state ppid ...: comm may hold spaces
-                if int(file.read().rsplit(")", 1)[1].split()[1]) != parent:
-                    continue
+            if int(proc_stat(entry.name)[1]) != parent:
+                continue
             with open(f"/proc/{entry.name}/environ", "rb") as file:
                 if b"SLURM_LOCALID=0" in file.read().split(b"\0"):
                     return int(entry.name)

@@ -143,10 +143,11 @@ def forget_refused_run() -> None:
     run_dir, parents = _made[0], _made[1:]
     _made.clear()
     logs = {h.baseFilename for h in logging.getLogger().handlers if isinstance(h, logging.FileHandler)}
+    jobs = {Path(log).stem for log in logs if os.path.dirname(log) == str(run_dir)}  # this process's: train
     try:
         entries = list(os.scandir(run_dir))
         hydra = [e.name for e in os.scandir(run_dir / ".hydra")] if (run_dir / ".hydra").is_dir() else []
-        if not set(hydra) <= HYDRA_RECORD or not all(_start_file(e, logs) or _empty_rank_log(e, logs) for e in entries):
+        if not set(hydra) <= HYDRA_RECORD or not all(_start_file(e, logs) or _empty_rank_log(e, jobs) for e in entries):
             return
         for name in hydra:
             (run_dir / ".hydra" / name).unlink()
@@ -184,11 +185,11 @@ def _start_file(entry: os.DirEntry, logs: set[str]) -> bool:
     return started and entry.is_file(follow_symlinks=False)
 
 
-def _empty_rank_log(entry: os.DirEntry, logs: set[str]) -> bool:
-    """Another process's log of this run (``train_rank1.log``, ``train_node1_local0.log``: conf/hydra/default.yaml)
-    that is still empty: the other ranks of a refused run met the same mistake and said nothing there."""
-    stems = {Path(log).stem for log in logs if os.path.dirname(os.path.abspath(log)) == os.path.dirname(entry.path)}
-    named = any(re.fullmatch(rf"{re.escape(stem)}_(rank\d+|node\d+_local\d+)\.log", entry.name) for stem in stems)
+def _empty_rank_log(entry: os.DirEntry, jobs: set[str]) -> bool:
+    """Another process's log of this run (``train_rank1.log``, ``train_node1_local0.log``: conf/hydra/default.yaml),
+    for ``jobs`` the names of this process's logs there, that is still empty: the other ranks of a refused run met the
+    same mistake and said nothing there."""
+    named = any(re.fullmatch(rf"{re.escape(job)}_(rank\d+|node\d+_local\d+)\.log", entry.name) for job in jobs)
     return named and entry.is_file(follow_symlinks=False) and entry.stat(follow_symlinks=False).st_size == 0
 
 

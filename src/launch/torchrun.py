@@ -33,9 +33,9 @@ import time
 import uuid
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
-from src.core.errors import BEFORE_REPORT, EXIT_USER_ERROR, UserError
+from src.core.errors import EXIT_USER_ERROR, UserError
 from src.launch.devices import gpu_ids
 
 log = logging.getLogger(__name__)
@@ -88,21 +88,30 @@ def before_error_line(line: str, code: int) -> None:
     others wait here, quiet, for the agent, which stops them (SIGTERM) once local rank 0 has ended, and they end
     with ``code`` as they would have. A worker whose local rank 0 did not end so says its own line after
     ``QUIET_S``. Each worker's error file gets the line (``tell_agent``). After the group forms, one rank says a
-    failure for the run (src/resilience/supervision.py), and it tells the agent."""
+    failure for the run (src/resilience/supervision.py), and it tells the agent. Called through src/launch/ranks.py's
+    ``before_error_line``, as srun's tasks are."""
     if not active():
         return
     tell_agent(line)
     main = threading.current_thread() is threading.main_thread()  # only its signal handlers can be set
     if code == EXIT_USER_ERROR and os.environ.get("LOCAL_RANK", "0") != "0" and main:
-        # the agent's stop, or Ctrl-C at the terminal: this worker ends as it would have, without a word (a shell's
-        # background job keeps ignoring Ctrl-C)
-        stops = [stop for stop in (signal.SIGTERM, signal.SIGINT) if signal.getsignal(stop) is not signal.SIG_IGN]
-        before = {stop: signal.signal(stop, lambda *_: _end_quietly(code)) for stop in stops}
-        try:
+        with ending_on_stop(lambda: _end_quietly(code)):  # the agent's stop, or Ctrl-C at the terminal
             time.sleep(QUIET_S)
-        finally:  # no stop came: this worker says its own line
-            for stop, handler in before.items():
-                signal.signal(stop, handler)
+        # no stop came: this worker says its own line
+
+
+@contextlib.contextmanager
+def ending_on_stop(end: Callable[[], None]) -> Iterator[None]:
+    """While inside, SIGTERM and SIGINT call ``end`` (which ends the process as it would have ended, without a word);
+    their handlers are put back after. A SIGINT a shell's background job ignores stays ignored. In the main thread
+    only: the one whose handlers can be set."""
+    stops = [stop for stop in (signal.SIGTERM, signal.SIGINT) if signal.getsignal(stop) is not signal.SIG_IGN]
+    before = {stop: signal.signal(stop, lambda *_: end()) for stop in stops}
+    try:
+        yield
+    finally:
+        for stop, handler in before.items():
+            signal.signal(stop, handler)
 
 
 def _end_quietly(code: int) -> None:
@@ -126,9 +135,6 @@ def tell_agent(line: str) -> None:
             with open(partial, "w") as file:
                 json.dump({"message": said}, file)
             os.replace(partial, path)
-
-
-BEFORE_REPORT.append(lambda line: before_error_line(line, EXIT_USER_ERROR))  # Hydra's mistakes, the run dir's
 
 
 def restart() -> tuple[int, int]:

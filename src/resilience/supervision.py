@@ -54,7 +54,7 @@ from typing import Any, Callable, NoReturn, Sequence
 
 from src.core.errors import EXIT_FAILED, EXIT_USER_ERROR, console_turn, print_line
 from src.launch import torchrun
-from src.launch.ranks import before_error_line, in_sweep, launcher_rank
+from src.launch.ranks import before_error_line, in_sweep, launcher_rank, proc_stat
 from src.resilience.node_board import NodeBoard
 
 POLL_S = 0.25
@@ -233,7 +233,7 @@ def _exiting(pid: int) -> bool:
     """Whether process ``pid`` has begun to exit (its flags in /proc/PID/stat); False where they cannot be read (it
     is gone, or there is no /proc): the parent pid tells then."""
     try:
-        return bool(int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[6]) & PF_EXITING)
+        return bool(int(proc_stat(pid)[6]) & PF_EXITING)
     except (OSError, ValueError, IndexError):
         return False
 
@@ -1028,7 +1028,6 @@ def end_run(
     main one with an exception, a watch); the first ends the process, the others wait for it.
     """
     if line and FAILURES is None:  # before the group: each node's local rank 0 says it (a watch may end this one)
-        torchrun.before_error_line(line, code)
         before_error_line(line, code)
     if not _ending.acquire(blocking=False):
         while True:
