@@ -500,6 +500,21 @@ def test_trainer_values_lightning_misreads_or_takes_silently_are_refused_naming_
     check_trainer_settings(OmegaConf.create({"accelerator": "cpu", key: good}))
 
 
+def test_a_default_root_dir_other_than_the_run_dir_is_refused_naming_hydra_run_dir(tmp_path):
+    """trainer.default_root_dir elsewhere (or null: the directory the run starts in) split a run in two: its
+    throughput.json (and a failure's record) there, its checkpoints, logs and lock in the run dir, where a sweep's
+    report looked for throughput.json."""
+    from src.core.errors import UserError
+    from src.core.settings import check_values
+    from tests.test_config import make_cfg
+
+    for value, words in ((tmp_path / "elsewhere", f"hydra.run.dir={tmp_path / 'elsewhere'} instead"), ("null", "=DIR")):
+        with pytest.raises(UserError, match=rf"^trainer\.default_root_dir={value} is not the run dir.*{words}"):
+            check_values(make_cfg(tmp_path, f"trainer.default_root_dir={value}"))
+    for same in ((), (f"trainer.default_root_dir={tmp_path}/run",)):  # the default, or the run dir given again
+        check_values(make_cfg(tmp_path, *same))
+
+
 @pytest.mark.parametrize(
     "node, key, bad, words",
     [

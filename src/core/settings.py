@@ -5,6 +5,7 @@ takes the fraction of a second Hydra takes."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from omegaconf import OmegaConf
@@ -113,11 +114,39 @@ def check_switches(cfg: Any) -> None:
             raise UserError(f"{key}={value} must be true or false")
 
 
+ROOT_DIR_DEFAULT = "${paths.output_dir}"  # conf/trainer/default.yaml: Lightning's default_root_dir is the run dir
+
+
+def check_root_dir(cfg: Any) -> None:
+    """``trainer.default_root_dir``, where Lightning and the project's callbacks put a run's files (``throughput.json``,
+    a failure's record and stacks, a stop's ``last.ckpt`` without the last-checkpoint callback): the run dir, which
+    the run's lock holds and where the checkpoints, logs and config go. Another folder, or null (Lightning's: the
+    directory the run starts in), split one run's files in two, and a sweep's report found no ``throughput.json``
+    in its jobs' dirs."""
+    trainer = cfg.get("trainer")
+    if trainer is None or "default_root_dir" not in trainer:
+        return
+    raw = OmegaConf.to_container(trainer, resolve=False).get("default_root_dir")
+    if raw == ROOT_DIR_DEFAULT:
+        return
+    value = OmegaConf.select(cfg, "trainer.default_root_dir", default=None, throw_on_resolution_failure=False)
+    run_dir = OmegaConf.select(cfg, "paths.output_dir", default=None, throw_on_resolution_failure=False)
+    if value is not None and run_dir is not None and Path(str(value)).absolute() == Path(str(run_dir)).absolute():
+        return
+    given = value if value is not None else raw
+    raise UserError(
+        f"trainer.default_root_dir={given} is not the run dir, where every file of a run goes: give "
+        f"hydra.run.dir={'DIR' if given is None else given} instead (a sweep's: hydra.sweep.dir), or leave "
+        "trainer.default_root_dir out"
+    )
+
+
 def check_values(cfg: Any) -> None:
-    """A composed config's ``trainer.*`` values, seed and switches: what every command checks as it starts, and a
-    sweep for each of its jobs before the first."""
+    """A composed config's ``trainer.*`` values, run dir, seed and switches: what every command checks as it starts,
+    and a sweep for each of its jobs before the first."""
     check_switches(cfg)
     check_trainer_settings(cfg.get("trainer"))
+    check_root_dir(cfg)
     if "seed" in cfg:  # src.predict has none
         check_seed(cfg.seed)
     data = cfg.get("data")
