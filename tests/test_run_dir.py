@@ -266,10 +266,11 @@ def test_a_refused_torchrun_run_takes_back_what_its_workers_made_whichever_made_
     assert (tmp_path / "runs" / "day" / "torchrun-b" / ".lock").is_file()
 
 
-def test_the_default_run_dir_under_a_launcher_is_named_after_the_launch_every_process_knows(monkeypatch):
+def test_the_default_run_dir_under_a_launcher_is_named_after_the_launch_every_process_knows(monkeypatch, tmp_path):
     """srun's tasks and mpirun's ranks each read their own clock as they start; the real runs: tests/slurm and
     tests/test_mpirun.py. A requeued job is a new run (its own dir, as a new timestamp was); a batch script, one
-    process or a launcher without a shared id keep the timestamp."""
+    process or a launcher without a shared id keep the timestamp. A process that starts after midnight finds the
+    launch's dir under the day before."""
     from src.launch.ranks import launch_name
 
     for key in [k for k in os.environ if k.startswith(("SLURM_", "TORCHELASTIC_", "OMPI_", "PMI_", "PMIX_"))]:
@@ -295,3 +296,13 @@ def test_the_default_run_dir_under_a_launcher_is_named_after_the_launch_every_pr
     assert launch_name() is None  # an MPI without PMIx: each rank its own time, as before
     monkeypatch.setenv("PMIX_NAMESPACE", "701038593")
     assert launch_name() == "mpirun-701038593"
+    # a process that starts after midnight finds the dir the launch's first made the day before
+    from src.launch.run_dir import launch_dir
+
+    runs = tmp_path / "runs"
+    after = runs / "2026-11-25" / "00-00-01"
+    assert launch_dir(after, "slurm-7.3") == runs / "2026-11-25" / "slurm-7.3"  # the first: today's
+    (runs / "2026-11-24" / "slurm-7.3").mkdir(parents=True)
+    (runs / "2026-11-25").mkdir()
+    assert launch_dir(after, "slurm-7.3") == runs / "2026-11-24" / "slurm-7.3"
+    assert launch_dir(after, "slurm-8.0") == runs / "2026-11-25" / "slurm-8.0"  # another launch: its own

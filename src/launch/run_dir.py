@@ -56,7 +56,7 @@ class RunDirLock(Callback):
             default = Path(str(config.hydra.run.dir))  # <runs>/<date>/<time>
             with read_write(config.hydra):
                 config.hydra.run.dir = str(
-                    torchrun.run_dir_for(default) if torchrun.active() else default.parent / str(launched)
+                    torchrun.run_dir_for(default) if torchrun.active() else launch_dir(default, str(launched))
                 )
         if is_launch_rank_zero():
             hold(config, "run", shared=bool(launched))
@@ -65,6 +65,23 @@ class RunDirLock(Callback):
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         hold(config, "sweep")
+
+
+def launch_dir(default: Path, name: str) -> Path:
+    """The run dir of srun's tasks or mpirun's ranks that did not pass ``hydra.run.dir``: ``<runs>/<date>/<name>``.
+    ``default`` is the timestamped dir Hydra computed from this process's clock (``<runs>/<date>/<time>``). A
+    process that starts after midnight, where the launch's first started before it, finds the dir that one made
+    under the day before (the newest two date folders: one listing and two lookups a process, however many days
+    ``<runs>`` holds), and its log joins the run's; where none is there yet, today's."""
+    runs = default.parent.parent
+    try:
+        dates = sorted(entry.name for entry in os.scandir(runs) if entry.is_dir())
+    except OSError:  # no <runs> yet: this is the first process
+        dates = []
+    for date in reversed(dates[-2:]):
+        if (runs / date / name).is_dir():
+            return runs / date / name
+    return default.parent / name
 
 
 def output_dir() -> str | None:
