@@ -500,6 +500,20 @@ def test_trainer_values_lightning_misreads_or_takes_silently_are_refused_naming_
     check_trainer_settings(OmegaConf.create({"accelerator": "cpu", key: good}))
 
 
+def test_no_end_to_training_is_refused_and_an_end_in_steps_or_time_is_taken():
+    """max_epochs=null with max_steps=-1: Lightning trained 1000 epochs, its warning saying to set max_epochs=-1,
+    which is refused."""
+    from omegaconf import OmegaConf
+
+    from src.core.errors import UserError
+    from src.core.settings import check_trainer_settings
+
+    with pytest.raises(UserError, match=r"^trainer\.max_epochs=null with trainer\.max_steps=-1 sets no end"):
+        check_trainer_settings(OmegaConf.create({"max_epochs": None, "max_steps": -1}))
+    check_trainer_settings(OmegaConf.create({"max_epochs": None, "max_steps": 500}))
+    check_trainer_settings(OmegaConf.create({"max_epochs": None, "max_steps": -1, "max_time": "00:01:00:00"}))
+
+
 def test_a_default_root_dir_other_than_the_run_dir_is_refused_naming_hydra_run_dir(tmp_path):
     """trainer.default_root_dir elsewhere (or null: the directory the run starts in) split a run in two: its
     throughput.json (and a failure's record) there, its checkpoints, logs and lock in the run dir, where a sweep's

@@ -186,6 +186,24 @@ def test_resnet50_itself_trains_a_few_steps_and_steps_the_learning_rate():
     assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.0)
 
 
+def test_a_fit_counted_in_steps_warms_up_and_decays_over_those_steps():
+    """trainer.max_epochs=null with max_steps: Lightning's estimate of the steps loads no training batches then, and
+    the schedule's steps per epoch read an infinite count (OverflowError before the first step)."""
+    model = ImageClassifier(arch="resnet18", stem="imagenet", width=16, scheduler={"warmup_epochs": 1.0})
+    data = SyntheticDataModule(num_train=12, num_test=4, batch_size=4, val_size=4)  # 2 steps an epoch
+    used: list[float] = []
+
+    class Record(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            used.append(trainer.optimizers[0].param_groups[0]["lr"])
+
+    trainer = fit(model, data, max_epochs=None, max_steps=5, limit_val_batches=1, callbacks=[Record()])
+    assert trainer.global_step == 5 and trainer.current_epoch == 3
+    peak = 0.1 * 4 / 128  # a warm-up of one epoch (2 steps) from 0.1 x the peak, then down to 0 at step 5
+    assert used[:3] == pytest.approx([0.1 * peak, 0.55 * peak, peak]) and used[3] < peak
+    assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.0)
+
+
 def test_loss_falls_on_synthetic_data():
     L.seed_everything(0)
     # the ImageNet stem at 32 px (a sixteenth of the CIFAR stem's work) on the tests' narrow network: the loss falls to

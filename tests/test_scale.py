@@ -440,3 +440,12 @@ def test_a_write_under_way_as_the_nodes_last_rank_removes_the_board_does_not_mak
     shutil.rmtree(tmp_path / "live")  # a cleaner of temporary files, under a running rank
     live.publish({"rank": 0, "step": 3})
     assert live.ranks()[0][0] == {"rank": 0, "step": 3}
+
+
+def test_a_dry_run_says_how_long_the_fit_runs_in_epochs_or_in_steps():
+    """A fit counted in steps (trainer.max_epochs=null with trainer.max_steps) read ``(x None epochs)``."""
+    from src.distributed.dry_run import _length
+
+    assert _length({"max_epochs": 30, "max_steps": -1}) == "x 30 epochs"
+    assert _length({"max_epochs": 30, "max_steps": 500}) == "x 30 epochs, at most 500 steps"
+    assert _length({"max_epochs": None, "max_steps": 500}) == "500 steps in all"

@@ -70,6 +70,12 @@ def check_trainer_settings(trainer_cfg: Any) -> None:
         check_number(
             "trainer.max_steps", max_steps, whole(1), "-1 (trainer.max_epochs decides) or a whole number of steps >= 1"
         )
+    elif "max_epochs" in trainer_cfg and trainer_cfg.get("max_epochs") is None and trainer_cfg.get("max_time") is None:
+        # Lightning's 1000 epochs, in a warning that says to set max_epochs=-1 (refused above)
+        raise UserError(
+            "trainer.max_epochs=null with trainer.max_steps=-1 sets no end (Lightning would train 1000 epochs): give "
+            "trainer.max_epochs, or trainer.max_steps for a run counted in steps"
+        )
     # a negative clip value flips every gradient in torch's clip_grad_norm_ (its scale is clip / norm) and trains away
     check_number(
         "trainer.gradient_clip_val",

@@ -86,6 +86,7 @@ def plan(cfg: DictConfig, rank: int, datamodule: Any, model: Any, world: int) ->
         "peak_lr": lr,
         "steps_per_epoch": steps,
         "max_epochs": cfg.trainer.max_epochs,
+        "max_steps": cfg.trainer.get("max_steps", -1),
         "train_images": train_images,
         "val_images": val,
         "val_batches": math.ceil(val / batch),
@@ -124,6 +125,15 @@ def gpu_peak_memory(model: Any, batch: int, image_size: int) -> float | None:
     return torch.cuda.max_memory_allocated(device) / 2**30
 
 
+def _length(p: dict[str, Any]) -> str:
+    """How long the fit runs: ``x 30 epochs``, ``x 30 epochs, at most 500 steps``, or ``500 steps in all``
+    (``trainer.max_epochs=null``)."""
+    steps = p.get("max_steps", -1)
+    if p["max_epochs"] is None:
+        return f"{steps} steps in all"
+    return f"x {p['max_epochs']} epochs" + (f", at most {steps} steps" if steps != -1 else "")
+
+
 def report(p: dict[str, Any], nodes: int, per_node: int, gpu_gib: float | None) -> list[str]:
     lines = [
         f"dry run: rank {p['rank']} of {p['world_size']} ({nodes} node(s) x {per_node}), on torch's fake process group",
@@ -131,7 +141,7 @@ def report(p: dict[str, Any], nodes: int, per_node: int, gpu_gib: float | None) 
         + (f" x {p['accumulate']} accumulated" if p["accumulate"] > 1 else "")
         + p["batch_note"],
         f"  peak lr          {p['peak_lr']:.4g}",
-        f"  steps per epoch  {p['steps_per_epoch']} (x {p['max_epochs']} epochs)",
+        f"  steps per epoch  {p['steps_per_epoch']} ({_length(p)})",
         f"  this rank        {p['train_images']} training images an epoch; {p['val_images']} validation images "
         f"({p['val_batches']} batches); {p['test_images']} test images ({p['test_batches']} batches)",
         f"  last.ckpt        {p['last_checkpoint']}, and on SIGTERM",

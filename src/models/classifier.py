@@ -249,6 +249,8 @@ class ImageClassifier(L.LightningModule):
             fused=fused or None,
         )
         total_steps = self.trainer.estimated_stepping_batches
+        if self.trainer.train_dataloader is None:  # a run counted in steps (max_epochs=null): the estimate loaded none
+            self.trainer.fit_loop.setup_data()
         per_epoch = max(1, math.ceil(self.trainer.num_training_batches / self.trainer.accumulate_grad_batches))
         warmup_steps = round(self.hparams.scheduler["warmup_epochs"] * per_epoch)
         if math.isfinite(total_steps):  # a fit shorter than twice the warm-up still ends decayed: half of it warms up
