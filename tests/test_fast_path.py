@@ -151,6 +151,24 @@ def test_trainer_devices_minus_one_on_a_cpu_is_the_one_process_auto_runs():
     assert "devices" not in hardware_defaults(cpu_trainer(precision="32-true", devices=2), "resnet50")
 
 
+def test_sync_batchnorm_on_a_cpu_is_refused_in_one_line():
+    """torch's SyncBatchNorm runs on CUDA only: DDP refused it on CPUs (a ValueError, exit 1, a traceback)."""
+    from src.core.errors import UserError
+
+    with pytest.raises(UserError, match=r"^trainer\.sync_batchnorm=true needs CUDA GPUs"):
+        hardware_defaults(cpu_trainer(precision="32-true", sync_batchnorm=True), "resnet50")
+    assert hardware_defaults(cpu_trainer(precision="32-true", sync_batchnorm=False), "resnet50") == {"benchmark": False}
+    # on GPUs Lightning converts the network's BatchNorm layers, and the run line says so
+    import torch
+
+    from src.callbacks.run_summary import _synced_batchnorm
+    from src.models.classifier import ImageClassifier
+
+    model = ImageClassifier(arch="resnet18", stem="imagenet", width=16)
+    assert not _synced_batchnorm(model)
+    assert _synced_batchnorm(torch.nn.SyncBatchNorm.convert_sync_batchnorm(model))
+
+
 def test_a_precision_the_user_set_is_kept_and_channels_last_auto_times_nothing_and_says_its_own_reason(monkeypatch):
     """Before, channels_last=auto asked the whole fast path: beside a precision the user set, it timed bf16 steps
     that nothing used, and the run line gave that measurement as the layout's reason."""

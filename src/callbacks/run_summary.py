@@ -57,6 +57,11 @@ def compilation(pl_module: L.LightningModule) -> str:
     return f"{f'compiled {mode}' if mode else 'eager'}{f' ({why})' if why else ''}"
 
 
+def _synced_batchnorm(module: torch.nn.Module) -> bool:
+    """Whether Lightning made the network's BatchNorm layers torch's SyncBatchNorm (``trainer.sync_batchnorm``)."""
+    return any(isinstance(layer, torch.nn.SyncBatchNorm) for layer in module.modules())
+
+
 class RunSummary(L.Callback):
     """Prints, on rank zero when fitting starts, nodes x devices, strategy, backend, precision and global batch.
 
@@ -79,6 +84,7 @@ class RunSummary(L.Callback):
             f" | global batch {global_batch} ({per_process} per process"
             f"{f' x {accumulate} accumulated' if accumulate > 1 else ''}"
             f"{f'; {why}' if (why := getattr(trainer.datamodule, 'batch_size_why', None)) else ''})"
+            + (" | BatchNorm synchronised over every rank" if _synced_batchnorm(pl_module) else "")
             + (f" | peak lr {peak_lr(trainer):.4g}" if trainer.optimizers else "")
             + (
                 f" | {workers}"

@@ -110,6 +110,7 @@ SWITCHES = (
     "model.optimizer.nesterov",
     "model.optimizer.decay_norm_and_bias",
     "trainer.enable_model_summary",
+    "trainer.sync_batchnorm",
 )
 
 

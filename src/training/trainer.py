@@ -22,6 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from src.checkpoints.files import AtomicCheckpointIO, read_checkpoint
 from src.core.console import quiet_console, quiet_dependencies
+from src.core.errors import UserError
 from src.distributed.strategy import TaskGPU
 from src.launch import torchrun
 from src.launch.devices import node_gpus, one_gpu_per_task, slurm_detected, uses_cuda
@@ -53,7 +54,7 @@ def route_lightning_logs() -> None:
 def hardware_defaults(trainer_cfg: DictConfig, arch: str = "resnet50") -> dict:
     """``precision`` and ``benchmark`` left at ``auto``, resolved for the hardware found and the network
     ``arch`` trains (src/models/fast_path.py), the accelerator of an srun task that has one GPU of its own, and
-    ``devices=-1`` on a CPU (``auto``: the one process).
+    ``devices=-1`` on a CPU (``auto``: the one process); ``sync_batchnorm`` on a CPU is refused.
 
     On CUDA also cuDNN autotuning (CIFAR's shapes never change) and TF32 matmuls.
     """
@@ -68,6 +69,11 @@ def hardware_defaults(trainer_cfg: DictConfig, arch: str = "resnet50") -> dict:
         resolved["precision"] = chosen.precision
     if cuda and one_gpu_per_task(trainer_cfg.accelerator, trainer_cfg.devices):
         resolved["accelerator"] = TaskGPU()  # every local rank on its own task's cuda:0
+    if not cuda and trainer_cfg.get("sync_batchnorm"):  # torch's SyncBatchNorm: DDP refused it, a traceback, exit 1
+        raise UserError(
+            "trainer.sync_batchnorm=true needs CUDA GPUs (torch's SyncBatchNorm runs on them only): on CPUs, "
+            "trainer.sync_batchnorm=false"
+        )
     if not cuda and trainer_cfg.get("devices") in (-1, "-1"):  # all devices: on a CPU, the one process auto runs
         resolved["devices"] = "auto"  # (Lightning's CPU accelerator refuses -1)
     if trainer_cfg.benchmark == "auto":
