@@ -475,6 +475,7 @@ def test_hydras_rejections_become_one_line_naming_the_override(override, words, 
     "key, bad, good",
     [
         *(("max_epochs", v, 1) for v in (-1, 0, -5, "abc", 2.5, True)),
+        *(("min_epochs", v, g) for v, g in ((-1, 0), ("abc", None))),
         *(("deterministic", v, g) for v, g in (("maybe", "warn"), (1, True), ("yes", False))),
         *(("accumulate_grad_batches", v, 2) for v in (0, -1, 1.5, True)),
         # max_steps=0 trained nothing and tested the first weights; a negative clip flipped every gradient
@@ -502,7 +503,7 @@ def test_trainer_values_lightning_misreads_or_takes_silently_are_refused_naming_
 
 def test_no_end_to_training_is_refused_and_an_end_in_steps_or_time_is_taken():
     """max_epochs=null with max_steps=-1: Lightning trained 1000 epochs, its warning saying to set max_epochs=-1,
-    which is refused."""
+    which is refused; and a min_epochs past max_epochs."""
     from omegaconf import OmegaConf
 
     from src.core.errors import UserError
@@ -512,6 +513,10 @@ def test_no_end_to_training_is_refused_and_an_end_in_steps_or_time_is_taken():
         check_trainer_settings(OmegaConf.create({"max_epochs": None, "max_steps": -1}))
     check_trainer_settings(OmegaConf.create({"max_epochs": None, "max_steps": 500}))
     check_trainer_settings(OmegaConf.create({"max_epochs": None, "max_steps": -1, "max_time": "00:01:00:00"}))
+    # min_epochs past max_epochs: Lightning ended at max_epochs without a word
+    with pytest.raises(UserError, match=r"^trainer\.min_epochs=2 is more than trainer\.max_epochs=1, where it ends"):
+        check_trainer_settings(OmegaConf.create({"min_epochs": 2, "max_epochs": 1}))
+    check_trainer_settings(OmegaConf.create({"min_epochs": 2, "max_epochs": 2}))
 
 
 def test_a_default_root_dir_other_than_the_run_dir_is_refused_naming_hydra_run_dir(tmp_path):

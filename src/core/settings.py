@@ -34,6 +34,19 @@ def check_trainer_settings(trainer_cfg: Any) -> None:
         optional=True,
     )
     check_number(
+        "trainer.min_epochs",
+        trainer_cfg.get("min_epochs"),
+        whole(0),
+        "a whole number >= 0: the epochs to train before an early stop may end the run, or null",
+        optional=True,
+    )
+    least, most = trainer_cfg.get("min_epochs"), trainer_cfg.get("max_epochs")
+    if least is not None and most is not None and least > most:  # Lightning ended at max_epochs without a word
+        raise UserError(
+            f"trainer.min_epochs={least} is more than trainer.max_epochs={most}, where it ends: raise "
+            "trainer.max_epochs, or lower trainer.min_epochs"
+        )
+    check_number(
         "trainer.log_every_n_steps",
         trainer_cfg.get("log_every_n_steps"),
         whole(1),
