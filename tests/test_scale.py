@@ -449,3 +449,21 @@ def test_a_dry_run_says_how_long_the_fit_runs_in_epochs_or_in_steps():
     assert _length({"max_epochs": 30, "max_steps": -1}) == "x 30 epochs"
     assert _length({"max_epochs": 30, "max_steps": 500}) == "x 30 epochs, at most 500 steps"
     assert _length({"max_epochs": None, "max_steps": 500}) == "500 steps in all"
+
+
+def test_the_world_agreement_costs_two_requests_a_rank_and_a_node_that_differs_stops_rank_zero(tmp_path):
+    """benchmarks/world_agreement.py runs src/distributed/strategy.py's agree_on_world against one real TCPStore (at
+    2,048 ranks: docs/scale.md); here at 4, and at 4 with node 1 counting a device more."""
+    result = run_script(
+        "benchmarks/world_agreement.py", "--ranks=4", "--per-node=2", "--procs=2", "--differ", f"--out={tmp_path}"
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    same, differs = json.loads((tmp_path / "world_agreement.json").read_text())
+    assert same["rank0_line"] is None and same["lines"] == 0
+    assert same["requests"] - same["rank0_requests"] == 2 * 3  # a read and an add by each other rank
+    assert differs["rank0_line"] == (
+        "rank 0: NODE_RANK=1 counts trainer.num_nodes x trainer.devices as 2 x 3 = 6 processes, node 0 as 2 x 2 = 4: "
+        "start every node with the same trainer.num_nodes and trainer.devices (a count, not auto, where the nodes' "
+        "GPUs differ)"
+    )
+    assert differs["lines"] == 2  # node 1's two ranks, each with its own line

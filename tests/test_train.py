@@ -6,6 +6,7 @@ import csv
 import errno
 import inspect
 import json
+import re
 import socket
 import time
 from pathlib import Path
@@ -356,6 +357,27 @@ def test_two_nodes_of_one_process_each_over_loopback(tmp_path):
     assert "Run: 2 node(s) x 1 device(s) = world size 2" in output(node0)
     assert checkpoint(only_last_ckpt(tmp_path))["saved_by"].items() >= {"global_rank": 0, "world_size": 2}.items()
     assert (tmp_path / "train_node1_local0.log").is_file()
+
+
+def test_nodes_that_count_the_world_differently_each_stop_at_once_naming_both_counts(tmp_path):
+    """Node 1 with trainer.devices=2 where node 0 has 1 (devices=auto on nodes with different GPUs): both waited
+    out strategy.timeout_s (300 s) and blamed the addresses, though both had reached the store."""
+    port = free_port()
+    args = [*FAST, "strategy=ddp", "trainer.num_nodes=2", f"hydra.run.dir={tmp_path}"]
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    start = time.monotonic()
+    node1 = train(*args, "trainer.devices=2", env={**env, "NODE_RANK": "1"}, background=True)
+    node0 = train(*args, "trainer.devices=1", env={**env, "NODE_RANK": "0"})
+    out1, _ = node1.communicate(timeout=300)
+    line = (
+        "NODE_RANK=1 counts trainer.num_nodes x trainer.devices as 2 x 2 = 4 processes, node 0 as 2 x 1 = 2: start "
+        "every node with the same trainer.num_nodes and trainer.devices"
+    )
+    assert node0.returncode == 2 and f"error: rank 0: {line}" in output(node0), output(node0)[-3000:]
+    # whichever of node 1's ranks found it first: one line
+    assert node1.returncode == 2 and len(re.findall(rf"error: rank [23]: {re.escape(line)}", out1)) == 1, out1[-3000:]
+    assert "Traceback" not in output(node0) + out1
+    assert time.monotonic() - start < 150  # not the 300 s of strategy.timeout_s
 
 
 def test_the_real_cifar10_sample_trains(sample_root, tmp_path):

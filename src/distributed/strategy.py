@@ -20,6 +20,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 from datetime import timedelta
 from typing import Any, Callable
 
@@ -211,6 +212,7 @@ class HydraDDPStrategy(DDPStrategy):
         bind = self.store_bind if self.num_nodes > 1 else "master_addr"  # one node: loopback only, always
         self._store_where = store_where(self.global_rank, bind)
         store = rendezvous_store(self.global_rank, self.world_size, self._timeout, bind=bind)
+        agree_on_world(store, self.global_rank, self.node_rank, self.num_nodes, self.num_processes, self._timeout)
         self._join(store)
 
     def _join(self, store: Any) -> None:
@@ -311,10 +313,53 @@ def rendezvous_store(
             timeout=timeout,
             multi_tenant=True,
             master_listen_fd=None if listener is None else listener.detach(),
+            wait_for_workers=False,  # agree_on_world waits for them, and for a rank whose world differs
         )
     finally:
         if listener is not None and listener.fileno() != -1:
             listener.close()
+
+
+WORLD_KEY = "cifar10_ddp/world"  # rank 0's trainer.num_nodes x trainer.devices
+AGREED_KEY = "cifar10_ddp/world_agreed"  # how many of the other ranks found the same
+DIFFERS_KEY = "cifar10_ddp/world_differs"  # the line of the first rank that did not
+
+
+def agree_on_world(
+    store: torch.distributed.Store, rank: int, node_rank: int, num_nodes: int, devices: int, timeout: timedelta
+) -> None:
+    """Stop every rank at once where the nodes count the world differently.
+
+    Started by hand, each node computes the world from its own ``trainer.num_nodes`` and ``trainer.devices``
+    (``auto``: its own GPUs). Where they differ (``trainer.devices=auto`` on nodes with 8 and 4 GPUs), rank 0 waited
+    for ranks that would never come, and the others for a group of another size: every rank stopped after
+    ``strategy.timeout_s`` (300 s) with a line about addresses, though every node had reached the store. Here rank 0
+    puts its count in the store; every other rank reads it once and adds itself where it is the same, or leaves its
+    line where not; rank 0 waits for either (a local poll of its own store every 50 ms), as torch's store waited for
+    its workers before. Per rank: one read and one add, once per run, beside the rendezvous's own."""
+    mine = f"{num_nodes} x {devices} = {num_nodes * devices}"
+    if rank != 0:
+        theirs = store.get(WORLD_KEY).decode()  # waits for rank 0, within the store's timeout
+        if theirs != mine:
+            line = (
+                f"NODE_RANK={node_rank} counts trainer.num_nodes x trainer.devices as {mine} processes, node 0 as "
+                f"{theirs}: start every node with the same trainer.num_nodes and trainer.devices (a count, not auto, "
+                "where the nodes' GPUs differ)"
+            )
+            store.set(DIFFERS_KEY, line)
+            raise UserError(f"rank {rank}: {line}")
+        store.add(AGREED_KEY, 1)
+        return
+    store.set(WORLD_KEY, mine)
+    deadline = time.monotonic() + timeout.total_seconds()
+    while store.add(AGREED_KEY, 0) < num_nodes * devices - 1:
+        if store.check([DIFFERS_KEY]):
+            raise UserError(f"rank 0: {store.get(DIFFERS_KEY).decode()}")
+        if time.monotonic() > deadline:  # the ranks that never came: the rendezvous's own line
+            raise torch.distributed.DistStoreError("the other ranks did not arrive")
+        time.sleep(0.05)
+    for key in (WORLD_KEY, AGREED_KEY):  # every rank has read it: a store that outlives this run starts clean
+        store.delete_key(key)
 
 
 def store_where(rank: int, bind: str) -> str:
