@@ -85,8 +85,17 @@ def test_mpiruns_ranks_train_one_world_and_a_failing_rank_stops_the_other_with_o
     ]
     assert "Traceback" not in out
 
+    # a mistake in the config, before MPI is initialised: local rank 0 says it, once (before: every rank)
+    result = run_mpirun(mpirun, *FAST, "strategy=ddp", "trainer.devices=2", "trainer.max_epochs=0")
+    out = result.stdout + result.stderr
+    assert result.returncode == 2, out[-3000:]
+    assert error_lines(out) == [
+        "error: trainer.max_epochs=0 must be a whole number >= 1: the epochs to train (Lightning's -1, 'forever', "
+        "would leave the learning-rate schedule without an end)"
+    ], out[-3000:]
+
     # a world of 2 with trainer.devices=3: before, it trained, its run line saying "1 node(s) x 3 device(s) = world
-    # size 2"; now refused before Lightning loads
+    # size 2"; now refused before Lightning loads (once MPI is initialised, each rank says it)
     result = run_mpirun(mpirun, *FAST, "strategy=ddp", "trainer.devices=3", f"hydra.run.dir={tmp_path}/mismatch")
     out = result.stdout + result.stderr
     assert result.returncode == 2, out[-3000:]

@@ -345,30 +345,43 @@ def launch_name() -> str | None:
     return f"mpirun-{namespace}" if namespace else None
 
 
+# how each launcher names a process's rank on its node, and its own process there, the ranks' parent
+LOCAL_RANK_KEYS = {"srun": ("SLURM_LOCALID",), "mpirun": ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID")}
+LAUNCHER_PROCESSES = {
+    "srun": ("slurmstepd",),
+    "mpirun": ("mpirun", "mpiexec", "orterun", "orted", "prted", "prterun", "hydra_pmi_proxy"),  # Open MPI 4, 5; MPICH
+}
+
+
 def before_error_line(line: str, code: int) -> None:
-    """Under srun, before this process prints ``error: line`` and ends with ``code``, where its process group has not
-    formed.
+    """Under srun or mpirun, before this process prints ``error: line`` and ends with ``code``, where its process
+    group has not formed.
 
     A mistake found then (exit status 2: the command line, the config, the allocation, the data) is the same in every
-    process of a node, and each printed it: 8 lines a node, 2,048 at 256 nodes, in the one file srun gathers them in.
-    Local rank 0 says it; the others wait, quiet, until it has ended (their launcher started them side by side: the
-    same parent, slurmstepd) and then end with ``code`` as they would have, without a word, or at once where srun
-    stops them. One whose local rank 0 goes on (it did not fail so) says its own line after ``QUIET_S``, and so does one
-    that finds no such local rank 0 (a wrapper between the launcher and Python). torchrun's workers: its
-    ``before_error_line``, called from here. Not mpirun's ranks: its rank 0 ends only once every rank has called
-    MPI_Finalize (src/cli/entry.py's ``exit_now``), and a rank that waited for it waited out ``QUIET_S``."""
+    process of a node, and each printed it: 8 lines a node, 2,048 at 256 nodes, in the one file the launcher gathers
+    them in. Local rank 0 says it; the others wait, quiet, until it has ended (their launcher started them side by
+    side: the same parent, slurmstepd or mpirun's daemon) and then end with ``code`` as they would have, without a
+    word, or at once where the launcher stops them. One whose local rank 0 goes on (it did not fail so) says its own
+    line after ``QUIET_S``, and so does one that finds no such local rank 0 (a wrapper between the launcher and
+    Python). torchrun's workers: its ``before_error_line``, called from here. mpirun's ranks only while MPI is not
+    initialised (a mistake in the command line or the config): once it is, rank 0 ends only after every rank has
+    called MPI_Finalize (src/cli/entry.py's ``exit_now``), and a rank that waited for it waited out ``QUIET_S``."""
     if torchrun.active():
         torchrun.before_error_line(line, code)
         return
     found = launched_processes()
-    if code != EXIT_USER_ERROR or found is None or found[0] != "srun":
+    if code != EXIT_USER_ERROR or found is None or found[0] not in LOCAL_RANK_KEYS:
         return
-    if os.environ.get("SLURM_LOCALID", "0") == "0" or threading.current_thread() is not threading.main_thread():
+    keys = LOCAL_RANK_KEYS[found[0]]
+    if found[0] == "mpirun" and _mpi_initialized():
         return
-    first = _local_rank_zero()
-    if first is None and not _started_by_launcher():
+    local = next((os.environ[key] for key in keys if key in os.environ), "0")
+    if local == "0" or threading.current_thread() is not threading.main_thread():
         return
-    with torchrun.ending_on_stop(lambda: os._exit(code)):  # srun's stop, or Ctrl-C
+    first = _local_rank_zero(keys)
+    if first is None and not _started_by_launcher(LAUNCHER_PROCESSES[found[0]]):
+        return
+    with torchrun.ending_on_stop(lambda: os._exit(code)):  # the launcher's stop, or Ctrl-C
         deadline = time.monotonic() + torchrun.QUIET_S
         while time.monotonic() < deadline:
             if first is None or not alive(first):  # it said the line and ended
@@ -377,6 +390,12 @@ def before_error_line(line: str, code: int) -> None:
                 os._exit(code)
             time.sleep(0.05)
     # it goes on: this process says its own line
+
+
+def _mpi_initialized() -> bool:
+    """Whether mpi4py has initialised MPI in this process (``check_mpi``), and not finalised it."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    return mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized()
 
 
 def proc_stat(pid: int | str) -> list[str]:
@@ -394,20 +413,21 @@ def alive(pid: int) -> bool:
         return False
 
 
-def _started_by_launcher() -> bool:
-    """Whether this process's parent is srun's own process on this node, slurmstepd (not a wrapper of the user's),
-    where local rank 0, not beside this one any more, has ended."""
+def _started_by_launcher(names: tuple[str, ...]) -> bool:
+    """Whether this process's parent is the launcher's own process on this node (``names``: slurmstepd, mpirun's
+    daemon), not a wrapper of the user's, where local rank 0, not beside this one any more, has ended."""
     try:
         with open(f"/proc/{os.getppid()}/comm") as file:
-            return file.read().strip() == "slurmstepd"
+            return file.read().strip() in names
     except OSError:
         return False
 
 
-def _local_rank_zero() -> int | None:
-    """The pid of this node's task 0 of this srun step: the process beside this one (the same parent, slurmstepd)
-    whose ``SLURM_LOCALID`` is 0."""
+def _local_rank_zero(keys: tuple[str, ...]) -> int | None:
+    """The pid of this node's local rank 0 of this launch: the process beside this one (the same parent, the
+    launcher's) whose local rank (``keys``: ``SLURM_LOCALID``, ``OMPI_COMM_WORLD_LOCAL_RANK``, ...) is 0."""
     parent = os.getppid()
+    marks = {f"{key}=0".encode() for key in keys}
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
             continue
@@ -415,7 +435,7 @@ def _local_rank_zero() -> int | None:
             if int(proc_stat(entry.name)[1]) != parent:
                 continue
             with open(f"/proc/{entry.name}/environ", "rb") as file:
-                if b"SLURM_LOCALID=0" in file.read().split(b"\0"):
+                if marks & set(file.read().split(b"\0")):
                     return int(entry.name)
         except (OSError, ValueError, IndexError):  # ended meanwhile, or another user's
             continue
