@@ -352,14 +352,16 @@ def agree_on_world(
         return
     store.set(WORLD_KEY, mine)
     deadline = time.monotonic() + timeout.total_seconds()
-    while store.add(AGREED_KEY, 0) < num_nodes * devices - 1:
-        if store.check([DIFFERS_KEY]):
-            raise UserError(f"rank 0: {store.get(DIFFERS_KEY).decode()}")
-        if time.monotonic() > deadline:  # the ranks that never came: the rendezvous's own line
-            raise torch.distributed.DistStoreError("the other ranks did not arrive")
-        time.sleep(0.05)
-    for key in (WORLD_KEY, AGREED_KEY):  # every rank has read it: a store that outlives this run starts clean
-        store.delete_key(key)
+    try:
+        while store.add(AGREED_KEY, 0) < num_nodes * devices - 1:
+            if store.check([DIFFERS_KEY]):
+                raise UserError(f"rank 0: {store.get(DIFFERS_KEY).decode()}")
+            if time.monotonic() > deadline:  # the ranks that never came: the rendezvous's own line
+                raise torch.distributed.DistStoreError("the other ranks did not arrive")
+            time.sleep(0.05)
+    finally:  # a store that outlives this run (a sweep's next job, on the same port) starts clean
+        for key in (WORLD_KEY, AGREED_KEY, DIFFERS_KEY):
+            store.delete_key(key)
 
 
 def store_where(rank: int, bind: str) -> str:
