@@ -478,6 +478,27 @@ def test_a_config_that_disagrees_with_torchrun_is_one_error(under_torchrun, tmp_
         adopted(tmp_path, *overrides)
 
 
+def test_nodes_with_unlike_counts_of_workers_are_one_line_on_each_node(under_torchrun, tmp_path, monkeypatch):
+    """torchrun --nnodes=2 with --nproc-per-node=1 on one node and 2 on the other (a world of 3): the 2-worker node's
+    ranks failed on Lightning's ValueError (exit 1, a traceback in the log), and the other node's waited out the
+    process group's timeout (300 s). Seen with two real agents: each node now stops in seconds with this line."""
+    from src.core.errors import UserError
+
+    monkeypatch.setenv("GROUP_WORLD_SIZE", "2")
+    for local in (1, 2):
+        under_torchrun(world=3, local=local)
+        with pytest.raises(
+            UserError,
+            match=re.escape(
+                f"torchrun started {local} process(es) on this node and 3 in all over 2 nodes: Lightning runs the same "
+                "number on every node: give every node the same --nproc-per-node"
+            ),
+        ):
+            adopted(tmp_path)
+    under_torchrun(world=4, local=2)
+    assert adopted(tmp_path).trainer.num_nodes == 2
+
+
 def test_a_worker_whose_local_rank_0_did_not_fail_says_its_own_line_after_the_quiet_wait(
     under_torchrun, tmp_path, monkeypatch
 ):

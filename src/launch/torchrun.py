@@ -162,6 +162,13 @@ def adopt(cfg: Any, overridden: set[str]) -> None:
     from omegaconf import open_dict
 
     local, nodes = launched_shape()
+    world, agents = int(os.environ.get("WORLD_SIZE", str(local))), int(os.environ.get("GROUP_WORLD_SIZE", "0"))
+    if world % local or (agents and local * agents != world):  # Lightning's ranks: node_rank x devices + local rank
+        raise UserError(
+            f"torchrun started {local} process(es) on this node and {world} in all"
+            + (f" over {agents} nodes" if agents else "")
+            + ": Lightning runs the same number on every node: give every node the same --nproc-per-node"
+        )
     trainer = cfg.trainer
     if cfg.strategy.get("name") == "ddp_spawn":
         raise UserError(
