@@ -189,8 +189,24 @@ def test_srun_without_ntasks_per_node_is_one_line_that_gives_it(monkeypatch):
         "srun started 4 tasks without --ntasks-per-node, which Lightning needs to tell each rank its place: pass "
         "srun --nodes=2 --ntasks-per-node=2 (sbatch slurm/train.sbatch sets both)"
     )
+    monkeypatch.setenv(
+        "SLURM_NTASKS", "3"
+    )  # srun --nodes=2 --ntasks=3: not 1 a node, as 3 // 2 said, but the config's 2
+    with pytest.raises(UserError, match=r"pass srun --nodes=2 --ntasks-per-node=2 \("):
+        check_slurm_allocation(2, 2)
+    monkeypatch.setenv("SLURM_NTASKS", "4")
     monkeypatch.setenv("SLURM_NTASKS_PER_NODE", "2")
     check_slurm_allocation(2, 2)
+    # srun --nodes=2 --ntasks-per-node=2 --ntasks=3: 2 tasks on one node, 1 on the other (before: Lightning's
+    # ValueError in every task, exit 1, a traceback in each log)
+    monkeypatch.setenv("SLURM_NTASKS", "3")
+    monkeypatch.setenv("SLURM_TASKS_PER_NODE", "2,1")
+    with pytest.raises(UserError) as refused:
+        check_slurm_allocation(2, 2)
+    assert str(refused.value) == (
+        "srun started 3 tasks (2,1 a node), but trainer.num_nodes x trainer.devices is 2 x 2 = 4: Lightning runs the "
+        "same number on every node: leave --ntasks out, or give --ntasks=4"
+    )
 
 
 @pytest.mark.parametrize("command", ["train", "eval", "export", "predict"])

@@ -191,8 +191,8 @@ def check_slurm_allocation(devices: int, num_nodes: int) -> None:
         nodes_given = int(os.environ.get("SLURM_JOB_NUM_NODES") or os.environ.get("SLURM_NNODES") or 1)
         raise UserError(
             f"srun started {tasks} tasks without --ntasks-per-node, which Lightning needs to tell each rank its "
-            f"place: pass srun --nodes={nodes_given} --ntasks-per-node={max(1, tasks // nodes_given)} (sbatch "
-            "slurm/train.sbatch sets both)"
+            f"place: pass srun --nodes={nodes_given} --ntasks-per-node="
+            f"{tasks // nodes_given if tasks % nodes_given == 0 else devices} (sbatch slurm/train.sbatch sets both)"
         )
     if per_node and int(per_node) != devices:
         raise UserError(
@@ -204,6 +204,12 @@ def check_slurm_allocation(devices: int, num_nodes: int) -> None:
         raise UserError(
             f"the Slurm allocation has --nodes={nodes} but trainer.num_nodes={num_nodes}: "
             f"make them equal (trainer.num_nodes=$SLURM_JOB_NUM_NODES, as slurm/train.sbatch passes)"
+        )
+    if per_node and tasks != devices * num_nodes:  # --ntasks=3 --ntasks-per-node=2 --nodes=2: 2 tasks and 1
+        raise UserError(
+            f"srun started {tasks} tasks ({os.environ.get('SLURM_TASKS_PER_NODE', '?')} a node), but trainer.num_nodes"
+            f" x trainer.devices is {num_nodes} x {devices} = {num_nodes * devices}: Lightning runs the same number on"
+            f" every node: leave --ntasks out, or give --ntasks={num_nodes * devices}"
         )
 
 
