@@ -103,3 +103,14 @@ def test_mpiruns_ranks_train_one_world_and_a_failing_rank_stops_the_other_with_o
         "error: mpirun started 2 processes, but trainer.num_nodes x trainer.devices is 1 x 3 = 3: make them equal "
         "(trainer.devices: the ranks mpirun starts on each node)"
     }, out[-3000:]
+
+    # the world's count right, each node's wrong: 2 ranks on this one node, trainer.devices=1 trainer.num_nodes=2
+    # (before: an IndexError and a traceback in rank 1, rank 0 waiting for it)
+    result = run_mpirun(mpirun, *FAST, "strategy=ddp", "trainer.devices=1", "trainer.num_nodes=2")
+    out = result.stdout + result.stderr
+    assert result.returncode == 2, out[-3000:]
+    assert set(error_lines(out)) == {
+        "error: mpirun started 2 of its 2 processes on this node, but trainer.devices=1: Lightning runs "
+        "trainer.devices ranks on every node: place 1 a node (mpirun --map-by ppr:1:node), or make trainer.devices "
+        "the ranks each node runs"
+    }, out[-3000:]

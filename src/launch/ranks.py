@@ -151,15 +151,25 @@ _HELD_PORT: socket.socket | None = None
 
 def check_mpi_world(devices: int, num_nodes: int) -> None:
     """Under mpirun every process is a rank of the world mpirun started: trainer.devices x trainer.num_nodes must be
-    its size. Before, a run of 2 ranks with trainer.devices=3 trained, its run line saying "1 node(s) x 3 device(s) =
-    world size 2"."""
+    its size, and trainer.devices the ranks on this node. Before, a run of 2 ranks with trainer.devices=3 trained, its
+    run line saying "1 node(s) x 3 device(s) = world size 2"."""
     size = mpi_world_size()
-    if size is None or "SLURM_STEP_ID" in os.environ or torchrun.active() or int(size) == devices * num_nodes:
+    if size is None or "SLURM_STEP_ID" in os.environ or torchrun.active():
         return
-    raise UserError(
-        f"mpirun started {size} processes, but trainer.num_nodes x trainer.devices is {num_nodes} x {devices} = "
-        f"{devices * num_nodes}: make them equal (trainer.devices: the ranks mpirun starts on each node)"
-    )
+    if int(size) != devices * num_nodes:
+        raise UserError(
+            f"mpirun started {size} processes, but trainer.num_nodes x trainer.devices is {num_nodes} x {devices} = "
+            f"{devices * num_nodes}: make them equal (trainer.devices: the ranks mpirun starts on each node)"
+        )
+    # Open MPI's, MPICH's and Intel MPI's count of this node's ranks: mpirun -np 2 on one host with trainer.devices=1
+    # trainer.num_nodes=2 failed in rank 1 (an IndexError, a traceback) and rank 0 waited for it
+    here = next((n for key in ("OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS") if (n := os.environ.get(key))), None)
+    if here is not None and int(here) != devices:
+        raise UserError(
+            f"mpirun started {here} of its {size} processes on this node, but trainer.devices={devices}: Lightning "
+            f"runs trainer.devices ranks on every node: place {devices} a node (mpirun --map-by ppr:{devices}:node), "
+            "or make trainer.devices the ranks each node runs"
+        )
 
 
 def check_slurm_allocation(devices: int, num_nodes: int) -> None:
