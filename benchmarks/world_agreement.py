@@ -1,14 +1,15 @@
-"""What the nodes' agreement on the world's size (src/distributed/strategy.py's ``agree_on_world``) costs rank 0's
-store as a run starts, at 16 to 2,048 ranks, and how soon a node that counts the world differently stops the run.
+"""What the nodes' agreement on the world's size and recipe (src/distributed/strategy.py's ``agree_on_world``) costs
+rank 0's store as a run starts, at 16 to 2,048 ranks, and how soon a node that counts the world differently stops
+the run.
 
 The project's own function runs here, not a copy: rank 0's call in this process, which hosts one real ``TCPStore``
-as rank 0 does in a run; every other rank's call on a thread of its own, in a few processes (each
-process's few connections are made first, as the rendezvous makes a rank's, and are not timed: a run's rank has a
-connection of its own, but a connection more than some hundred in a few seconds waited here for the client's
-timeout, and the connects are the rendezvous's, not the agreement's). What is counted is each call's
-requests to the store (a proxy counts them), and what is timed is rank 0's call: from the moment every other rank
-may start to its return. ``--differ`` repeats the largest size with the last node counting one device more: how
-long until rank 0 and that node stop, with the line they stop with.
+as rank 0 does in a run; every other rank's call on a thread of its own, in a few processes (each process's few
+connections are made first, as the rendezvous makes a rank's, and are not timed: a run's rank has a connection of
+its own, but a connection more than some hundred in a few seconds waited here for the client's timeout, and the
+connects are the rendezvous's, not the agreement's). Every rank's recipe is 2.2 KB of JSON, more than the default
+config's 1.3. What is counted is each call's requests to the store (a proxy counts them), and what is timed is rank
+0's call: from the moment every other rank may start to its return. ``--differ`` repeats the largest size with the
+last node counting one device more: how long until rank 0 and that node stop, with the line they stop with.
 
     python benchmarks/world_agreement.py --ranks 16,256,2048 --out outputs/bench/world-agreement
 """
@@ -32,6 +33,10 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks.arguments import number, numbers  # noqa: E402 - after the path above
+
+# a recipe of 42 keys, 2.2 KB of JSON: more than the default config's 1.3 KB (src/distributed/strategy.py's
+# training_recipe)
+RECIPE = {f"model.optimizer.key{i:02d}": "a value of twenty chars" for i in range(42)}
 
 
 class Counted:
@@ -85,7 +90,7 @@ def ranks_main(
         node = rank // per_node
         devices = per_node + 1 if node == odd_node else per_node
         try:
-            agree_on_world(stores[rank], rank, node, nodes, devices, timedelta(seconds=60))
+            agree_on_world(stores[rank], rank, node, nodes, devices, timedelta(seconds=60), RECIPE)
         except UserError as err:
             lines.append(str(err))
 
@@ -126,7 +131,7 @@ def measure(world: int, per_node: int, procs: int, connections: int, differ: boo
     go.set()
     line = None
     try:
-        agree_on_world(rank0, 0, 0, nodes, per_node, timedelta(seconds=60))
+        agree_on_world(rank0, 0, 0, nodes, per_node, timedelta(seconds=60), RECIPE)
     except UserError as err:
         line = str(err)
     rank0_s = time.monotonic() - start

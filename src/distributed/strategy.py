@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import ipaddress
+import json
 import logging
 import multiprocessing
 import os
@@ -126,6 +127,7 @@ class HydraDDPStrategy(DDPStrategy):
         self.hang_timeout_s = hang_timeout_s
         self.store_bind = store_bind
         self._store_where = ""  # where this rank's store listened, or what it dialled: for the timeout's line
+        self.recipe: dict[str, Any] = {}  # training_recipe(cfg), set by src/training/trainer.py's build_trainer
 
     def _configure_launcher(self) -> None:
         super()._configure_launcher()
@@ -212,7 +214,9 @@ class HydraDDPStrategy(DDPStrategy):
         bind = self.store_bind if self.num_nodes > 1 else "master_addr"  # one node: loopback only, always
         self._store_where = store_where(self.global_rank, bind)
         store = rendezvous_store(self.global_rank, self.world_size, self._timeout, bind=bind)
-        agree_on_world(store, self.global_rank, self.node_rank, self.num_nodes, self.num_processes, self._timeout)
+        agree_on_world(
+            store, self.global_rank, self.node_rank, self.num_nodes, self.num_processes, self._timeout, self.recipe
+        )
         self._join(store)
 
     def _join(self, store: Any) -> None:
@@ -325,32 +329,80 @@ AGREED_KEY = "cifar10_ddp/world_agreed"  # how many of the other ranks found the
 DIFFERS_KEY = "cifar10_ddp/world_differs"  # the line of the first rank that did not
 
 
+# What every node must train alike, by hand as under a launcher: values a node's command line could set otherwise and
+# the run would take without a word (paths, the devices and the loggers may differ from node to node).
+RECIPE_KEYS = (
+    "seed",
+    "data",
+    "model",
+    "trainer.max_epochs",
+    "trainer.max_steps",
+    "trainer.min_epochs",
+    "trainer.precision",
+    "trainer.accumulate_grad_batches",
+    "trainer.gradient_clip_val",
+    "trainer.limit_train_batches",
+    "trainer.limit_val_batches",
+    "trainer.val_check_interval",
+    "trainer.check_val_every_n_epoch",
+    "trainer.deterministic",
+    "trainer.sync_batchnorm",
+)
+PER_NODE_KEYS = ("data.root", "data.download", "data.num_workers", "data.pin_memory", "data.download_url")
+
+
+def training_recipe(cfg: Any) -> dict[str, Any]:
+    """``RECIPE_KEYS`` of the composed config, as configured (``auto`` unresolved: each node resolves it for its own
+    hardware), flattened to ``key: value``."""
+    from omegaconf import OmegaConf
+
+    flat: dict[str, Any] = {}
+
+    def walk(key: str, value: Any) -> None:
+        if isinstance(value, dict):
+            for name, item in value.items():
+                walk(f"{key}.{name}", item)
+        elif key not in PER_NODE_KEYS:
+            flat[key] = value
+
+    for key in RECIPE_KEYS:
+        node = OmegaConf.select(cfg, key, default=None, throw_on_resolution_failure=False)
+        walk(key, OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node)
+    return flat
+
+
 def agree_on_world(
-    store: torch.distributed.Store, rank: int, node_rank: int, num_nodes: int, devices: int, timeout: timedelta
+    store: torch.distributed.Store,
+    rank: int,
+    node_rank: int,
+    num_nodes: int,
+    devices: int,
+    timeout: timedelta,
+    recipe: dict[str, Any] | None = None,
 ) -> None:
-    """Stop every rank at once where the nodes count the world differently.
+    """Stop every rank at once where the nodes count the world differently, or train it differently.
 
     Started by hand, each node computes the world from its own ``trainer.num_nodes`` and ``trainer.devices``
     (``auto``: its own GPUs). Where they differ (``trainer.devices=auto`` on nodes with 8 and 4 GPUs), rank 0 waited
     for ranks that would never come, and the others for a group of another size: every rank stopped after
-    ``strategy.timeout_s`` (300 s) with a line about addresses, though every node had reached the store. Here rank 0
-    puts its count in the store; every other rank reads it once and adds itself where it is the same, or leaves its
-    line where not; rank 0 waits for either (a local poll of its own store every 50 ms), as torch's store waited for
-    its workers before. Per rank: one read and one add, once per run, beside the rendezvous's own."""
+    ``strategy.timeout_s`` (300 s) with a line about addresses, though every node had reached the store. And nodes
+    started with another ``data.batch_size`` or ``seed`` trained together without a word, each scaling its learning
+    rate to a global batch of its own, their shards drawn from splits of their own. Here rank 0 puts its count and
+    its ``recipe`` (``training_recipe``) in the store; every other rank reads them once and adds itself where they are
+    the same, or leaves its line where not; rank 0 waits for either (a local poll of its own store every 50 ms), as
+    torch's store waited for its workers before. Per rank: one read (about 2 KB) and one add, once per run, beside
+    the rendezvous's own."""
     mine = f"{num_nodes} x {devices} = {num_nodes * devices}"
+    ours = json.loads(json.dumps(recipe or {}, default=str))  # as rank 0's reads back from the store
     if rank != 0:
-        theirs = store.get(WORLD_KEY).decode()  # waits for rank 0, within the store's timeout
-        if theirs != mine:
-            line = (
-                f"NODE_RANK={node_rank} counts trainer.num_nodes x trainer.devices as {mine} processes, node 0 as "
-                f"{theirs}: start every node with the same trainer.num_nodes and trainer.devices (a count, not auto, "
-                "where the nodes' GPUs differ)"
-            )
+        theirs = json.loads(store.get(WORLD_KEY))  # waits for rank 0, within the store's timeout
+        line = _world_differs(node_rank, mine, theirs["world"]) or _recipe_differs(node_rank, ours, theirs["recipe"])
+        if line is not None:
             store.set(DIFFERS_KEY, line)
             raise UserError(f"rank {rank}: {line}")
         store.add(AGREED_KEY, 1)
         return
-    store.set(WORLD_KEY, mine)
+    store.set(WORLD_KEY, json.dumps({"world": mine, "recipe": ours}))
     deadline = time.monotonic() + timeout.total_seconds()
     try:
         while store.add(AGREED_KEY, 0) < num_nodes * devices - 1:
@@ -362,6 +414,37 @@ def agree_on_world(
     finally:  # a store that outlives this run (a sweep's next job, on the same port) starts clean
         for key in (WORLD_KEY, AGREED_KEY, DIFFERS_KEY):
             store.delete_key(key)
+
+
+def _world_differs(node_rank: int, mine: str, theirs: str) -> str | None:
+    if mine == theirs:
+        return None
+    return (
+        f"NODE_RANK={node_rank} counts trainer.num_nodes x trainer.devices as {mine} processes, node 0 as {theirs}: "
+        "start every node with the same trainer.num_nodes and trainer.devices (a count, not auto, where the nodes' "
+        "GPUs differ)"
+    )
+
+
+def _recipe_differs(node_rank: int, ours: dict[str, Any], theirs: dict[str, Any]) -> str | None:
+    """The first three keys of the recipe this node trains otherwise than node 0, in one line; None if none."""
+    missing = object()
+    differ = sorted(k for k in {*ours, *theirs} if ours.get(k, missing) != theirs.get(k, missing))
+    if not differ:
+        return None
+
+    def said(values: dict[str, Any]) -> str:
+        return " ".join(f"{k}={_value(values.get(k))}" for k in differ[:3]) + (" ..." if differ[3:] else "")
+
+    return (
+        f"NODE_RANK={node_rank} trains with {said(ours)}, node 0 with {said(theirs)}: start every node with the same "
+        "command line (the model, the data and how long to train)"
+    )
+
+
+def _value(value: Any) -> str:
+    """A config value as the command line writes it (``null``, ``true``)."""
+    return json.dumps(value) if value is None or isinstance(value, bool) else str(value)
 
 
 def store_where(rank: int, bind: str) -> str:

@@ -23,7 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 from src.checkpoints.files import AtomicCheckpointIO, read_checkpoint
 from src.core.console import quiet_console, quiet_dependencies
 from src.core.errors import UserError
-from src.distributed.strategy import TaskGPU
+from src.distributed.strategy import HydraDDPStrategy, TaskGPU, training_recipe
 from src.launch import torchrun
 from src.launch.devices import node_gpus, one_gpu_per_task, slurm_detected, uses_cuda
 from src.launch.ranks import is_launch_rank_zero, mpi_launched, ranks_started_here_under_slurm
@@ -124,9 +124,12 @@ def build_trainer(cfg: DictConfig, arch: str) -> L.Trainer:
     elif not mpi_launched():
         plugins.append(not_mpi_environment())
     users_cublas = os.environ.get(CUBLAS)
+    strategy = instantiate(cfg.strategy)
+    if isinstance(strategy, HydraDDPStrategy):  # what every node must train alike, compared as the group forms
+        strategy.recipe = training_recipe(cfg)
     trainer = instantiate(
         cfg.trainer,
-        strategy=instantiate(cfg.strategy),
+        strategy=strategy,
         callbacks=callbacks,
         logger=loggers or False,
         plugins=plugins,
