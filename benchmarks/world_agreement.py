@@ -6,8 +6,8 @@ The project's own function runs here, not a copy: rank 0's call in this process,
 as rank 0 does in a run; every other rank's call on a thread of its own, in a few processes (each process's few
 connections are made first, as the rendezvous makes a rank's, and are not timed: a run's rank has a connection of
 its own, but a connection more than some hundred in a few seconds waited here for the client's timeout, and the
-connects are the rendezvous's, not the agreement's). Every rank's recipe is 2.2 KB of JSON, more than the default
-config's 1.3. What is counted is each call's requests to the store (a proxy counts them), and what is timed is rank
+connects are the rendezvous's, not the agreement's). Every rank's recipe is 2.2 KB of JSON, about the default
+config's 2.1. What is counted is each call's requests to the store (a proxy counts them), and what is timed is rank
 0's call: from the moment every other rank may start to its return. ``--differ`` repeats the largest size with the
 last node counting one device more: how long until rank 0 and that node stop, with the line they stop with.
 
@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks.arguments import number, numbers  # noqa: E402 - after the path above
 
-# a recipe of 42 keys, 2.2 KB of JSON: more than the default config's 1.3 KB (src/distributed/strategy.py's
+# a recipe of 42 keys, 2.2 KB of JSON: about the default config's 2.1 KB (src/distributed/strategy.py's
 # training_recipe)
 RECIPE = {f"model.optimizer.key{i:02d}": "a value of twenty chars" for i in range(42)}
 

@@ -467,3 +467,25 @@ def test_the_world_agreement_costs_two_requests_a_rank_and_a_node_that_differs_s
         "GPUs differ)"
     )
     assert differs["lines"] == 2  # node 1's two ranks, each with its own line
+
+
+def test_the_recipe_nodes_must_share_leaves_out_what_each_node_names_for_itself(tmp_path):
+    """Folders, loaders' workers, devices and loggers may differ from node to node; the stop agreement's period may
+    not (the ranks' all-reduces would fall on different batches)."""
+    from src.distributed.strategy import _recipe_differs, training_recipe
+    from tests.test_config import make_cfg
+
+    base = training_recipe(make_cfg(tmp_path))
+    own = (
+        "data.root=/scratch/data",
+        "data.num_workers=3",
+        "paths.checkpoints=/mnt/x",
+        "trainer.devices=4",
+        "logger=csv",
+    )
+    assert _recipe_differs(1, training_recipe(make_cfg(tmp_path, *own)), base) is None
+    period = training_recipe(make_cfg(tmp_path, "callbacks.graceful_stop.period=4"))
+    assert _recipe_differs(1, period, base) == (
+        "NODE_RANK=1 trains with callbacks.graceful_stop.period=4, node 0 with callbacks.graceful_stop.period=1: start "
+        "every node with the same command line (the model, the data and how long to train)"
+    )

@@ -347,6 +347,10 @@ RECIPE_KEYS = (
     "trainer.check_val_every_n_epoch",
     "trainer.deterministic",
     "trainer.sync_batchnorm",
+    # the callbacks whose collectives and saves every rank takes part in at the same batches
+    "callbacks.graceful_stop",
+    "callbacks.last_checkpoint",
+    "callbacks.model_checkpoint",
 )
 PER_NODE_KEYS = ("data.root", "data.download", "data.num_workers", "data.pin_memory", "data.download_url")
 
@@ -362,7 +366,7 @@ def training_recipe(cfg: Any) -> dict[str, Any]:
         if isinstance(value, dict):
             for name, item in value.items():
                 walk(f"{key}.{name}", item)
-        elif key not in PER_NODE_KEYS:
+        elif key not in PER_NODE_KEYS and not key.endswith(".dirpath"):  # a folder: each node names its own mount
             flat[key] = value
 
     for key in RECIPE_KEYS:
