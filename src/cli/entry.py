@@ -69,9 +69,8 @@ def exit_now(code: Any) -> NoReturn:
 
     threading._shutdown()  # type: ignore[attr-defined]  # what Python's exit does first
     atexit._run_exitfuncs()
-    mpi = sys.modules.get("mpi4py.MPI")  # under mpirun: MPI_Finalize, which mpi4py leaves to the interpreter's end
-    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
-        mpi.Finalize()
+    if ranks.mpi_initialized():  # under mpirun: MPI_Finalize, which mpi4py leaves to the interpreter's end
+        sys.modules["mpi4py.MPI"].Finalize()
     if code is None:
         status = 0
     elif isinstance(code, int):

@@ -65,9 +65,17 @@ def check_strategy(
 MPI_SIZES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
 
 
+MPI_LOCAL_SIZES = ("OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS")  # this node's ranks: Open MPI's, MPICH's
+
+
+def first_set(keys: Sequence[str]) -> str | None:
+    """The value of the first of ``keys`` set in the environment (launchers name one value differently)."""
+    return next((value for key in keys if (value := os.environ.get(key))), None)
+
+
 def mpi_world_size() -> str | None:
     """The world size mpirun (or another MPI process manager) gave this process, if it started it."""
-    return next((size for key in MPI_SIZES if (size := os.environ.get(key))), None)
+    return first_set(MPI_SIZES)
 
 
 def mpi_launched() -> bool:
@@ -163,7 +171,7 @@ def check_mpi_world(devices: int, num_nodes: int) -> None:
         )
     # Open MPI's, MPICH's and Intel MPI's count of this node's ranks: mpirun -np 2 on one host with trainer.devices=1
     # trainer.num_nodes=2 failed in rank 1 (an IndexError, a traceback) and rank 0 waited for it
-    here = next((n for key in ("OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS") if (n := os.environ.get(key))), None)
+    here = first_set(MPI_LOCAL_SIZES)
     if here is not None and int(here) != devices:
         raise UserError(
             f"mpirun started {here} of its {size} processes on this node, but trainer.devices={devices}: Lightning "
@@ -197,8 +205,9 @@ def check_slurm_allocation(devices: int, num_nodes: int) -> None:
         )
     per_node = os.environ.get("SLURM_NTASKS_PER_NODE", "").split("(")[0]
     tasks = int(os.environ.get("SLURM_NTASKS", "1"))
+    nodes = first_set(("SLURM_JOB_NUM_NODES", "SLURM_NNODES"))
     if tasks > 1 and not per_node:  # srun -n N, salloc -n N: Lightning's SLURMEnvironment refuses it in each rank
-        nodes_given = int(os.environ.get("SLURM_JOB_NUM_NODES") or os.environ.get("SLURM_NNODES") or 1)
+        nodes_given = int(nodes or 1)
         raise UserError(
             f"srun started {tasks} tasks without --ntasks-per-node, which Lightning needs to tell each rank its "
             f"place: pass srun --nodes={nodes_given} --ntasks-per-node="
@@ -209,7 +218,6 @@ def check_slurm_allocation(devices: int, num_nodes: int) -> None:
             f"the Slurm allocation runs --ntasks-per-node={per_node} but trainer.devices={devices}: "
             f"make them equal (trainer.devices=$SLURM_NTASKS_PER_NODE, as slurm/train.sbatch passes)"
         )
-    nodes = os.environ.get("SLURM_JOB_NUM_NODES") or os.environ.get("SLURM_NNODES")
     if nodes and int(nodes) != num_nodes:
         raise UserError(
             f"the Slurm allocation has --nodes={nodes} but trainer.num_nodes={num_nodes}: "
@@ -389,9 +397,9 @@ def before_error_line(line: str, code: int) -> None:
     if code != EXIT_USER_ERROR or found is None or found[0] not in LOCAL_RANK_KEYS:
         return
     keys = LOCAL_RANK_KEYS[found[0]]
-    if found[0] == "mpirun" and _mpi_initialized():
+    if found[0] == "mpirun" and mpi_initialized():
         return
-    local = next((os.environ[key] for key in keys if key in os.environ), "0")
+    local = first_set(keys) or "0"
     if local == "0" or threading.current_thread() is not threading.main_thread():
         return
     first = _local_rank_zero(keys)
@@ -408,7 +416,7 @@ def before_error_line(line: str, code: int) -> None:
     # it goes on: this process says its own line
 
 
-def _mpi_initialized() -> bool:
+def mpi_initialized() -> bool:
     """Whether mpi4py has initialised MPI in this process (``check_mpi``), and not finalised it."""
     mpi = sys.modules.get("mpi4py.MPI")
     return mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized()

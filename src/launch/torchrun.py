@@ -146,9 +146,17 @@ def restart() -> tuple[int, int]:
 
 
 def launched_shape() -> tuple[int, int]:
-    """(processes on this node, nodes) as the agent started them."""
+    """(processes on this node, nodes) as the agent started them. Lightning runs the same number on every node: nodes
+    of unlike ``--nproc-per-node`` are a UserError (a world of 3 over 2 nodes read as 1 node of 2 before)."""
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    return local, max(1, int(os.environ.get("WORLD_SIZE", str(local))) // local)
+    world, agents = int(os.environ.get("WORLD_SIZE", str(local))), int(os.environ.get("GROUP_WORLD_SIZE", "0"))
+    if world % local or (agents and local * agents != world):  # Lightning's ranks: node_rank x devices + local rank
+        raise UserError(
+            f"torchrun started {local} process(es) on this node and {world} in all"
+            + (f" over {agents} nodes" if agents else "")
+            + ": Lightning runs the same number on every node: give every node the same --nproc-per-node"
+        )
+    return local, max(1, world // local)
 
 
 def adopt(cfg: Any, overridden: set[str]) -> None:
@@ -162,13 +170,6 @@ def adopt(cfg: Any, overridden: set[str]) -> None:
     from omegaconf import open_dict
 
     local, nodes = launched_shape()
-    world, agents = int(os.environ.get("WORLD_SIZE", str(local))), int(os.environ.get("GROUP_WORLD_SIZE", "0"))
-    if world % local or (agents and local * agents != world):  # Lightning's ranks: node_rank x devices + local rank
-        raise UserError(
-            f"torchrun started {local} process(es) on this node and {world} in all"
-            + (f" over {agents} nodes" if agents else "")
-            + ": Lightning runs the same number on every node: give every node the same --nproc-per-node"
-        )
     trainer = cfg.trainer
     if cfg.strategy.get("name") == "ddp_spawn":
         raise UserError(
