@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import resource
+import socket
 import time
 from types import SimpleNamespace
 
@@ -451,22 +452,48 @@ def test_a_dry_run_says_how_long_the_fit_runs_in_epochs_or_in_steps():
     assert _length({"max_epochs": None, "max_steps": 500}) == "500 steps in all"
 
 
-def test_the_world_agreement_costs_two_requests_a_rank_and_a_node_that_differs_stops_rank_zero(tmp_path):
-    """benchmarks/world_agreement.py runs src/distributed/strategy.py's agree_on_world against one real TCPStore (at
-    2,048 ranks: docs/scale.md); here at 4, and at 4 with node 1 counting a device more."""
+def test_the_world_agreement_costs_two_requests_a_rank_five_under_torchrun_and_a_node_that_differs_stops_rank_0(
+    tmp_path,
+):
+    """benchmarks/world_agreement.py runs src/distributed/strategy.py's agree_on_world, and under torchrun first
+    src/launch/torchrun.py's handshake, against one real TCPStore (at 2,048 ranks: docs/scale.md); here at 4 and 32,
+    and at 32 with the last node counting a device more; under torchrun in a second attempt, the first's keys in the
+    store."""
     result = run_script(
-        "benchmarks/world_agreement.py", "--ranks=4", "--per-node=2", "--procs=2", "--differ", f"--out={tmp_path}"
+        "benchmarks/world_agreement.py",
+        "--ranks=4,32",
+        "--per-node=2",
+        "--procs=2",
+        "--differ",
+        "--launch=by-hand,torchrun",
+        "--attempts=2",
+        f"--out={tmp_path}",
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    same, differs = json.loads((tmp_path / "world_agreement.json").read_text())
-    assert same["rank0_line"] is None and same["lines"] == 0
-    assert same["requests"] - same["rank0_requests"] == 2 * 3  # a read and an add by each other rank
-    assert differs["rank0_line"] == (
-        "rank 0: NODE_RANK=1 counts trainer.num_nodes x trainer.devices as 2 x 3 = 6 processes, node 0 as 2 x 2 = 4: "
-        "start every node with the same trainer.num_nodes and trainer.devices (a count, not auto, where the nodes' "
-        "GPUs differ)"
-    )
-    assert differs["lines"] == 2  # node 1's two ranks, each with its own line
+    rows = json.loads((tmp_path / "world_agreement.json").read_text())
+    assert [(row["torchrun"], row["ranks"], row["differs"]) for row in rows] == [
+        (torchrun, ranks, differs)
+        for torchrun in (False, True)
+        for ranks, differs in ((4, False), (32, False), (32, True))
+    ]
+    host = socket.gethostname()
+    for same, differs in (rows[1:3], rows[4:6]):
+        assert same["rank0_line"] is None and same["lines"] == 0
+        assert differs["rank0_line"] == (
+            f"rank 0: NODE_RANK=15 ({host}) counts trainer.num_nodes x trainer.devices as 16 x 3 = 48 processes, "
+            f"node 0 ({host}) as 16 x 2 = 32: start every node with the same trainer.num_nodes and trainer.devices (a "
+            "count, not auto, where the nodes' GPUs differ)"
+        )
+        assert differs["lines"] == 2  # the last node's two ranks, each with its own line
+    for plain, torchrun in zip(rows[:2], rows[3:5]):
+        others = plain["ranks"] - 1
+        assert plain["requests"] - plain["rank0_requests"] == 2 * others  # a read and an add by each other rank
+        # under torchrun, before those: a hello's number, the wait for its answer and the answer
+        assert torchrun["requests"] - torchrun["rank0_requests"] - torchrun["answering_requests"] == 5 * others
+    # rank 0's answers at 32 ranks: a read of the count each 50 ms, and a write for the hellos that came since (the
+    # earlier attempt's with the first); not two requests for each rank each 50 ms (62 a round)
+    rounds = rows[4]["rank0_s"] / 0.05 + 2
+    assert rows[4]["answering_requests"] <= 2 * rounds, rows[4]
 
 
 def test_the_recipe_nodes_must_share_leaves_out_what_each_node_names_for_itself(tmp_path):
@@ -483,9 +510,9 @@ def test_the_recipe_nodes_must_share_leaves_out_what_each_node_names_for_itself(
         "trainer.devices=4",
         "logger=csv",
     )
-    assert _recipe_differs(1, training_recipe(make_cfg(tmp_path, *own)), base) is None
+    assert _recipe_differs("NODE_RANK=1", "node 0", training_recipe(make_cfg(tmp_path, *own)), base) is None
     period = training_recipe(make_cfg(tmp_path, "callbacks.graceful_stop.period=4"))
-    assert _recipe_differs(1, period, base) == (
+    assert _recipe_differs("NODE_RANK=1", "node 0", period, base) == (
         "NODE_RANK=1 trains with callbacks.graceful_stop.period=4, node 0 with callbacks.graceful_stop.period=1: start "
         "every node with the same command line (the model, the data and how long to train)"
     )

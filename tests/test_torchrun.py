@@ -413,6 +413,51 @@ def test_a_node_that_joins_scales_the_run_up_keeping_the_global_batch(new_run_di
     assert last["saved_by"]["world_size"] == 2 and last["global_step"] == 2 * 30
 
 
+def test_nodes_started_with_unlike_command_lines_stop_at_once_each_naming_both(new_run_dirs):
+    """Two agents whose nodes count alike (torchrun agrees on the counts) but train otherwise: another batch size and
+    seed on one node. They trained together without a word, each scaling its learning rate to a global batch of its
+    own and drawing its shard from a split of its own. (By hand: tests/test_train.py's nodes that count otherwise.)"""
+    port, run_id = free_port(), f"unlike{os.getpid()}"
+    args = [
+        "--nnodes=2",
+        "--nproc-per-node=1",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{port}",
+        f"--rdzv-id={run_id}",
+        "-m",
+        "src.train",
+        *FAST,
+    ]
+    start = time.monotonic()
+    first = torchrun(*args, background=True)
+    try:
+        wait_for(lambda: listening(port), 60, "the first agent's rendezvous", first)
+        second = torchrun(*args, "data.batch_size=8", "seed=2")
+        out, _ = first.communicate(timeout=120)
+    finally:
+        if first.poll() is None:
+            os.killpg(first.pid, signal.SIGKILL)
+    said = {"first": out, "second": second.stdout + second.stderr}
+    assert first.returncode != 0 and second.returncode != 0, said
+    # which agent's node is node 0 is the rendezvous's choice: the line names the other's values first
+    host, theirs, ours = (
+        socket.gethostname(),
+        "data.batch_size=8 data.seed=2 seed=2",
+        "data.batch_size=4 data.seed=42 seed=42",
+    )
+    lines = {
+        f"NODE_RANK=1 ({host}) trains with {a}, node 0 ({host}) with {b}: start every node with the same command line "
+        "(the model, the data and how long to train)"
+        for a, b in ((theirs, ours), (ours, theirs))
+    }
+    errors = {name: [t for t in text.splitlines() if t.startswith("error:")] for name, text in said.items()}
+    line = next((line for line in lines if f"error: rank 0: {line}" in errors["first"] + errors["second"]), None)
+    assert line is not None, errors
+    assert sorted(errors["first"] + errors["second"]) == [f"error: rank 0: {line}", f"error: rank 1: {line}"], errors
+    assert all("traceback : error: rank" in text for text in said.values()), said  # torchrun's report gives it
+    assert time.monotonic() - start < 100, said  # not strategy.timeout_s (300 s): at once
+
+
 # -- the rules, in-process (torchrun's environment set by hand; the runs above start the real thing) -----------
 
 

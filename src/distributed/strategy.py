@@ -143,8 +143,8 @@ class HydraDDPStrategy(DDPStrategy):
         1. a started rank watches its launcher: it must not outlive the process that started it;
         2. before the group forms: the open-file limit checked (sockets run out as it forms), one node's traffic kept
            to loopback, NCCL's watchdog and flight-recorder variables set (NCCL reads them as the group forms);
-        3. the group forms: on torchrun's attempt keys under torchrun, else on the rendezvous store bound where the
-           ranks are (``rendezvous_store``);
+        3. the nodes agree on the world and the recipe (``agree_on_world``), and the group forms: on torchrun's
+           attempt keys under torchrun, else on the rendezvous store bound where the ranks are (``rendezvous_store``);
         4. Lightning's own setup, which leaves a group that exists as it is;
         5. from here on a failure or a hang of any rank stops every rank: progress marks, the failure watch.
 
@@ -231,12 +231,17 @@ class HydraDDPStrategy(DDPStrategy):
         )
 
     def _init_attempt_group(self) -> bool:
-        """Under torchrun: form the process group on this attempt's own keys (src/launch/torchrun.py says why); False
-        where the agent's store is not at hand, and the group forms as elsewhere."""
+        """Under torchrun: form the process group on this attempt's own keys (src/launch/torchrun.py says why), once
+        every node has the same recipe; False where the agent's store is not at hand, and the group forms as
+        elsewhere."""
         self.set_world_ranks()
         store = torchrun.attempt_store(self.global_rank, self.world_size, self._timeout)
         if store is None:
             return False
+        # torchrun's agents agree on the counts (src/launch/torchrun.py's launched_shape), not on the command line
+        agree_on_world(
+            store, self.global_rank, self.node_rank, self.num_nodes, self.num_processes, self._timeout, self.recipe
+        )
         self._join(store)
         torchrun.group_formed()
         return True
@@ -325,8 +330,9 @@ def rendezvous_store(
 
 
 WORLD_KEY = "cifar10_ddp/world"  # rank 0's trainer.num_nodes x trainer.devices
-AGREED_KEY = "cifar10_ddp/world_agreed"  # how many of the other ranks found the same
-DIFFERS_KEY = "cifar10_ddp/world_differs"  # the line of the first rank that did not
+ARRIVED_KEY = "cifar10_ddp/world_arrived"  # how many of the other ranks have compared theirs with it
+DIFFERS_KEY = "cifar10_ddp/world_differs"  # the line of a rank that found its own otherwise
+LATE_S = 2.0  # how long rank 0 leaves the world's keys, once a rank differs, for the ranks still to read them
 
 
 # What every node must train alike, by hand as under a launcher: values a node's command line could set otherwise and
@@ -392,46 +398,56 @@ def agree_on_world(
     ``strategy.timeout_s`` (300 s) with a line about addresses, though every node had reached the store. And nodes
     started with another ``data.batch_size`` or ``seed`` trained together without a word, each scaling its learning
     rate to a global batch of its own, their shards drawn from splits of their own. Here rank 0 puts its count and
-    its ``recipe`` (``training_recipe``) in the store; every other rank reads them once and adds itself where they are
-    the same, or leaves its line where not; rank 0 waits for either (a local poll of its own store every 50 ms), as
-    torch's store waited for its workers before. Per rank: one read (about 2 KB) and one add, once per run, beside
-    the rendezvous's own."""
+    its ``recipe`` (``training_recipe``) in the store, with its host; every other rank reads them once, leaves its line
+    where its own differ, and counts itself; rank 0 waits for them all (a poll of the store every 50 ms), as torch's
+    store waited for its workers before, and once a rank has differed ``LATE_S`` at most for the rest (a node that
+    counts fewer started fewer), so that each rank still to come reads the keys and says its own line. Under
+    torchrun the same, under the attempt's prefix: torchrun's agents agree on the counts, not on the command lines.
+    Per rank: one read (about 2 KB) and one add, once per run, beside the rendezvous's own."""
     mine = f"{num_nodes} x {devices} = {num_nodes * devices}"
     ours = json.loads(json.dumps(recipe or {}, default=str))  # as rank 0's reads back from the store
     if rank != 0:
         theirs = json.loads(store.get(WORLD_KEY))  # waits for rank 0, within the store's timeout
-        line = _world_differs(node_rank, mine, theirs["world"]) or _recipe_differs(node_rank, ours, theirs["recipe"])
+        nodes = (f"NODE_RANK={node_rank} ({socket.gethostname()})", f"node 0 ({theirs['host']})")
+        line = _world_differs(*nodes, mine, theirs["world"]) or _recipe_differs(*nodes, ours, theirs["recipe"])
         if line is not None:
-            store.set(DIFFERS_KEY, line)
+            store.set(DIFFERS_KEY, line)  # before it counts itself: rank 0 sees the line once all have come
+        store.add(ARRIVED_KEY, 1)
+        if line is not None:
             raise UserError(f"rank {rank}: {line}")
-        store.add(AGREED_KEY, 1)
         return
-    store.set(WORLD_KEY, json.dumps({"world": mine, "recipe": ours}))
+    store.set(WORLD_KEY, json.dumps({"world": mine, "recipe": ours, "host": socket.gethostname()}))
     deadline = time.monotonic() + timeout.total_seconds()
     try:
-        while store.add(AGREED_KEY, 0) < num_nodes * devices - 1:
-            if store.check([DIFFERS_KEY]):
-                raise UserError(f"rank 0: {store.get(DIFFERS_KEY).decode()}")
-            if time.monotonic() > deadline:  # the ranks that never came: the rendezvous's own line
+        late = None  # once a rank differs: until when the ranks still to come may read the keys, for their lines
+        while store.add(ARRIVED_KEY, 0) < num_nodes * devices - 1:
+            now = time.monotonic()
+            if late is None and store.check([DIFFERS_KEY]):
+                late = now + LATE_S
+            if late is not None and now > late:
+                break  # some never come: a node that counts fewer started fewer
+            if late is None and now > deadline:  # the ranks that never came: the rendezvous's own line
                 raise torch.distributed.DistStoreError("the other ranks did not arrive")
             time.sleep(0.05)
+        if store.check([DIFFERS_KEY]):
+            raise UserError(f"rank 0: {store.get(DIFFERS_KEY).decode()}")
     finally:  # a store that outlives this run (a sweep's next job, on the same port) starts clean
-        for key in (WORLD_KEY, AGREED_KEY, DIFFERS_KEY):
+        for key in (WORLD_KEY, ARRIVED_KEY, DIFFERS_KEY):
             store.delete_key(key)
 
 
-def _world_differs(node_rank: int, mine: str, theirs: str) -> str | None:
+def _world_differs(node: str, node0: str, mine: str, theirs: str) -> str | None:
     if mine == theirs:
         return None
     return (
-        f"NODE_RANK={node_rank} counts trainer.num_nodes x trainer.devices as {mine} processes, node 0 as {theirs}: "
+        f"{node} counts trainer.num_nodes x trainer.devices as {mine} processes, {node0} as {theirs}: "
         "start every node with the same trainer.num_nodes and trainer.devices (a count, not auto, where the nodes' "
         "GPUs differ)"
     )
 
 
-def _recipe_differs(node_rank: int, ours: dict[str, Any], theirs: dict[str, Any]) -> str | None:
-    """The first three keys of the recipe this node trains otherwise than node 0, in one line; None if none."""
+def _recipe_differs(node: str, node0: str, ours: dict[str, Any], theirs: dict[str, Any]) -> str | None:
+    """The first three keys of the recipe ``node`` trains otherwise than ``node0``, in one line; None if none."""
     missing = object()
     differ = sorted(k for k in {*ours, *theirs} if ours.get(k, missing) != theirs.get(k, missing))
     if not differ:
@@ -441,7 +457,7 @@ def _recipe_differs(node_rank: int, ours: dict[str, Any], theirs: dict[str, Any]
         return " ".join(f"{k}={_value(values.get(k))}" for k in differ[:3]) + (" ..." if differ[3:] else "")
 
     return (
-        f"NODE_RANK={node_rank} trains with {said(ours)}, node 0 with {said(theirs)}: start every node with the same "
+        f"{node} trains with {said(ours)}, {node0} with {said(theirs)}: start every node with the same "
         "command line (the model, the data and how long to train)"
     )
 

@@ -285,60 +285,70 @@ def attempt_store(rank: int, world_size: int, timeout: timedelta) -> Any:
     every retry"), but the agent keeps one store across restarts: a restarted rank can read a peer's address
     from the attempt before and fail to connect (gloo) or hang (nccl). Restart counts do not tell attempts apart
     either: an agent that joins later counts from 0, and a scale-up restart does not count. So rank 0 picks a
-    fresh prefix and hands it to each rank under that rank's own random key, which no earlier attempt can
-    have written.
-    """
+    fresh prefix and hands it to each rank under a number of that rank's own, which no earlier attempt can
+    have written (:func:`handshake`)."""
     global _PREFIX
     import torch.distributed as dist
 
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "False") != "True":
         return None  # rank 0 hosts a new store on a new port each attempt: nothing stale to read
-    store = dist.TCPStore(
-        os.environ["MASTER_ADDR"],
-        int(os.environ["MASTER_PORT"]),
-        world_size=world_size,
-        is_master=False,
-        timeout=timeout,
-    )
+
+    def connect() -> Any:
+        return dist.TCPStore(
+            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout
+        )
+
+    store = connect()
+    # rank 0 answers on a connection of its own, from a thread
+    _PREFIX = handshake(store, rank, world_size, timeout, answering=connect() if rank == 0 else None)
+    return dist.PrefixStore(_PREFIX + "pg/", store)
+
+
+def handshake(
+    store: Any,
+    rank: int,
+    world_size: int,
+    timeout: timedelta,
+    answering: Any = None,
+    formed: threading.Event | None = None,
+) -> str:
+    """This attempt's prefix: rank 0 picks it and answers every hello on ``answering`` (a thread, until ``formed``,
+    by default :func:`group_formed`'s); another rank takes the run's next hello number, which no rank of this run
+    had before, and waits for rank 0's answer under it. Per rank: three requests (the number, the wait, the
+    answer), once an attempt."""
     if rank == 0:
         prefix = f"cifar10_ddp/attempt/{uuid.uuid4().hex}/"
-        answering = dist.TCPStore(
-            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout
-        )  # a connection of its own for the thread
-        _answer(answering, world_size, prefix, time.monotonic() + timeout.total_seconds())
-    else:
-        nonce = uuid.uuid4().hex
-        store.set(f"{_HELLO}{rank}", nonce)
-        store.wait([f"{_ANSWER}{nonce}"], timeout)
-        prefix = store.get(f"{_ANSWER}{nonce}").decode()
-    _PREFIX = prefix
-    return dist.PrefixStore(prefix + "pg/", store)
+        _answer(answering or store, prefix, time.monotonic() + timeout.total_seconds(), formed or _formed)
+        return prefix
+    answer = f"{_ANSWER}{store.add(_HELLOS, 1)}"
+    store.wait([answer], timeout)
+    return store.get(answer).decode()
 
 
-_HELLO = (
-    "cifar10_ddp/attempt/hello/"  # + rank: that rank's nonce for this attempt (an earlier attempt's, until rewritten)
-)
-_ANSWER = "cifar10_ddp/attempt/answer/"  # + nonce: the prefix rank 0 chose
+_HELLOS = "cifar10_ddp/attempt/hellos"  # how many hellos every attempt of the run has said: the last one's number
+_ANSWER = "cifar10_ddp/attempt/answer/"  # + a hello's number: the prefix rank 0 chose
+_BATCH = 1024  # answers written in one request
 _formed = threading.Event()
 
 
-def _answer(store: Any, world_size: int, prefix: str, deadline: float) -> None:
-    """In rank 0, until the process group has formed: answer every nonce the other ranks write with ``prefix``.
+def _answer(store: Any, prefix: str, deadline: float, formed: threading.Event) -> None:
+    """In rank 0, until the process group has formed: answer every hello with ``prefix``.
 
-    A nonce left by an earlier attempt is answered too, harmlessly: nobody waits for it any more.
+    Every 50 ms one request reads the count of hellos; the new ones are answered in a request a thousand. The hellos
+    of earlier attempts are answered too, once (their ranks are gone).
     """
 
     def loop() -> None:
-        answered: set[str] = set()
-        while time.monotonic() < deadline and not _formed.is_set():
-            for other in range(1, world_size):
-                try:
-                    nonce = store.get(f"{_HELLO}{other}").decode() if store.check([f"{_HELLO}{other}"]) else None
-                    if nonce is not None and nonce not in answered:
-                        store.set(f"{_ANSWER}{nonce}", prefix)
-                        answered.add(nonce)
-                except Exception:  # noqa: BLE001 - the store is gone: so is this attempt
-                    return
+        answered = 0
+        while time.monotonic() < deadline and not formed.is_set():
+            try:
+                said = int(store.add(_HELLOS, 0))
+                for first in range(answered + 1, said + 1, _BATCH):
+                    numbers = range(first, min(first + _BATCH, said + 1))
+                    store.multi_set([f"{_ANSWER}{n}" for n in numbers], [prefix] * len(numbers))
+                answered = said
+            except Exception:  # noqa: BLE001 - the store is gone: so is this attempt
+                return
             time.sleep(0.05)
 
     threading.Thread(target=loop, name="attempt-answer", daemon=True).start()
