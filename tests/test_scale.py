@@ -498,7 +498,8 @@ def test_the_world_agreement_costs_two_requests_a_rank_five_under_torchrun_and_a
 
 def test_the_recipe_nodes_must_share_leaves_out_what_each_node_names_for_itself(tmp_path):
     """Folders, loaders' workers, devices and loggers may differ from node to node; the stop agreement's period may
-    not (the ranks' all-reduces would fall on different batches)."""
+    not (the ranks' all-reduces would fall on different batches), nor the backend or DDP's search for unused
+    parameters (a group that hangs or fails at its first collective)."""
     from src.distributed.strategy import _recipe_differs, training_recipe
     from tests.test_config import make_cfg
 
@@ -515,4 +516,12 @@ def test_the_recipe_nodes_must_share_leaves_out_what_each_node_names_for_itself(
     assert _recipe_differs("NODE_RANK=1", "node 0", period, base) == (
         "NODE_RANK=1 trains with callbacks.graceful_stop.period=4, node 0 with callbacks.graceful_stop.period=1: start "
         "every node with the same command line (the model, the data and how long to train)"
+    )
+    ddp = training_recipe(make_cfg(tmp_path, "strategy=ddp"))
+    assert _recipe_differs("NODE_RANK=1", "node 0", ddp, base) is None  # strategy=auto: DDP's defaults
+    talks = training_recipe(make_cfg(tmp_path, "backend=gloo", "strategy=ddp", "strategy.find_unused_parameters=true"))
+    assert _recipe_differs("NODE_RANK=1", "node 0", talks, ddp) == (
+        "NODE_RANK=1 trains with backend=gloo strategy.find_unused_parameters=true, node 0 with backend=auto "
+        "strategy.find_unused_parameters=false: start every node with the same command line (the model, the data and "
+        "how long to train)"
     )

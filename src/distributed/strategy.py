@@ -353,12 +353,17 @@ RECIPE_KEYS = (
     "trainer.check_val_every_n_epoch",
     "trainer.deterministic",
     "trainer.sync_batchnorm",
+    # how the ranks talk: a gloo rank beside nccl ones, or a DDP that looks for unused parameters beside one that
+    # does not, forms a group that hangs or fails at its first collective
+    "backend",
+    "strategy.find_unused_parameters",
     # the callbacks whose collectives and saves every rank takes part in at the same batches
     "callbacks.graceful_stop",
     "callbacks.last_checkpoint",
     "callbacks.model_checkpoint",
 )
 PER_NODE_KEYS = ("data.root", "data.download", "data.num_workers", "data.pin_memory", "data.download_url")
+ABSENT_MEANS = {"strategy.find_unused_parameters": False}  # strategy=auto has no such key: DDP's own default
 
 
 def training_recipe(cfg: Any) -> dict[str, Any]:
@@ -378,6 +383,8 @@ def training_recipe(cfg: Any) -> dict[str, Any]:
     for key in RECIPE_KEYS:
         node = OmegaConf.select(cfg, key, default=None, throw_on_resolution_failure=False)
         walk(key, OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node)
+    for key, value in ABSENT_MEANS.items():
+        flat[key] = value if flat.get(key) is None else flat[key]
     return flat
 
 
