@@ -464,6 +464,7 @@ def test_the_world_agreement_costs_two_requests_a_rank_five_under_torchrun_and_a
         "--ranks=4,32",
         "--per-node=2",
         "--procs=2",
+        "--connections=2",  # each fresh connection past about 25 in a few seconds waited 5 s here (docs/scale.md)
         "--differ",
         "--launch=by-hand,torchrun",
         "--attempts=2",
