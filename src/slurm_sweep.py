@@ -32,7 +32,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from src.core.errors import hydra_error_message, one_line
 from src.core.settings import check_values
 from src.launch.run_dir import RESULT_FILE, read_result, write_json
-from src.sweeps.sweep import distinct
+from src.sweeps.sweep import check_task_values, distinct
 
 SBATCH_SCRIPT = "slurm/train.sbatch"
 JOBS_FILE = "jobs.json"
@@ -65,14 +65,19 @@ def sbatch_command(job: list[str], run_dir: Path, sbatch_options: list[str]) -> 
 
 def check_jobs(jobs: list[list[str]]) -> str | None:
     """Every job's config composed as its run will compose it, with the values every command checks as it starts
-    (src/core/settings.py), before the first is submitted; what is wrong, in words, or None. A misspelled key, a
-    group's unknown option or a refused value was each found by a job that had queued for its allocation."""
+    (src/core/settings.py) and those building its data and model checks, before the first is submitted; what is
+    wrong, in words, or None. A misspelled key, a group's unknown option or a refused value was each found by a job
+    that had queued for its allocation."""
     from hydra import compose, initialize_config_dir
+    from hydra.core.hydra_config import HydraConfig
 
     with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[1] / "conf"), version_base="1.3"):
         for k, job in enumerate(jobs):
             try:
-                check_values(compose(config_name="train", overrides=job))
+                config = compose(config_name="train", overrides=job, return_hydra_config=True)
+                HydraConfig.instance().set_config(config)  # the data's paths name ${hydra:runtime.cwd}
+                check_values(config)
+                check_task_values(config)
             except Exception as err:  # noqa: BLE001 - Hydra's and the checks' refusals, in their words
                 said = hydra_error_message(err)
                 if said is None:

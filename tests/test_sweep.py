@@ -98,10 +98,13 @@ def test_a_value_every_command_checks_refuses_the_sweep_before_its_first_job_and
     assert result.returncode == 2 and len(errors) == 1, output(result)[-3000:]
     assert errors[0].startswith("error: job 1 (trainer.max_epochs=0") and "no job of the sweep started" in errors[0]
     assert "Run:" not in output(result) and not (tmp_path / "new").exists()  # nothing trained; its dirs gone
-    (tmp_path / "mine").mkdir()  # a sweep dir that was there before: kept, as it was
-    result = train("-m", *SWEEP, "trainer.max_epochs=0,1", f"hydra.sweep.dir={tmp_path / 'mine'}")
-    assert result.returncode == 2 and "job 0 (trainer.max_epochs=0" in result.stderr, output(result)[-3000:]
-    assert (tmp_path / "mine").is_dir()
+    # a sweep dir that was there before: kept, as it was; and a value only building the model checks, found before
+    # any job too (before: by the job that built it)
+    (tmp_path / "mine").mkdir()
+    result = train("-m", *SWEEP, "model.optimizer.lr=-0.1,0.1", f"hydra.sweep.dir={tmp_path / 'mine'}")
+    said = "error: job 0 (model.optimizer.lr=-0.1): model.optimizer.lr=-0.1 must be a number >= 0; no job of the sweep"
+    assert result.returncode == 2 and said in result.stderr, output(result)[-3000:]
+    assert "Run:" not in output(result) and (tmp_path / "mine").is_dir()
 
 
 def test_sweeping_the_strategy_reports_one_series_per_strategy(tmp_path):
@@ -283,6 +286,9 @@ def test_slurm_sweep_checks_every_jobs_size_first_and_says_a_failed_sbatch_in_on
         (["trainer.max_epoch=1,2"], "error: job 0 (trainer.max_epoch=1): trainer.max_epoch is not a key of the config"),
         (["trainer.devices=1", "strategy=ddp,horovod"], "error: job 1 (strategy=horovod): strategy=horovod is not an"),
         (["trainer.max_epochs=1,0"], "error: job 1 (trainer.max_epochs=0): trainer.max_epochs=0 must be a whole"),
+        # what building the data and the model checks (before: found as the job started, after its queue's wait)
+        (["data.batch_size=64,0"], "error: job 1 (data.batch_size=0): data.batch_size=0 must be a whole number >= 1"),
+        (["model.arch=resnet18,resnet99"], "error: job 1 (model.arch=resnet99): model.arch=resnet99 is not a"),
     ):
         assert slurm_sweep.main(["--", *overrides]) == 2
         err = capsys.readouterr().err

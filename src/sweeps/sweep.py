@@ -28,7 +28,7 @@ from hydra.experimental.callback import Callback
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from src.core.errors import FAILURE_FILE, UserError, print_line
+from src.core.errors import FAILURE_FILE, UserError, print_line, user_error_in
 from src.core.settings import check_values
 from src.launch.ranks import in_sweep
 from src.launch.run_dir import RESULT_FILE, read_result
@@ -190,13 +190,40 @@ def job_dir(job: DictConfig) -> Path:
 
 
 def check_job_values(job: DictConfig, num: int, own: list[str]) -> None:
-    """The values each command checks as it starts (src/core/settings.py), for every job before the first runs: a
-    value refused in job 3 (``trainer.max_epochs=0,1``) was found once jobs 0 to 2 had trained. ``own``: the job's
+    """The values each command checks as it starts (src/core/settings.py), and those building its data and model
+    checks (``check_task_values``), for every job before the first runs: a value refused in job 3
+    (``trainer.max_epochs=0,1``, ``data.batch_size=64,0``) was found once jobs 0 to 2 had trained. ``own``: the job's
     overrides that the others do not share, which the line names."""
     try:
         check_values(job)
+        check_task_values(job)
     except UserError as err:
         raise UserError(f"job {num} ({' '.join(own)}): {err}; no job of the sweep started") from None
+
+
+TASK_NODES = ("data", "model")  # what a job builds from its config before the ranks meet, each checking its arguments
+
+
+def check_task_values(job: DictConfig) -> None:
+    """What building the job's data and model checks: each argument's name and range (``data.batch_size=0``,
+    ``model.optimizer.lr=-0.1``, ``model.arch=resnet99``, ``+model.foo=1``). The model is built on torch's meta
+    device: no memory and no weights, a few milliseconds for a ResNet-50; the data module reads nothing as it is
+    built. A UserError in the words the job would have said."""
+    import torch
+    from hydra.utils import instantiate
+
+    for key in TASK_NODES:
+        node = job.get(key)
+        if not isinstance(node, DictConfig) or "_target_" not in node:
+            continue
+        try:
+            with torch.device("meta"):
+                instantiate(node)
+        except Exception as err:  # noqa: BLE001 - a refusal in the job's words, or what no user value causes
+            found = user_error_in(err)
+            if found is None:
+                raise
+            raise UserError(str(found)) from None
 
 
 def check_same_job(folder: Path, num: int, overrides: list[str]) -> None:
