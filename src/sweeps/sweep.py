@@ -207,7 +207,7 @@ TASK_NODES = ("data", "model")  # what a job builds from its config before the r
 def check_task_values(job: DictConfig) -> None:
     """What building the job's data and model checks: each argument's name and range (``data.batch_size=0``,
     ``model.optimizer.lr=-0.1``, ``model.arch=resnet99``, ``+model.foo=1``). The model is built on torch's meta
-    device: no memory and no weights, a few milliseconds for a ResNet-50; the data module reads nothing as it is
+    device: no memory and no weights, 0.07 s for a ResNet-50 on a 2-core EPYC; the data module reads nothing as it is
     built. A UserError in the words the job would have said."""
     import torch
     from hydra.utils import instantiate
