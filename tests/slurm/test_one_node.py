@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import re
+import shutil
 import subprocess
 import time
 import types
@@ -371,3 +373,58 @@ def test_a_python_that_is_not_there_stops_the_script_in_one_line_before_srun(tmp
         "--export=ALL,PYTHON=/path/to/python"
     ]
     assert not called.exists()
+
+
+@pytest.mark.parametrize(
+    "script, folder", [("train.sbatch", ""), ("torchrun.sbatch", ""), ("search.sbatch", "search-")]
+)
+def test_a_job_given_an_earlier_jobs_id_moves_that_jobs_dir_aside_and_a_requeue_keeps_its_own(tmp_path, script, folder):
+    """A controller whose state was reset gives job ids again: the new job's default dir (outputs/slurm/<id>) held
+    the earlier job's checkpoints or study, and ckpt_path=auto went on from them. Slurm says a restart in
+    SLURM_RESTART_COUNT (unset in a job's first run, 1 after a requeue: seen on the test cluster). The script under
+    bash, with stand-ins for srun, scontrol and the python they start, which record their arguments."""
+    bin_dir, said = tmp_path / "bin", tmp_path / "arguments"
+    bin_dir.mkdir()
+    for tool in ("srun", "python"):
+        (bin_dir / tool).write_text(f'#!/bin/sh\necho "$@" >> {said}\n')
+        (bin_dir / tool).chmod(0o755)
+    (bin_dir / "scontrol").write_text("#!/bin/sh\necho localhost\n")
+    (bin_dir / "scontrol").chmod(0o755)
+    job = f"9{os.getpid()}"
+    mine = ROOT / "outputs" / "slurm" / f"{folder}{job}"
+    env = {
+        "PATH": f"{bin_dir}:/usr/bin:/bin",
+        "PYTHON": str(bin_dir / "python"),
+        "SLURM_SUBMIT_DIR": str(ROOT),
+        "SLURM_JOB_ID": job,
+        "SLURM_JOB_NUM_NODES": "1",
+        "SLURM_JOB_NODELIST": "localhost",
+        "SLURM_NTASKS_PER_NODE": "1",
+    }
+
+    def run(**more: str) -> subprocess.CompletedProcess:
+        said.unlink(missing_ok=True)
+        result = subprocess.run(
+            ["bash", str(ROOT / "slurm" / script)], env={**env, **more}, capture_output=True, text=True, timeout=60
+        )
+        assert result.returncode == 0, result.stdout + result.stderr
+        key = "hydra.sweep.dir" if folder else "hydra.run.dir"
+        assert f"{key}=outputs/slurm/{folder}{job}" in said.read_text().split(), said.read_text()
+        return result
+
+    mine.mkdir(parents=True)
+    (mine / "last.ckpt").write_text("the earlier job's")
+    try:
+        run(SLURM_RESTART_COUNT="1")  # this job, requeued: its own dir, as it is
+        assert (mine / "last.ckpt").read_text() == "the earlier job's"
+        result = run()  # a job's first run: the dir is another job's
+        (aside,) = mine.parent.glob(f"{mine.name}.earlier-*")
+        assert (aside / "last.ckpt").read_text() == "the earlier job's" and not mine.exists()
+        assert (
+            f"job {job}: outputs/slurm/{folder}{job} held the files of an earlier job {job} (the controller gave "
+            f"this id again): moved to outputs/slurm/{aside.name}"
+        ) in result.stdout.splitlines(), result.stdout
+        run(**{"SWEEP_DIR" if folder else "RUN_DIR": f"outputs/slurm/{folder}{job}"})  # a dir given: the user's
+    finally:
+        for path in [mine, *mine.parent.glob(f"{mine.name}.earlier-*")]:
+            shutil.rmtree(path, ignore_errors=True)
