@@ -178,24 +178,26 @@ def measure(
     nodes = -(-world // per_node)
     odd_node = nodes - 1 if differ else None
     port = free_port()
-    host = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
-    if under_torchrun and attempts > 1:
-        earlier_attempts(port, world, attempts - 1, connections)
     others = list(range(1, world))
     shares = [others[i::procs] for i in range(procs) if others[i::procs]]
     ctx = multiprocessing.get_context("fork")
     go, out = ctx.Event(), ctx.Queue()
-    workers = [
+    workers = [  # forked before the store is hosted here: no worker holds its listening socket
         ctx.Process(
-            target=ranks_main, args=(port, share, per_node, nodes, odd_node, connections, under_torchrun, go, out)
+            target=ranks_main,
+            args=(port, share, per_node, nodes, odd_node, connections, under_torchrun, go, out),
+            daemon=True,  # a measure that fails takes them with it
         )
         for share in shares
     ]
     for worker in workers:
         worker.start()
+    host = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    if under_torchrun and attempts > 1:
+        earlier_attempts(port, world, attempts - 1, connections)
     connected = 0
     while connected < len(others):
-        kind, count = out.get(timeout=120)
+        kind, count = out.get(timeout=300)
         connected += count
     timeout = timedelta(seconds=60)
     rank0 = Counted(dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout))

@@ -487,14 +487,38 @@ def test_the_world_agreement_costs_two_requests_a_rank_five_under_torchrun_and_a
         )
         assert differs["lines"] == 2  # the last node's two ranks, each with its own line
     for plain, torchrun in zip(rows[:2], rows[3:5]):
-        others = plain["ranks"] - 1
-        assert plain["requests"] - plain["rank0_requests"] == 2 * others  # a read and an add by each other rank
+        others, marks = plain["ranks"] - 1, plain["nodes"] - 1  # a node's first rank marks its node's arrival
+        assert plain["requests"] - plain["rank0_requests"] == 2 * others + marks  # a read and an add by each
         # under torchrun, before those: a hello's number, the wait for its answer and the answer
-        assert torchrun["requests"] - torchrun["rank0_requests"] - torchrun["answering_requests"] == 5 * others
+        assert torchrun["requests"] - torchrun["rank0_requests"] - torchrun["answering_requests"] == 5 * others + marks
     # rank 0's answers at 32 ranks: a read of the count each 50 ms, and a write for the hellos that came since (the
     # earlier attempt's with the first); not two requests for each rank each 50 ms (62 a round)
     rounds = rows[4]["rank0_s"] / 0.05 + 2
     assert rows[4]["answering_requests"] <= 2 * rounds, rows[4]
+
+
+def test_a_wait_for_the_other_ranks_that_times_out_names_the_nodes_that_never_came():
+    """The line of a rendezvous that times out: which of the other nodes never reached the store (each node's first
+    rank marks it), the first eight at 256 nodes; where every node came, how many ranks did. One real TCPStore."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from src.distributed.strategy import ARRIVED_KEY, NODES_KEY, _missing
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    for node in (1, 5, 2):
+        store.append(NODES_KEY, f"{node},")
+    assert _missing(store, 4, 31) == (
+        "3 of 4 nodes reached its store: NODE_RANK=3 did not (not started yet, or dialling another address or port)"
+    )
+    assert _missing(store, 256, 2047).startswith(
+        "4 of 256 nodes reached its store: NODE_RANK=3, 4, 6, 7, 8, 9, 10, 11 ... (252 in all) did not"
+    )
+    store.add(ARRIVED_KEY, 21)
+    assert _missing(store, 3, 23) == (
+        "every node reached its store, but only 21 of the 23 other ranks did (the others' logs say why)"
+    )
 
 
 def test_the_recipe_nodes_must_share_leaves_out_what_each_node_names_for_itself(tmp_path):

@@ -175,7 +175,8 @@ class HydraDDPStrategy(DDPStrategy):
             )
         except torch.distributed.DistError as err:
             env = self.cluster_environment
-            where = f"{self._store_where}; " if self._store_where else ""
+            where = f"{err}; " if isinstance(err, RanksMissing) else ""
+            where += f"{self._store_where}; " if self._store_where else ""
             raise UserError(
                 f"rank {self.global_rank} (NODE_RANK={self.node_rank}) could not form a process group of "
                 f"world size {self.world_size} at MASTER_ADDR:MASTER_PORT={env.main_address}:{env.main_port} "
@@ -332,6 +333,7 @@ def rendezvous_store(
 WORLD_KEY = "cifar10_ddp/world"  # rank 0's trainer.num_nodes x trainer.devices
 ARRIVED_KEY = "cifar10_ddp/world_arrived"  # how many of the other ranks have compared theirs with it
 DIFFERS_KEY = "cifar10_ddp/world_differs"  # the line of a rank that found its own otherwise
+NODES_KEY = "cifar10_ddp/world_nodes"  # "1,5,...": each node's first rank appends its node rank once it has read
 LATE_S = 2.0  # how long rank 0 leaves the world's keys, once a rank differs, for the ranks still to read them
 
 
@@ -410,7 +412,8 @@ def agree_on_world(
     store waited for its workers before, and once a rank has differed ``LATE_S`` at most for the rest (a node that
     counts fewer started fewer), so that each rank still to come reads the keys and says its own line. Under
     torchrun the same, under the attempt's prefix: torchrun's agents agree on the counts, not on the command lines.
-    Per rank: one read (about 2 KB) and one add, once per run, beside the rendezvous's own."""
+    Per rank: one read (about 2 KB) and one add, once per run, beside the rendezvous's own, and an append by each node's
+    first rank to one key, which tells rank 0 which nodes never came where the wait times out (``RanksMissing``)."""
     mine = f"{num_nodes} x {devices} = {num_nodes * devices}"
     ours = json.loads(json.dumps(recipe or {}, default=str))  # as rank 0's reads back from the store
     if rank != 0:
@@ -419,6 +422,8 @@ def agree_on_world(
         line = _world_differs(*nodes, mine, theirs["world"]) or _recipe_differs(*nodes, ours, theirs["recipe"])
         if line is not None:
             store.set(DIFFERS_KEY, line)  # before it counts itself: rank 0 sees the line once all have come
+        if rank == node_rank * devices:  # the node's first rank: which nodes came, for a rendezvous that times out
+            store.append(NODES_KEY, f"{node_rank},")
         store.add(ARRIVED_KEY, 1)
         if line is not None:
             raise UserError(f"rank {rank}: {line}")
@@ -433,14 +438,34 @@ def agree_on_world(
                 late = now + LATE_S
             if late is not None and now > late:
                 break  # some never come: a node that counts fewer started fewer
-            if late is None and now > deadline:  # the ranks that never came: the rendezvous's own line
-                raise torch.distributed.DistStoreError("the other ranks did not arrive")
+            if late is None and now > deadline:  # the ranks that never came: the rendezvous's own line, with them
+                raise RanksMissing(_missing(store, num_nodes, num_nodes * devices - 1))
             time.sleep(0.05)
         if store.check([DIFFERS_KEY]):
             raise UserError(f"rank 0: {store.get(DIFFERS_KEY).decode()}")
     finally:  # a store that outlives this run (a sweep's next job, on the same port) starts clean
-        for key in (WORLD_KEY, ARRIVED_KEY, DIFFERS_KEY):
+        for key in (WORLD_KEY, ARRIVED_KEY, DIFFERS_KEY, NODES_KEY):
             store.delete_key(key)
+
+
+class RanksMissing(torch.distributed.DistStoreError):
+    """Rank 0's wait for the other ranks timed out; ``str()``: which nodes never reached the store."""
+
+
+def _missing(store: torch.distributed.Store, num_nodes: int, others: int) -> str:
+    """Which of the other nodes never reached the store (their first ranks' marks), or how many ranks did not."""
+    came = {int(n) for n in store.get(NODES_KEY).decode().split(",") if n} if store.check([NODES_KEY]) else set()
+    absent = [n for n in range(1, num_nodes) if n not in came]
+    if absent:
+        named = ", ".join(str(n) for n in absent[:8]) + (f" ... ({len(absent)} in all)" if absent[8:] else "")
+        return (
+            f"{num_nodes - len(absent)} of {num_nodes} nodes reached its store: NODE_RANK={named} did not (not "
+            "started yet, or dialling another address or port)"
+        )
+    arrived = int(store.add(ARRIVED_KEY, 0))
+    return (
+        f"every node reached its store, but only {arrived} of the {others} other ranks did (the others' logs say why)"
+    )
 
 
 def _world_differs(node: str, node0: str, mine: str, theirs: str) -> str | None:
