@@ -71,18 +71,23 @@ def check_jobs(jobs: list[list[str]]) -> str | None:
     from hydra import compose, initialize_config_dir
     from hydra.core.hydra_config import HydraConfig
 
+    hydra_config = HydraConfig.instance()
+    before = hydra_config.cfg  # put back after: a caller's own (this process's, in a test) stays as it was
     with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[1] / "conf"), version_base="1.3"):
-        for k, job in enumerate(jobs):
-            try:
-                config = compose(config_name="train", overrides=job, return_hydra_config=True)
-                HydraConfig.instance().set_config(config)  # the data's paths name ${hydra:runtime.cwd}
-                check_values(config)
-                check_task_values(config)
-            except Exception as err:  # noqa: BLE001 - Hydra's and the checks' refusals, in their words
-                said = hydra_error_message(err)
-                if said is None:
-                    raise
-                return f"job {k} ({' '.join(distinct(job, jobs))}): {one_line(said)}; no job was submitted"
+        try:
+            for k, job in enumerate(jobs):
+                try:
+                    config = compose(config_name="train", overrides=job, return_hydra_config=True)
+                    hydra_config.set_config(config)  # the data's paths name ${hydra:runtime.cwd}
+                    check_values(config)
+                    check_task_values(config)
+                except Exception as err:  # noqa: BLE001 - Hydra's and the checks' refusals, in their words
+                    said = hydra_error_message(err)
+                    if said is None:
+                        raise
+                    return f"job {k} ({' '.join(distinct(job, jobs))}): {one_line(said)}; no job was submitted"
+        finally:
+            hydra_config.cfg = before
     return None
 
 
