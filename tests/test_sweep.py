@@ -266,8 +266,11 @@ def test_slurm_sweep_checks_every_jobs_size_first_and_says_a_failed_sbatch_in_on
     """Before: trainer.devices=0 went to sbatch; sbatch's four lines for a controller out of reach were four lines of
     the error, and the new sweep dir stayed behind empty. In-process, with an sbatch that fails as an unreachable
     controller's does."""
+    from hydra.core.hydra_config import HydraConfig
+
     from src import slurm_sweep
 
+    before = HydraConfig.instance().cfg  # the checks set it to compose each job, and put it back
     fake = tmp_path / "bin" / "sbatch"
     fake.parent.mkdir()
     fake.write_text(
@@ -293,6 +296,7 @@ def test_slurm_sweep_checks_every_jobs_size_first_and_says_a_failed_sbatch_in_on
         assert slurm_sweep.main(["--", *overrides]) == 2
         err = capsys.readouterr().err
         assert err.startswith(said) and err.endswith("; no job was submitted\n") and err.count("\n") == 1, err
+    assert HydraConfig.instance().cfg is before  # left set, it broke later in-process tests of the same worker
     assert slurm_sweep.main(["--", "trainer.devices=1,2"]) == 2
     said = capsys.readouterr().err
     assert said.count("\n") == 1 and said.endswith(
