@@ -443,6 +443,28 @@ def test_a_write_under_way_as_the_nodes_last_rank_removes_the_board_does_not_mak
     assert live.ranks()[0][0] == {"rank": 0, "step": 3}
 
 
+def test_a_count_made_as_the_nodes_last_rank_removes_the_board_does_not_leave_the_folder(tmp_path, monkeypatch):
+    """A reporter took a rank's place in the failure's count (``counted0``) while the node's last rank removed the
+    board: rmtree's listing missed the new file, its rmdir failed quietly, and the folder stayed in /dev/shm with that
+    file alone, no lock file, until a later run's sweep (met once in a fresh-clone run of the suite, 2026-11-29)."""
+    from src.resilience import node_board
+
+    folder = tmp_path / "node1"
+    rank0, rank1 = (NodeBoard("run", 1, local, 2, stale_s=3.0, folder=folder) for local in (0, 1))
+    rmtree, calls = node_board.shutil.rmtree, []
+
+    def count_made_meanwhile(path, ignore_errors=False):
+        calls.append(path)
+        rmtree(path, ignore_errors=ignore_errors)
+        if len(calls) == 1:  # what the race leaves: the folder, with the count made after the listing
+            path.mkdir()
+            (path / "counted0").touch()
+
+    monkeypatch.setattr(node_board.shutil, "rmtree", count_made_meanwhile)
+    assert rank0.finish() is False and rank1.finish() is True
+    assert not folder.exists() and len(calls) == 2
+
+
 def test_a_dry_run_says_how_long_the_fit_runs_in_epochs_or_in_steps():
     """A fit counted in steps (trainer.max_epochs=null with trainer.max_steps) read ``(x None epochs)``."""
     from src.distributed.dry_run import _length

@@ -179,7 +179,10 @@ class NodeBoard:
                 os.close(os.open(self.path / "done", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
             except OSError:  # another rank's (FileExistsError), or the folder is gone: not this rank's to say
                 return False
-            shutil.rmtree(self.path, ignore_errors=True)
+            for _ in range(3):  # a count another rank's reporter made as the folder went: rmtree's listing missed it
+                shutil.rmtree(self.path, ignore_errors=True)
+                if not self.path.exists():
+                    break
             return True
         finally:
             self.release()
