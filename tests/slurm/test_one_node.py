@@ -349,30 +349,46 @@ def test_srun_torchrun_is_not_refused_by_the_allocation_check_and_trains_like_sr
     assert "world size 2 | strategy ddp | backend gloo" in log and "error:" not in log
 
 
-@pytest.mark.parametrize("script", ["train.sbatch", "torchrun.sbatch", "search.sbatch"])
-def test_a_python_that_is_not_there_stops_the_script_in_one_line_before_srun(tmp_path, script):
-    """No cluster needed: the script under bash, as Slurm runs it, with a stand-in srun that records being called."""
-    bin_dir, called = tmp_path / "bin", tmp_path / "srun-was-called"
-    bin_dir.mkdir()
-    (bin_dir / "srun").write_text(f"#!/bin/sh\ntouch {called}\n")
-    (bin_dir / "srun").chmod(0o755)
+def run_batch_script(tmp_path: Path, script: str, **env: str) -> tuple[subprocess.CompletedProcess, Path]:
+    """``slurm/SCRIPT`` under bash, as Slurm runs it from the project's folder (no cluster needed), with stand-ins for
+    srun, scontrol and the project's python; srun and python record their arguments in the file returned (absent:
+    neither was called)."""
+    bin_dir, said = tmp_path / "bin", tmp_path / "arguments"
+    if not bin_dir.exists():
+        bin_dir.mkdir()
+        for tool, does in (
+            ("srun", f'echo "$@" >> {said}'),
+            ("python", f'echo "$@" >> {said}'),
+            ("scontrol", "echo localhost"),
+        ):
+            (bin_dir / tool).write_text(f"#!/bin/sh\n{does}\n")
+            (bin_dir / tool).chmod(0o755)
+    said.unlink(missing_ok=True)
     env = {
         "PATH": f"{bin_dir}:/usr/bin:/bin",
-        "PYTHON": "/nonexistent/python",
+        "PYTHON": str(bin_dir / "python"),
         "SLURM_SUBMIT_DIR": str(ROOT),
         "SLURM_JOB_ID": "4242",
         "SLURM_JOB_NUM_NODES": "1",
         "SLURM_JOB_NODELIST": "localhost",
-        "SLURM_NTASKS_PER_NODE": "2",
-        "SLURM_CPUS_PER_TASK": "8",
+        "SLURM_NTASKS_PER_NODE": "1",
+        **env,
     }
     result = subprocess.run(["bash", str(ROOT / "slurm" / script)], env=env, capture_output=True, text=True, timeout=60)
+    return result, said
+
+
+@pytest.mark.parametrize("script", ["train.sbatch", "torchrun.sbatch", "search.sbatch"])
+def test_a_python_that_is_not_there_stops_the_script_in_one_line_before_srun(tmp_path, script):
+    result, said = run_batch_script(
+        tmp_path, script, PYTHON="/nonexistent/python", SLURM_NTASKS_PER_NODE="2", SLURM_CPUS_PER_TASK="8"
+    )
     assert result.returncode == 2 and result.stdout == "", result.stdout + result.stderr
     assert result.stderr.splitlines() == [
         f"error: PYTHON=/nonexistent/python is not an executable here ({ROOT}): run make install in {ROOT}, or pass "
         "--export=ALL,PYTHON=/path/to/python"
     ]
-    assert not called.exists()
+    assert not said.exists()  # srun was not called
 
 
 @pytest.mark.parametrize(
@@ -381,32 +397,12 @@ def test_a_python_that_is_not_there_stops_the_script_in_one_line_before_srun(tmp
 def test_a_job_given_an_earlier_jobs_id_moves_that_jobs_dir_aside_and_a_requeue_keeps_its_own(tmp_path, script, folder):
     """A controller whose state was reset gives job ids again: the new job's default dir (outputs/slurm/<id>) held
     the earlier job's checkpoints or study, and ckpt_path=auto went on from them. Slurm says a restart in
-    SLURM_RESTART_COUNT (unset in a job's first run, 1 after a requeue: seen on the test cluster). The script under
-    bash, with stand-ins for srun, scontrol and the python they start, which record their arguments."""
-    bin_dir, said = tmp_path / "bin", tmp_path / "arguments"
-    bin_dir.mkdir()
-    for tool in ("srun", "python"):
-        (bin_dir / tool).write_text(f'#!/bin/sh\necho "$@" >> {said}\n')
-        (bin_dir / tool).chmod(0o755)
-    (bin_dir / "scontrol").write_text("#!/bin/sh\necho localhost\n")
-    (bin_dir / "scontrol").chmod(0o755)
+    SLURM_RESTART_COUNT (unset in a job's first run, 1 after a requeue: seen on the test cluster)."""
     job = f"9{os.getpid()}"
     mine = ROOT / "outputs" / "slurm" / f"{folder}{job}"
-    env = {
-        "PATH": f"{bin_dir}:/usr/bin:/bin",
-        "PYTHON": str(bin_dir / "python"),
-        "SLURM_SUBMIT_DIR": str(ROOT),
-        "SLURM_JOB_ID": job,
-        "SLURM_JOB_NUM_NODES": "1",
-        "SLURM_JOB_NODELIST": "localhost",
-        "SLURM_NTASKS_PER_NODE": "1",
-    }
 
     def run(**more: str) -> subprocess.CompletedProcess:
-        said.unlink(missing_ok=True)
-        result = subprocess.run(
-            ["bash", str(ROOT / "slurm" / script)], env={**env, **more}, capture_output=True, text=True, timeout=60
-        )
+        result, said = run_batch_script(tmp_path, script, SLURM_JOB_ID=job, **more)
         assert result.returncode == 0, result.stdout + result.stderr
         key = "hydra.sweep.dir" if folder else "hydra.run.dir"
         assert f"{key}=outputs/slurm/{folder}{job}" in said.read_text().split(), said.read_text()
