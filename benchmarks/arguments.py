@@ -4,7 +4,7 @@ before any work (before: a count of 0 or a word ran into a traceback, or a hang,
 from __future__ import annotations
 
 import argparse
-from typing import Callable
+from typing import Callable, Sequence
 
 
 def number(least: float, kind: type = int) -> Callable[[str], float]:
@@ -32,5 +32,17 @@ def numbers(least: float, kind: type = int) -> Callable[[str], str]:
         if not values:
             raise argparse.ArgumentTypeError("give at least one value")
         return text
+
+    return parse
+
+
+def names(allowed: Sequence[str]) -> Callable[[str], list[str]]:
+    """A type for a comma-separated list of some of ``allowed`` (``by-hand,torchrun``), as a list."""
+
+    def parse(text: str) -> list[str]:
+        chosen = [name.strip() for name in text.split(",") if name.strip()]
+        if not chosen or any(name not in allowed for name in chosen):
+            raise argparse.ArgumentTypeError(f"{text!r}: name {', '.join(allowed)} or several, comma-separated")
+        return chosen
 
     return parse

@@ -5,8 +5,8 @@ the run.
 The project's own function runs here, not a copy: rank 0's call in this process, which hosts one real ``TCPStore``
 as rank 0 does in a run; every other rank's call on a thread of its own, in a few processes (each process's few
 connections are made first, as the rendezvous makes a rank's, and are not timed: a run's rank has a connection of
-its own, but a connection more than some hundred in a few seconds waited here for the client's timeout, and the
-connects are the rendezvous's, not the agreement's). Every rank's recipe is 2.2 KB of JSON, about the default
+its own, but every 25th connection in a few seconds waited 5 s on the machine measured, and the connects are the
+rendezvous's, not the agreement's). Every rank's recipe is 2.2 KB of JSON, about the default
 config's 2.1. What is counted is each call's requests to the store (a proxy counts them), and what is timed is rank
 0's call: from the moment every other rank may start to its return. ``--differ`` repeats the largest size with the
 last node counting one device more: how long until rank 0 and that node stop, with the line they stop with.
@@ -39,18 +39,9 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from benchmarks.arguments import number, numbers  # noqa: E402 - after the path above
+from benchmarks.arguments import names, number, numbers  # noqa: E402 - after the path above
 
 LAUNCHES = ("by-hand", "torchrun")
-
-
-def launches(text: str) -> list[str]:
-    """``--launch``: by-hand, torchrun, or both."""
-    chosen = [name.strip() for name in text.split(",") if name.strip()]
-    wrong = [name for name in chosen if name not in LAUNCHES]
-    if wrong or not chosen:
-        raise argparse.ArgumentTypeError(f"{text!r}: name by-hand, torchrun or both, comma-separated")
-    return chosen
 
 
 # a recipe of 42 keys, 2.2 KB of JSON: about the default config's 2.1 KB (src/distributed/strategy.py's
@@ -254,7 +245,7 @@ def main() -> None:
     parser.add_argument("--differ", action="store_true", help="also: the last node counts one device more")
     parser.add_argument(
         "--launch",
-        type=launches,
+        type=names(LAUNCHES),
         default="by-hand",
         help="by-hand, torchrun (each rank learns its attempt's prefix first), or both, comma-separated",
     )

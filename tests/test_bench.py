@@ -137,9 +137,10 @@ def test_the_benchmarks_numbers_out_of_range_are_argparses_one_line_before_any_w
     go through these types (benchmarks/arguments.py)."""
     import argparse
 
-    from benchmarks.arguments import number, numbers
+    from benchmarks.arguments import names, number, numbers
 
     assert number(1)("3") == 3 and number(0, float)("0.5") == 0.5 and numbers(2)("16, 64") == "16, 64"
+    assert names(("by-hand", "torchrun"))("torchrun, by-hand") == ["torchrun", "by-hand"]
     for parse, text, words in [
         (number(1), "0", "0 must be a whole number >= 1"),
         (number(1), "2.5", "2.5 is not a whole number"),
@@ -147,6 +148,8 @@ def test_the_benchmarks_numbers_out_of_range_are_argparses_one_line_before_any_w
         (number(0, float), "nan", "nan must be a number >= 0"),
         (numbers(2), "16,0", "0 must be a whole number >= 2"),
         (numbers(2), ",", "give at least one value"),
+        (names(("by-hand", "torchrun")), "by-hand,srun", "'by-hand,srun': name by-hand, torchrun or several"),
+        (names(("by-hand", "torchrun")), ",", "',': name by-hand, torchrun or several"),
     ]:
         with pytest.raises(argparse.ArgumentTypeError, match=words):
             parse(text)
