@@ -113,7 +113,7 @@ def ranks_main(
         devices = per_node + 1 if node == odd_node else per_node
         store = stores[rank]
         if under_torchrun:
-            prefix = handshake(store, rank, nodes * per_node, timeout)
+            prefix = handshake(store, rank, timeout)
             store = prefixed[rank] = Counted(dist.PrefixStore(prefix + "pg/", store.store))
         try:
             agree_on_world(store, rank, node, nodes, devices, timeout, RECIPE)
@@ -142,11 +142,9 @@ def earlier_attempts(port: int, world: int, attempts: int, connections: int) -> 
     shared, answering = [connect() for _ in range(connections)], connect()
     for _ in range(attempts):
         formed = threading.Event()
-        torchrun.handshake(shared[0], 0, world, timedelta(seconds=60), answering=answering, formed=formed)
+        torchrun.handshake(shared[0], 0, timedelta(seconds=60), answering=answering, formed=formed)
         threads = [
-            threading.Thread(
-                target=torchrun.handshake, args=(shared[rank % len(shared)], rank, world, timedelta(seconds=60))
-            )
+            threading.Thread(target=torchrun.handshake, args=(shared[rank % len(shared)], rank, timedelta(seconds=60)))
             for rank in range(1, world)
         ]
         for thread in threads:
@@ -200,7 +198,7 @@ def measure(
     try:
         store = rank0
         if under_torchrun:
-            prefix = handshake(rank0, 0, world, timeout, answering=answering, formed=formed)
+            prefix = handshake(rank0, 0, timeout, answering=answering, formed=formed)
             store = Counted(dist.PrefixStore(prefix + "pg/", rank0.store))
         agree_on_world(store, 0, 0, nodes, per_node, timeout, RECIPE)
     except UserError as err:

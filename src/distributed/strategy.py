@@ -236,7 +236,7 @@ class HydraDDPStrategy(DDPStrategy):
         every node has the same recipe; False where the agent's store is not at hand, and the group forms as
         elsewhere."""
         self.set_world_ranks()
-        store = torchrun.attempt_store(self.global_rank, self.world_size, self._timeout)
+        store = torchrun.attempt_store(self.global_rank, self._timeout)
         if store is None:
             return False
         # torchrun's agents agree on the counts (src/launch/torchrun.py's launched_shape), not on the command line

@@ -278,7 +278,7 @@ def attempt_prefix() -> str:
     return _PREFIX or f"cifar10_ddp/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
 
 
-def attempt_store(rank: int, world_size: int, timeout: timedelta) -> Any:
+def attempt_store(rank: int, timeout: timedelta) -> Any:
     """The store this attempt's process group forms on: the agent's store under a prefix of this attempt's own.
 
     torch 2.14's env:// rendezvous hands every worker the agent's store as it is ("we create a new TCPStore for
@@ -300,14 +300,13 @@ def attempt_store(rank: int, world_size: int, timeout: timedelta) -> Any:
 
     store = connect()
     # rank 0 answers on a connection of its own, from a thread
-    _PREFIX = handshake(store, rank, world_size, timeout, answering=connect() if rank == 0 else None)
+    _PREFIX = handshake(store, rank, timeout, answering=connect() if rank == 0 else None)
     return dist.PrefixStore(_PREFIX + "pg/", store)
 
 
 def handshake(
     store: Any,
     rank: int,
-    world_size: int,
     timeout: timedelta,
     answering: Any = None,
     formed: threading.Event | None = None,
