@@ -201,8 +201,8 @@ def test_two_workers_train_one_world_with_the_launchers_counts_and_a_restart_res
         for path in Path(os.environ["TMPDIR"]).glob(f"torchelastic_*/{run_id}_*/attempt_0/*/error.json")
     ]
     # one line, which the agent's error file holds too; or none, where the agent's SIGTERM (it polls its workers every
-    # 0.1 s) reached rank 0 before rank 0 had said the broken group (seen once in about a dozen runs, before this
-    # test's code changed too): then torchrun's own report names the killed worker
+    # 0.1 s) reached rank 0 before rank 0 had said the broken group (about one run in a dozen, with the code before
+    # as well): then torchrun's own report names the killed worker
     assert len(said) <= 1 and told == said, (said, told, out[-3000:])
     assert said or re.search(rf"failed \(exitcode: -9\) local_rank: 1 \(pid: {victim}\)", out), out[-3000:]
     assert sorted(p.name for p in run_dir.glob("*.log")) == ["train.log", "train_rank1.log"]
