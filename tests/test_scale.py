@@ -125,6 +125,8 @@ def test_a_dry_run_of_2048_ranks_on_this_cpu_gives_rank_zeros_and_the_last_ranks
         "trainer.devices=8",
         "data.batch_size=16",
         f"hydra.run.dir={tmp_path}",
+        # mpi4py installed and no MPI library (a workstation's): the dry run's Trainer must not import mpi4py's MPI
+        env={"MPI4PY_LIBMPI": str(tmp_path / "no-libmpi.so")},
     )
     out = output(result)
     assert result.returncode == 0, out[-3000:]

@@ -158,10 +158,13 @@ def check_trainer(cfg: DictConfig) -> None:
     """What every rank's Trainer and callbacks refuse as they are built (a ``trainer.*`` value Lightning rejects, such
     as ``limit_train_batches=-3``; a checkpoint cadence): they are built here too, for one CPU process that runs
     nothing, so the dry run's verdict says it as a real run would. What they would print or warn about this machine
-    (no GPU here) is not the cluster's, and stays unsaid."""
+    (no GPU here) is not the cluster's, and stays unsaid. Its cluster environment is given, as build_trainer's is:
+    Lightning's own search ends in MPIEnvironment.detect(), which imports mpi4py's MPI (MPI_Init in this process, or
+    a RuntimeError where mpi4py is installed and no MPI library is)."""
     import warnings
 
     from hydra.utils import instantiate
+    from lightning.fabric.plugins.environments import LightningEnvironment
 
     callbacks = [instantiate(c) for c in (cfg.get("callbacks") or {}).values() if c is not None]
     precision = cfg.trainer.precision
@@ -179,6 +182,7 @@ def check_trainer(cfg: DictConfig) -> None:
                 benchmark=False,
                 logger=False,
                 callbacks=callbacks,
+                plugins=[LightningEnvironment()],
             )
     finally:
         logging.disable(logging.NOTSET)
