@@ -79,7 +79,7 @@ def uninterrupted(s3_store, store, tmp_path_factory):
     return url, run_dir, result
 
 
-def test_a_ddp_run_writes_its_checkpoints_to_the_store_and_no_secret_anywhere(uninterrupted, store):
+def test_a_ddp_run_writes_its_checkpoints_to_the_store_and_no_secret_anywhere(uninterrupted, store, s3_store, tmp_path):
     url, run_dir, result = uninterrupted
     names = store.names(url)
     assert names[1:] == ["last.ckpt", "last.prev.ckpt"] and names[0].startswith("best-epoch001-"), names
@@ -92,6 +92,21 @@ def test_a_ddp_run_writes_its_checkpoints_to_the_store_and_no_secret_anywhere(un
     written = [p for p in run_dir.rglob("*") if p.is_file()]
     assert not [p for p in written if SECRET.encode() in p.read_bytes()]
     assert SECRET not in output(result)
+
+    # a new training pointed at the same prefix (a command run again with another run dir) would overwrite them
+    def versions():
+        store.fs.invalidate_cache()
+        return {name: store.fs.info(f"{url}/{name}".split("://")[1]).get("LastModified") for name in names}
+
+    written = versions()
+    again = train(*SHORT, *DDP, NEWEST, f"paths.checkpoints={url}", f"hydra.run.dir={tmp_path}/run", env=s3_store.env)
+    assert again.returncode == 2 and again.stderr.splitlines()[-1] == (
+        f"error: paths.checkpoints={url} holds an earlier run's checkpoints (last.ckpt, last.prev.ckpt, {names[0]}), "
+        f"which a new run would overwrite: to go on with that run, pass ckpt_path=last; to train anew, pass another "
+        f"paths.checkpoints (or remove {url} first)"
+    ), output(again)[-3000:]
+    assert versions() == written and None not in written.values()
+    assert not (tmp_path / "run").exists()  # the refused run took back the dir it made
 
 
 def test_a_ddp_run_sigkilled_mid_epoch_resumes_from_the_store_to_the_uninterrupted_weights(

@@ -62,6 +62,18 @@ def test_a_second_run_in_a_held_run_dir_is_refused_at_once_naming_the_dir_host_a
     assert "error" not in (run_dir / "train.log").read_text().lower()
     assert (run_dir / "throughput.json").is_file() and (run_dir / "checkpoints" / "last.ckpt").is_file()
 
+    # the same command again once that run has ended: a new training there would overwrite its checkpoints (and
+    # draw its curves over that run's), so it is refused before Hydra or the run writes anything
+    before = {p: p.stat().st_mtime_ns for p in run_dir.rglob("*") if p.name != ".lock"}  # held a moment, to look
+    again = train(*FAST, "strategy=ddp", "trainer.devices=2", f"seed={loser}", f"hydra.run.dir={run_dir}")
+    best = next(p.name for p in (run_dir / "checkpoints").iterdir() if p.name.startswith("best-"))
+    assert again.returncode == 2 and [line for line in again.stderr.splitlines() if line.startswith("error:")] == [
+        f"error: hydra.run.dir={run_dir} holds an earlier run's checkpoints (last.ckpt, {best}), which a new run "
+        "would overwrite: to go on with that run, pass ckpt_path=last; to train anew, pass another "
+        f"hydra.run.dir=DIR (or remove {run_dir / 'checkpoints'} first)"
+    ], output(again)[-3000:]
+    assert {p: p.stat().st_mtime_ns for p in run_dir.rglob("*") if p.name != ".lock"} == before
+
 
 HOLD = """
 import sys, time
