@@ -24,6 +24,7 @@ between seeds of one variant is the noise a difference between variants has to b
 from __future__ import annotations
 
 import argparse
+import shutil
 import subprocess
 import sys
 import time
@@ -90,6 +91,7 @@ def main() -> int:
     for seed in seeds:  # variants alternate within a seed, so a slow hour of the machine hits both alike
         for name, recipe in COMPARISONS[args.compare].items():
             run_dir = args.out / args.compare / f"{name}-seed{seed}"
+            shutil.rmtree(run_dir, ignore_errors=True)  # this comparison's own run of an earlier call: trained anew
             command = [
                 sys.executable,
                 "-m",

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -37,6 +38,7 @@ VARIANTS = {
 
 def measure(args: argparse.Namespace, variant: str, out: Path) -> dict:
     run_dir = out / variant
+    shutil.rmtree(run_dir, ignore_errors=True)  # this benchmark's own run of an earlier call: trained anew
     steps = args.warmup + args.steps + 1  # the epoch's first step is never timed
     command = [
         sys.executable,
