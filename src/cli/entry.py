@@ -19,7 +19,7 @@ import sys
 import threading
 from typing import Any, Callable, NoReturn
 
-from src.checkpoints import object_store
+from src.checkpoints import earlier_run, object_store
 from src.core.errors import (
     EXIT_FAILED,
     EXIT_USER_ERROR,
@@ -204,6 +204,8 @@ def check_extras(cfg: Any) -> None:
         require("s3fs", "s3", f"paths.checkpoints={checkpoints}")
         if ranks.is_launch_rank_zero():
             object_store.check_store(str(checkpoints), write=cfg.get("task_name") == "train")
+            if earlier_run.starts_anew(cfg):  # a prefix another run wrote (a local folder: EarlierRunCheck's)
+                earlier_run.refuse_earlier_run(str(checkpoints), str(cfg.paths.output_dir))
     if ranks.is_launch_rank_zero():  # only rank zero logs: only its way to the servers matters
         servers.check_servers(loggers)
 
