@@ -90,6 +90,40 @@ def test_the_store_hosts_silence_says_where_rank_0_last_was_even_where_this_rank
     assert "(last seen at step 5 of epoch 0, as its node last reported): it cannot run" in silent_store_line(other_node)
 
 
+def test_the_judge_forgets_where_a_rank_was_still_once_its_node_says_it_moved(tmp_path):
+    """A node that said its rank was still (on a loaded machine, a start slower than ``detail_after_s``: `at step 0 of
+    epoch 0, starting`) and then that it moved: the judge kept that first place, and when the node then stopped
+    whole, the line put the rank at step 0, starting, where it had trained on (seen on a 2-core AVX2 EPYC at its
+    slower pace, in the real test below). The judge in-process, against torch's in-memory store."""
+    from torch.distributed import HashStore
+
+    from src.resilience.node_board import NodeBoard
+    from src.resilience.supervision import HangWatch
+
+    class Ended(Exception):
+        pass
+
+    def end(line: str, code: int, **kwargs) -> None:
+        raise Ended(line)
+
+    store = HashStore()
+    judge = HangWatch(0, 0, 0, 2, HANG_S, None, NodeBoard("t", 0, 0, 1, 3.0, tmp_path / "node0"), 2)
+    judge.end = end
+    waiting = [5, 11, 1, 0.1, 5, 0]  # rank 0: [place, activity, waiting, age, step, epoch], in the all-reduce
+    rank_1 = {  # rank 1, as its node said it at each second
+        0: [0, 1, 0, 0.1, 0, 0, "at step 0 of epoch 0, starting"],
+        1: [5, 12, 0, 0.1, 5, 0],  # moved: a training step at step 5, then its node stops whole (SIGSTOP)
+    }
+    with pytest.raises(Ended) as ended:
+        for now in range(30):
+            store.set(f"{judge._prefix}node0", json.dumps({"pulse": now, "by": 0, "ranks": {"0": waiting}}))
+            if now in rank_1:
+                store.set(f"{judge._prefix}node1", json.dumps({"pulse": now, "by": 1, "ranks": {"1": rank_1[now]}}))
+            judge._judge(store, float(now))
+    assert "made no progress for " in str(ended.value)
+    assert " s at step 5 of epoch 0, as its node last reported, while rank 0 waited for it" in str(ended.value)
+
+
 def test_a_stopped_one_process_node_is_named_at_the_step_it_last_reported(tmp_path):
     # one rank per node (one GPU a node, or a whole host frozen): the stopped rank is its node's reporter too, so its
     # node never sends where it stopped; the line gives the step its node last reported

@@ -696,9 +696,9 @@ class HangWatch:
             seen = self._seen.get(rank)
             if seen is None:
                 seen = self._seen[rank] = {"moved": now}
-            else:
-                if record["activity"] != seen["record"]["activity"]:
-                    seen["moved"] = now
+            elif record["activity"] != seen["record"]["activity"]:
+                seen["moved"] = now  # it moved: where it was still, its node said before, is no longer where it is
+            else:  # still: the place its node said once keeps (a node stopped whole sends none again)
                 record["where"] = record["where"] or seen["record"]["where"]
             seen["record"] = record
         if now - max(s["moved"] for s in self._seen.values()) < self.timeout_s:
