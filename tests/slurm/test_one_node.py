@@ -46,39 +46,25 @@ def step_cpus(cluster, job: str, timeout: float = 240) -> int:
     raise AssertionError(f"step {job}.0 was not seen running:\n{cluster.log(job)}")
 
 
-def test_one_node_two_tasks_train_one_world_of_two_into_the_jobs_run_dir(cluster):
-    # SLURM_EXACT=1: the step holds only the CPUs srun asks for per task, as clusters that bind each task to its cores
-    # do (this one binds none, so the tasks' affinity could not tell)
-    job = cluster.sbatch(
-        "--nodes=1", "--ntasks-per-node=2", *CPU, "--export=ALL,SLURM_EXACT=1", "slurm/train.sbatch", *RUN
-    )
-    assert step_cpus(cluster, job) == 2 * 8  # the script's --cpus-per-task=8 for each task (Slurm >= 22.05: else 1)
-    info = cluster.wait(job)
-    assert info["JobState"] == "COMPLETED", cluster.log(job)
-    record = json.loads((run_dir(job) / "throughput.json").read_text())
-    assert record["world_size"] == 2 and len(set(record["pids"])) == 2
-    assert [p.relative_to(run_dir(job)) for p in run_dir(job).rglob("last.ckpt")] == [Path("checkpoints/last.ckpt")]
-    assert "world size 2 | strategy ddp | backend gloo" in cluster.log(job)
-    assert (run_dir(job) / "config.yaml").is_file() and (run_dir(job) / "tensorboard").is_dir()
-
-
-def test_sigusr1_requeues_and_the_restart_resumes_from_the_object_store_to_exactly_the_requested_epochs(
+def test_two_tasks_train_one_world_and_sigusr1_requeues_and_the_restart_resumes_from_the_object_store(
     cluster, tmp_path, s3_store
 ):
-    """The checkpoints in the S3 server (paths.checkpoints=s3://..., its variables exported to the job): the requeued
-    job resumes from there as from a folder."""
+    """slurm/train.sbatch on one node, 2 tasks: one world of two in the job's run dir, with the CPUs the script asks
+    for each task. The checkpoints in the S3 server (paths.checkpoints=s3://..., its variables exported to the job):
+    SIGUSR1 requeues the job, and the restart resumes from there as from a folder, to exactly the epochs asked for."""
     from tests.test_object_store import Store
 
     steps = 10  # 96 synthetic images, 10% held out, batches of 4 on each of 2 ranks
     mlflow = f"sqlite:///{tmp_path}/mlflow.db"  # the requeued run logs on into the MLflow run it began
     store, url = Store(s3_store), s3_store.url(f"requeue-{tmp_path.name}")
     # rank 0, which writes the logs, ends 2 s after rank 1 (tests/faults.py; within KillWait, 5 s here): srun must not
-    # kill it in between
+    # kill it in between. SLURM_EXACT=1: the step holds only the CPUs srun asks for per task, as clusters that bind
+    # each task to its cores do (this one binds none, so the tasks' affinity could not tell)
     job = cluster.sbatch(
         "--nodes=1",
         "--ntasks-per-node=2",
         *CPU,
-        "--export=ALL," + ",".join(f"{k}={v}" for k, v in s3_store.env.items()),
+        "--export=ALL,SLURM_EXACT=1," + ",".join(f"{k}={v}" for k, v in s3_store.env.items()),
         "slurm/train.sbatch",
         *RUN,
         f"paths.checkpoints={url}",
@@ -90,6 +76,7 @@ def test_sigusr1_requeues_and_the_restart_resumes_from_the_object_store_to_exact
         "+callbacks.slow_end._target_=tests.faults.SlowEnd",
         "+callbacks.slow_end.seconds=2",
     )
+    assert step_cpus(cluster, job) == 2 * 8  # the script's --cpus-per-task=8 for each task (Slurm >= 22.05: else 1)
     last = f"{url}/last.ckpt"
     deadline = time.monotonic() + 240
     while not store.exists(last) and time.monotonic() < deadline:  # epoch 0 is done: signal in the middle of epoch 1
@@ -102,6 +89,10 @@ def test_sigusr1_requeues_and_the_restart_resumes_from_the_object_store_to_exact
     assert int(info["Restarts"]) == 1, info
     assert "SIGUSR1: requeued Slurm job" in log and "(restart 1)" in log
     assert f"Restoring states from the checkpoint path at {last}" in log
+    assert log.count("world size 2 | strategy ddp | backend gloo") == 2, log  # the start and the restart
+    record = json.loads((run_dir(job) / "throughput.json").read_text())
+    assert record["world_size"] == 2 and len(set(record["pids"])) == 2
+    assert (run_dir(job) / "config.yaml").is_file() and (run_dir(job) / "tensorboard").is_dir()
     final = store.load(last)
     assert not (run_dir(job) / "checkpoints").exists()
     assert final["epoch"] == 3 and final["global_step"] == 4 * steps  # no epoch lost, none repeated
@@ -155,9 +146,10 @@ def test_srun_in_an_interactive_allocation_binding_a_core_each_trains_one_world_
     assert "srun` command is available on your system but is not used" not in log  # Lightning's, there
     # one dir for the run, named after its step, whatever the clock said as each task started
     assert [p.name for p in (tmp_path / "runs").iterdir()] == [f"slurm-{job}.0"]
-    assert {"train.log", "train_rank1.log", "checkpoints"} <= {
-        p.name for p in (tmp_path / "runs" / f"slurm-{job}.0").iterdir()
-    }
+    run = tmp_path / "runs" / f"slurm-{job}.0"
+    assert {"train.log", "train_rank1.log", "checkpoints"} <= {p.name for p in run.iterdir()}
+    # one checkpoint folder for the job, rank zero's: not one a task
+    assert [p.relative_to(run) for p in run.rglob("last.ckpt")] == [Path("checkpoints/last.ckpt")]
 
 
 def test_an_allocation_that_does_not_match_the_config_fails_fast_with_what_to_change(cluster):
