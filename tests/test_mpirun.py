@@ -85,10 +85,20 @@ def test_mpiruns_ranks_train_one_world_and_a_failing_rank_stops_the_other_with_o
     ]
     assert "Traceback" not in out
 
-    # a mistake in the config, before MPI is initialised: local rank 0 says it, once (before: every rank)
-    result = run_mpirun(mpirun, *FAST, "strategy=ddp", "trainer.devices=2", "trainer.max_epochs=0")
+    # a mistake in the config, before MPI is initialised: local rank 0 says it, once (before: every rank). The
+    # default dir's form, under a folder of the test's own, and rank 0 started 1.2 s late: rank 1 makes the run dir
+    # and its parents, rank 0 finds the run dir there and takes back only it, and rank 1, quiet until rank 0 has
+    # ended (or mpirun stops it), takes back the parents it made (before: they stayed, empty)
+    late0 = tmp_path / "python0"
+    late0.write_text(f'#!/bin/sh\n[ "$OMPI_COMM_WORLD_RANK" = 0 ] && sleep 1.2\nexec {sys.executable} "$@"\n')
+    late0.chmod(0o755)
+    default = f"hydra.run.dir={tmp_path}/default/${{now:%Y-%m-%d}}/${{now:%H-%M-%S}}"
+    result = run_mpirun(
+        mpirun, *FAST, "strategy=ddp", "trainer.devices=2", "trainer.max_epochs=0", default, python=str(late0)
+    )
     out = result.stdout + result.stderr
     assert result.returncode == 2, out[-3000:]
+    assert not (tmp_path / "default").exists(), sorted(map(str, (tmp_path / "default").rglob("*")))
     assert error_lines(out) == [
         "error: trainer.max_epochs=0 must be a whole number >= 1: the epochs to train (Lightning's -1, 'forever', "
         "would leave the learning-rate schedule without an end)"
@@ -106,9 +116,14 @@ def test_mpiruns_ranks_train_one_world_and_a_failing_rank_stops_the_other_with_o
 
     # the world's count right, each node's wrong: 2 ranks on this one node, trainer.devices=1 trainer.num_nodes=2
     # (before: an IndexError and a traceback in rank 1, rank 0 waiting for it)
-    result = run_mpirun(mpirun, *FAST, "strategy=ddp", "trainer.devices=1", "trainer.num_nodes=2")
+    # once MPI is initialised each rank says it: rank 1 waits for rank 0 to take the run dir back, then takes back
+    # the parents it made
+    result = run_mpirun(
+        mpirun, *FAST, "strategy=ddp", "trainer.devices=1", "trainer.num_nodes=2", default, python=str(late0)
+    )
     out = result.stdout + result.stderr
     assert result.returncode == 2, out[-3000:]
+    assert not (tmp_path / "default").exists(), sorted(map(str, (tmp_path / "default").rglob("*")))
     assert set(error_lines(out)) == {
         "error: mpirun started 2 of its 2 processes on this node, but trainer.devices=1: Lightning runs "
         "trainer.devices ranks on every node: place 1 a node (mpirun --map-by ppr:1:node), or make trainer.devices "

@@ -38,6 +38,7 @@ from src.launch.ranks import drop_empty_run_log, is_launch_rank_zero, launch_nam
 log = logging.getLogger(__name__)
 
 LOCK_FILE = ".lock"
+TAKE_BACK_WAIT_S = 5.0  # how long a refused rank waits for the run's first to take back the run dir it shares
 _held: list[int] = []  # open for the life of the process: closing the file would drop the lock
 _made: list[Path] = []  # the folders hold() made for this run, its run dir first, then the parents it made
 _found_missing: list[Path] = []  # another rank's: the run dir and parents that were not there as it started
@@ -154,8 +155,8 @@ def forget_refused_run() -> None:
     checkpoint, a file of the user's, anything else keeps it, and so does a dir that was there before the run. The
     run's other ranks, refused too, remove their own logs while empty."""
     if not _made:
-        if not is_launch_rank_zero():  # another rank of the run: its own log, while empty
-            drop_empty_run_log()
+        if not is_launch_rank_zero():  # another rank of the run: its own log, and the folders it made, while empty
+            leave_refused_run(wait_s=TAKE_BACK_WAIT_S)
         return
     run_dir, parents = _made[0], _made[1:]
     _made.clear()
@@ -171,28 +172,38 @@ def forget_refused_run() -> None:
         # the lock file last: until it goes, a run pointed here is refused, and one that comes after finds the dir
         # empty of this run's files (its own lock then keeps the dir)
         for entry in sorted(entries, key=lambda e: e.name == LOCK_FILE):
-            (os.rmdir if entry.name == ".hydra" else os.unlink)(entry.path)
-        run_dir.rmdir()
-        for folder in parents:  # only while empty: a run started since may have made its own dir there
-            folder.rmdir()
-    except OSError:  # removed meanwhile, or something new in it: what is left stays
+            with contextlib.suppress(FileNotFoundError):  # a rank's empty log, which that rank removed meanwhile
+                (os.rmdir if entry.name == ".hydra" else os.unlink)(entry.path)
+        for folder in (run_dir, *parents):  # only while empty: a run started since may have made its own dir there
+            with contextlib.suppress(FileNotFoundError):  # taken back by another rank of the run, refused too
+                folder.rmdir()
+    except OSError:  # something new in it: what is left stays
         return
 
 
-def leave_refused_run() -> None:
-    """What a torchrun worker other than the run's first takes back as the agent stops it, refused, once the first
-    has ended (src/launch/torchrun.py): its log while empty, and the folders that were not there as it started, while
-    empty: the run dir and its parents, where this worker made them (before the first, or again after the first
-    took them back). Only then: where the others may still be starting (srun's tasks, another node's workers), a
-    folder taken from under a starting process would fail its log."""
+def leave_refused_run(wait_s: float = 0.0) -> None:
+    """What a rank other than the run's first takes back as it ends refused: its log while empty, and the folders
+    that were not there as it started, while empty: the run dir and its parents, where this rank made them (before
+    the first, or again after the first took them back: under mpirun or srun a rank that starts a second late finds
+    the dir gone and makes it again). A torchrun worker, a quiet srun task or mpirun rank does it once the first
+    has ended (src/launch/torchrun.py, ``before_error_line`` in src/launch/ranks.py); a rank that says its own line
+    (mpirun's, once MPI is initialised: the first ends only after it) waits up to ``wait_s`` for the first to take
+    back its files in the run dir, then takes back the parents it made, which the first, started after it, did not
+    know it made. Only folders this rank made, and only while empty: one another run or rank still uses stays."""
     drop_empty_run_log()
-    for folder in _found_missing:  # deepest first
-        try:
-            folder.rmdir()
-        except FileNotFoundError:  # taken back by the first
-            continue
-        except OSError:  # not empty: the first's files, another worker's log, another run's dir
-            return
+    deadline = time.monotonic() + wait_s
+    for i, folder in enumerate(_found_missing):  # deepest first
+        while True:
+            try:
+                folder.rmdir()
+            except FileNotFoundError:  # taken back by the first
+                break
+            except OSError:  # not empty: the first's files, another rank's log, another run's dir
+                if i > 0 or time.monotonic() >= deadline:
+                    return
+                time.sleep(0.02)  # the run dir: the first, refused too, is taking its files back
+                continue
+            break
 
 
 def _start_file(entry: os.DirEntry, logs: set[str]) -> bool:

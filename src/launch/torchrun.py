@@ -43,7 +43,9 @@ log = logging.getLogger(__name__)
 RUN_ID = "TORCHELASTIC_RUN_ID"
 ERROR_FILE = "TORCHELASTIC_ERROR_FILE"  # where the agent reads why a worker failed, for its failure report
 QUIET_S = 30.0  # how long a worker other than local rank 0 leaves a mistake's line to it (before_error_line)
-QUIET_END: list[Callable[[], None]] = []  # what a quiet worker takes back as it ends: src/launch/run_dir.py's
+# what a quiet rank (torchrun's worker, srun's task, mpirun's rank) takes back as it ends: src/launch/run_dir.py's
+# leave_refused_run
+QUIET_END: list[Callable[[], None]] = []
 
 
 def active() -> bool:
