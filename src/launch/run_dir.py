@@ -153,7 +153,8 @@ def forget_refused_run() -> None:
     config, the resolved ``config.yaml``, a sweep's ``multirun.yaml``, the lock file, this process's log, whose lines
     the console showed too, and the other ranks' logs while empty) goes: a job's dir, a log with lines in it, a
     checkpoint, a file of the user's, anything else keeps it, and so does a dir that was there before the run. The
-    run's other ranks, refused too, remove their own logs while empty."""
+    run's other ranks, refused too, remove their own logs while empty, and the folders they made
+    (``leave_refused_run``)."""
     if not _made:
         if not is_launch_rank_zero():  # another rank of the run: its own log, and the folders it made, while empty
             leave_refused_run(wait_s=TAKE_BACK_WAIT_S)
