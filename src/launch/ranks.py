@@ -21,7 +21,7 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any, NoReturn
+from typing import Any
 
 from src.core.errors import BEFORE_REPORT, EXIT_USER_ERROR, UserError
 from src.launch import torchrun
@@ -406,22 +406,13 @@ def before_error_line(line: str, code: int) -> None:
     if first is None and not _started_by_launcher(LAUNCHER_PROCESSES[found[0]]):
         return
     # the launcher's stop (mpirun stops the others once local rank 0 has ended so), or Ctrl-C, ends it the same way
-    with torchrun.ending_on_stop(lambda: _leave_quietly(code)):
+    with torchrun.ending_on_stop(lambda: torchrun.end_quietly(code)):
         deadline = time.monotonic() + torchrun.QUIET_S
         while time.monotonic() < deadline:
             if first is None or not alive(first):  # it said the line and ended
-                _leave_quietly(code)
+                torchrun.end_quietly(code)
             time.sleep(0.05)
     # it goes on: this process says its own line
-
-
-def _leave_quietly(code: int) -> NoReturn:
-    """End a rank that left a mistake's line to local rank 0: its log while empty and the folders it made for the
-    run, while empty, taken back first (``torchrun.QUIET_END``: src/launch/run_dir.py's ``leave_refused_run``)."""
-    for leave in torchrun.QUIET_END:
-        leave()
-    logging.shutdown()
-    os._exit(code)
 
 
 def mpi_initialized() -> bool:

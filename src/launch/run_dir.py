@@ -196,15 +196,13 @@ def leave_refused_run(wait_s: float = 0.0) -> None:
     for i, folder in enumerate(_found_missing):  # deepest first
         while True:
             try:
-                folder.rmdir()
-            except FileNotFoundError:  # taken back by the first
+                with contextlib.suppress(FileNotFoundError):  # taken back by the first
+                    folder.rmdir()
                 break
             except OSError:  # not empty: the first's files, another rank's log, another run's dir
                 if i > 0 or time.monotonic() >= deadline:
                     return
                 time.sleep(0.02)  # the run dir: the first, refused too, is taking its files back
-                continue
-            break
 
 
 def _start_file(entry: os.DirEntry, logs: set[str]) -> bool:

@@ -33,7 +33,7 @@ import time
 import uuid
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, NoReturn
 
 from src.core.errors import EXIT_USER_ERROR, UserError
 from src.launch.devices import gpu_ids
@@ -97,7 +97,7 @@ def before_error_line(line: str, code: int) -> None:
     tell_agent(line)
     main = threading.current_thread() is threading.main_thread()  # only its signal handlers can be set
     if code == EXIT_USER_ERROR and os.environ.get("LOCAL_RANK", "0") != "0" and main:
-        with ending_on_stop(lambda: _end_quietly(code)):  # the agent's stop, or Ctrl-C at the terminal
+        with ending_on_stop(lambda: end_quietly(code)):  # the agent's stop, or Ctrl-C at the terminal
             time.sleep(QUIET_S)
         # no stop came: this worker says its own line
 
@@ -116,9 +116,12 @@ def ending_on_stop(end: Callable[[], None]) -> Iterator[None]:
             signal.signal(stop, handler)
 
 
-def _end_quietly(code: int) -> None:
+def end_quietly(code: int) -> NoReturn:
+    """End a rank that left a mistake's line to local rank 0 (torchrun's worker, srun's task, mpirun's rank), with
+    ``code``: what it made for the run taken back first (``QUIET_END``), its logs flushed."""
     for leave in QUIET_END:  # after local rank 0, which has ended and taken back the run dir's files
         leave()
+    logging.shutdown()
     os._exit(code)
 
 
