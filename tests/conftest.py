@@ -97,6 +97,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def late_python(path: Path, rank_variable: str, rank: int, python: str = sys.executable) -> Path:
+    """A ``python`` at ``path`` that starts 1.2 s late in the process whose ``rank_variable`` (the launcher's:
+    ``SLURM_PROCID``, ``OMPI_COMM_WORLD_RANK``) is ``rank``, as a rank on a slow node starts; the others at once."""
+    path.write_text(f'#!/bin/sh\n[ "${rank_variable}" = {rank} ] && sleep 1.2\nexec {python} "$@"\n')
+    path.chmod(0o755)
+    return path
+
+
 def write_cifar_folder(root: Path, per_batch: int = 20, seed: int = 0) -> Path:
     """A folder in the release's python-batch format (not the release: checksums differ)."""
     folder = root / "cifar-10-batches-py"

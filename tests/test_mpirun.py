@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from tests.conftest import FAST, ROOT
+from tests.conftest import FAST, ROOT, late_python
 from tests.test_supervision import RAISE, error_lines
 
 
@@ -51,9 +51,7 @@ def test_mpiruns_ranks_train_one_world_and_a_failing_rank_stops_the_other_with_o
     args = [*FAST, "strategy=ddp", "trainer.devices=2", "strategy.timeout_s=60"]
     # the default run dir's form (timestamped), and rank 1 started 1.2 s after rank 0, as a slow node starts it:
     # before, each rank took its own clock's time, and rank 1 wrote its log into a dir of its own
-    late = tmp_path / "python"
-    late.write_text(f'#!/bin/sh\n[ "$OMPI_COMM_WORLD_RANK" = 1 ] && sleep 1.2\nexec {sys.executable} "$@"\n')
-    late.chmod(0o755)
+    late = late_python(tmp_path / "python", "OMPI_COMM_WORLD_RANK", 1)
     result = run_mpirun(mpirun, *args, f"hydra.run.dir={tmp_path}/runs/${{now:%H-%M-%S}}", python=str(late))
     out = result.stdout + result.stderr
     assert result.returncode == 0, out[-3000:]
@@ -89,9 +87,7 @@ def test_mpiruns_ranks_train_one_world_and_a_failing_rank_stops_the_other_with_o
     # default dir's form, under a folder of the test's own, and rank 0 started 1.2 s late: rank 1 makes the run dir
     # and its parents, rank 0 finds the run dir there and takes back only it, and rank 1, quiet until rank 0 has
     # ended (or mpirun stops it), takes back the parents it made (before: they stayed, empty)
-    late0 = tmp_path / "python0"
-    late0.write_text(f'#!/bin/sh\n[ "$OMPI_COMM_WORLD_RANK" = 0 ] && sleep 1.2\nexec {sys.executable} "$@"\n')
-    late0.chmod(0o755)
+    late0 = late_python(tmp_path / "python0", "OMPI_COMM_WORLD_RANK", 0)
     default = f"hydra.run.dir={tmp_path}/default/${{now:%Y-%m-%d}}/${{now:%H-%M-%S}}"
     result = run_mpirun(
         mpirun, *FAST, "strategy=ddp", "trainer.devices=2", "trainer.max_epochs=0", default, python=str(late0)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import FAST, ROOT
+from tests.conftest import FAST, ROOT, late_python
 from tests.slurm.conftest import TERMINAL, start_cluster, stop_cluster
 
 CPU = ["--gpus-per-node=0"]
@@ -123,9 +123,7 @@ def test_srun_in_an_interactive_allocation_binding_a_core_each_trains_one_world_
     its own second rank; one ran, the other was refused the run dir). The run dir is the default's form, timestamped,
     as under a bare srun, and task 1 starts 1.2 s after task 0, as a task on a slow node does: before, each task took
     its own clock's time, and task 1 wrote its log into a dir of its own."""
-    late = tmp_path / "python"
-    late.write_text(f'#!/bin/sh\n[ "$SLURM_PROCID" = 1 ] && sleep 1.2\nexec {ROOT}/.venv/bin/python "$@"\n')
-    late.chmod(0o755)
+    late = late_python(tmp_path / "python", "SLURM_PROCID", 1, python=f"{ROOT}/.venv/bin/python")
     job = cluster.sbatch(
         "--nodes=1",
         "--ntasks-per-node=2",
