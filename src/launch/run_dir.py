@@ -157,7 +157,9 @@ def forget_refused_run() -> None:
     (``leave_refused_run``)."""
     if not _made:
         if not is_launch_rank_zero():  # another rank of the run: its own log, and the folders it made, while empty
-            leave_refused_run(wait_s=TAKE_BACK_WAIT_S)
+            # (a torchrun worker waits for nothing: its agent ends the node's workers, and one that outlived the
+            # other node's agent by the wait broke torchrun's own failure report)
+            leave_refused_run(wait_s=0.0 if torchrun.active() else TAKE_BACK_WAIT_S)
         return
     run_dir, parents = _made[0], _made[1:]
     _made.clear()
@@ -188,7 +190,7 @@ def leave_refused_run(wait_s: float = 0.0) -> None:
     the first, or again after the first took them back: under mpirun or srun a rank that starts a second late finds
     the dir gone and makes it again). A torchrun worker, a quiet srun task or mpirun rank does it once the first
     has ended (src/launch/torchrun.py, ``before_error_line`` in src/launch/ranks.py); a rank that says its own line
-    (mpirun's, once MPI is initialised: the first ends only after it) waits up to ``wait_s`` for the first to take
+    (mpirun's or srun's, once MPI is initialised or the group formed) waits up to ``wait_s`` for the first to take
     back its files in the run dir, then takes back the parents it made, which the first, started after it, did not
     know it made. Only folders this rank made, and only while empty: one another run or rank still uses stays."""
     drop_empty_run_log()
