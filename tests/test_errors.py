@@ -7,6 +7,7 @@ time, by one module fixture; each test then reads its own process's result and d
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -18,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from src.core.errors import EXIT_USER_ERROR, USER_FULL_ERROR, report, wants_traceback
+from src.core.errors import EXIT_FAILED, EXIT_USER_ERROR, USER_FULL_ERROR, report, wants_traceback
 from tests.conftest import FAST, FAST_RUN, ROOT, output, run_module, write_cifar_folder
 
 EVAL = ["data=synthetic", "data.num_test=16", "trainer.accelerator=cpu"]
@@ -166,6 +167,11 @@ CASES = {
         ],
     ),
     "ckpt-last-without-one": Case([*FAST, "ckpt_path=last"], ["ckpt_path=last but", "does not exist", "hydra.run.dir"]),
+    # a name of over 255 bytes: before, Hydra's warning that the run dir's lock had failed, and the run went on
+    "run-dir-name-too-long": Case(
+        [*FAST, "hydra.run.dir={tmp}/" + "a" * 256 + "/run"],
+        ["File name too long", "hydra.run.dir=DIR", "shorten it"],
+    ),
     "run-dir-not-writable": Case(
         [*FAST, "hydra.run.dir={tmp}/readonly/run"],
         ["{tmp}/readonly/run", "Permission denied", "hydra.run.dir=DIR"],
@@ -197,6 +203,14 @@ CASES = {
 TRACEBACK_CASES = {
     "task-error": Case([*FAST, "backend=bogus"], ["UserError", "backend=bogus is not known"]),
     "hydra-error": Case([*FAST, "trainer.max_epoch=3"], ["ConfigCompositionException", "trainer.max_epoch"]),
+}
+# A bug, not a mistake of the user's: its traceback and exit 1, without HYDRA_FULL_ERROR.
+BUG_CASES = {
+    # Hydra turns an exception of a callback into a warning and goes on: before, this run trained
+    "hydra-callback": Case(
+        [*FAST, "+hydra.callbacks.fault._target_=tests.hydra_faults.RaiseOnRunStart"],
+        ["RuntimeError: a fault of a Hydra callback as the run starts"],
+    ),
 }
 
 
@@ -300,6 +314,7 @@ def runs(tmp_path_factory) -> Runs:
     prefixes = {"restricted": restricted_prefix(), "one_core": one_core_prefix()}
     jobs = [(name, case, "0") for name, case in CASES.items()]
     jobs += [(f"traceback-{name}", case, "1") for name, case in TRACEBACK_CASES.items()]
+    jobs += [(f"bug-{name}", case, "0") for name, case in BUG_CASES.items()]
     try:
         with socket.socket() as busy, ThreadPoolExecutor(PARALLEL) as pool:
             busy.bind(("127.0.0.1", 0))
@@ -329,6 +344,7 @@ def test_a_bad_input_fails_fast_with_one_error_line_naming_it(name, runs):
     for word in case.words:
         assert runs.fill(word) in errors[0], errors[0]
     assert "Traceback" not in text, text[-3000:]
+    assert "UserWarning: Callback" not in text, text[-3000:]  # a Hydra callback's error, which Hydra lets go on
     run_dir = runs.tmp / "runs" / name
     left = sorted(str(p.relative_to(run_dir)) for p in run_dir.rglob("*")) if run_dir.exists() else None
     assert (left is not None) == case.ranks_started, f"{run_dir} holds {left}"
@@ -342,6 +358,39 @@ def test_hydra_full_error_keeps_the_traceback(name, runs):
     assert "Traceback (most recent call last)" in text
     for word in TRACEBACK_CASES[name].words:
         assert word in text, text[-3000:]
+
+
+@pytest.mark.parametrize("name", BUG_CASES)
+def test_a_bug_of_a_hydra_callback_ends_the_run_with_its_traceback(name, runs):
+    result = runs.results[f"bug-{name}"]
+    text = output(result)
+    assert result.returncode == EXIT_FAILED, text[-3000:]
+    assert "Traceback (most recent call last)" in text
+    assert "CallbackError" not in text, text[-3000:]  # the bug's own traceback, not its carrier's
+    for word in BUG_CASES[name].words:
+        assert word in text, text[-3000:]
+    assert not (runs.tmp / "runs" / f"bug-{name}" / "config.yaml").exists()  # the task never ran
+
+
+def test_every_hydra_callback_of_the_project_ends_the_run_on_an_error():
+    """Hydra catches every Exception of a callback's method and goes on with a warning: each method of the callbacks
+    conf/hydra/ configures is wrapped (``not_swallowed``) so that its error ends the run, as in the task."""
+    import importlib
+    import inspect
+
+    from hydra.experimental.callback import Callback
+
+    hooks = [name for name, _ in inspect.getmembers(Callback, inspect.isfunction) if name.startswith("on_")]
+    targets = sorted({t for p in (ROOT / "conf" / "hydra").rglob("*.yaml") for t in TARGET.findall(p.read_text())})
+    classes = [getattr(importlib.import_module(t.rpartition(".")[0]), t.rpartition(".")[2]) for t in targets]
+    classes = [c for c in classes if inspect.isclass(c) and issubclass(c, Callback)]
+    assert {c.__name__ for c in classes} >= {"RunDirLock", "EarlierRunCheck", "JobIsolation", "ScalingReport"}
+    for cls in classes:
+        for name in [name for name in hooks if name in vars(cls)]:
+            assert hasattr(vars(cls)[name], "__wrapped__"), f"{cls.__qualname__}.{name} is not not_swallowed"
+
+
+TARGET = re.compile(r"_target_:\s*(src\.[\w.]+)")
 
 
 @pytest.mark.parametrize("seed", ["abc", -1, 2**32, 1.5, True])

@@ -19,15 +19,16 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from src.checkpoints import object_store
-from src.core.errors import report
+from src.core.errors import not_swallowed, report
 from src.launch import torchrun
 
 
 class EarlierRunCheck(Callback):
     """Hydra callback: refuse a new training whose checkpoints folder holds another run's, before Hydra writes into
     the run dir. An ``s3://`` prefix is looked at later, once the run has found the store reachable and writable
-    (src/cli/entry.py's ``check_extras``): Hydra turns an exception of a callback into a warning and goes on."""
+    (src/cli/entry.py's ``check_extras``): a store that does not answer is said so, not as a listing that failed."""
 
+    @not_swallowed
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         if not starts_anew(config):
             return

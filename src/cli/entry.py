@@ -24,6 +24,7 @@ from src.core.errors import (
     EXIT_FAILED,
     EXIT_USER_ERROR,
     USER_FULL_ERROR,
+    CallbackError,
     UserError,
     hydra_error_message,
     report,
@@ -90,17 +91,24 @@ def _run(main: Callable[[], Any]) -> Any:
     os.environ.setdefault(USER_FULL_ERROR, os.environ.get("HYDRA_FULL_ERROR", ""))  # a local rank keeps its parent's
     failure.install_sigint_handler()  # what Lightning puts back after a stage (failure.on_sigint)
     if wants_traceback():
-        return main()
+        try:
+            return main()
+        except CallbackError as carried:  # one of the project's Hydra callbacks: as if Hydra had raised it
+            error = carried.error
+        raise error  # outside the except clause: its own traceback, without the CallbackError that carried it
     os.environ["HYDRA_FULL_ERROR"] = "1"
     try:
         return main()
     except KeyboardInterrupt:  # Ctrl-C outside training (GracefulStop's) and outside the task (Hydra's own start)
         failure.interrupted()
+    except CallbackError as carried:
+        error = carried.error
     except Exception as err:  # noqa: BLE001 - what is not a user's mistake is raised again below
-        message = hydra_error_message(err, _task_started)
-        if message is None:
-            raise  # a bug outside the task: its whole traceback
-        report(message)
+        error = err
+    message = hydra_error_message(error, _task_started)
+    if message is None:
+        raise error  # a bug outside the task: its whole traceback
+    report(message)
 
 
 def handle_errors(task: Callable[..., Any]) -> Callable[..., Any]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import difflib
 import errno
+import functools
 import os
 import re
 import sys
@@ -49,6 +50,30 @@ class ToldElsewhere(UserError):
     without a second line."""
 
 
+class CallbackError(BaseException):
+    """An exception of one of the project's Hydra callbacks, carried past Hydra, which would turn it into a warning
+    and go on (hydra/_internal/callbacks.py catches every ``Exception``): a run would start without its dir's lock or
+    the check that keeps it from overwriting an earlier run. src/cli/entry.py ends the run on ``error`` as on any
+    other error Hydra raises around the task."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(error)
+        self.error = error
+
+
+def not_swallowed(method: Callable[..., Any]) -> Callable[..., Any]:
+    """A Hydra callback's method whose exceptions end the run (``CallbackError``), as they would in the task."""
+
+    @functools.wraps(method)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(*args, **kwargs)
+        except Exception as err:  # noqa: BLE001 - every one: Hydra would swallow it
+            raise CallbackError(err) from err
+
+    return wrapper
+
+
 def whole(least: int) -> Callable[[Any], bool]:
     """``check_number``'s test for a whole number of at least ``least``."""
     return lambda value: isinstance(value, int) and value >= least
@@ -83,7 +108,12 @@ def unwritable_run_dir(err: OSError) -> str:
     """What to say when the run dir cannot be created or written before the run starts (a write that fills the disk
     names no file: a stream's flush)."""
     where = f"the run dir: {err.filename}" if err.filename else "the run dir"
-    fix = "free space there" if err.errno in (errno.ENOSPC, errno.EDQUOT) else "fix its permissions"
+    if err.errno in (errno.ENOSPC, errno.EDQUOT):
+        fix = "free space there"
+    elif err.errno == errno.ENAMETOOLONG:  # a name of over 255 bytes, a path of over 4,095
+        fix = "shorten it"
+    else:
+        fix = "fix its permissions"
     return (
         f"cannot write {where}: {err.strerror or err}: pass hydra.run.dir=DIR (hydra.sweep.dir=DIR with -m) somewhere "
         f"you can write, or {fix}"

@@ -31,7 +31,7 @@ from typing import Any, Iterator
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, read_write
 
-from src.core.errors import print_line, report, unwritable_run_dir
+from src.core.errors import not_swallowed, print_line, report, unwritable_run_dir
 from src.launch import torchrun
 from src.launch.ranks import drop_empty_run_log, is_launch_rank_zero, launch_name
 
@@ -50,6 +50,7 @@ HYDRA_RECORD = {"config.yaml", "hydra.yaml", "overrides.yaml"}  # what Hydra wri
 class RunDirLock(Callback):
     """Hydra callback: hold ``hydra.run.dir`` (``hydra.sweep.dir`` for ``-m``) before the run writes into it."""
 
+    @not_swallowed
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         # the default dir, under a launcher: every process of the run finds the same dir, named after the launch
         launched = _timestamped(config.hydra.run) and (torchrun.active() or launch_name())
@@ -64,6 +65,7 @@ class RunDirLock(Callback):
         else:
             _found_missing[:] = _missing(Path(str(config.hydra.run.dir)))
 
+    @not_swallowed
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         hold(config, "sweep")
 

@@ -28,7 +28,7 @@ from hydra.experimental.callback import Callback
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from src.core.errors import FAILURE_FILE, UserError, print_line, user_error_in
+from src.core.errors import FAILURE_FILE, UserError, not_swallowed, print_line, user_error_in
 from src.core.settings import check_values
 from src.launch.ranks import in_sweep
 from src.launch.run_dir import RESULT_FILE, read_result
@@ -46,6 +46,7 @@ class JobIsolation(Callback):
     def __init__(self) -> None:
         self._environ: dict[str, str] | None = None
 
+    @not_swallowed
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         # cuBLAS reads its workspace setting once per process, at its first use: Lightning sets the one
         # trainer.deterministic needs as each job's Trainer is built, too late where an earlier job of this process
@@ -54,10 +55,12 @@ class JobIsolation(Callback):
         if swept or OmegaConf.select(config, "trainer.deterministic", default=False):
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
+    @not_swallowed
     def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
         if in_sweep():
             self._environ = dict(os.environ)
 
+    @not_swallowed
     def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs: Any) -> None:
         if not in_sweep():
             return
@@ -84,6 +87,7 @@ class ScalingReport(Callback):
     """When a sweep ends, write scaling.csv/.md/.png into its dir; exit non-zero if any job failed. (A search,
     hparams_search=..., writes its own report: src/sweeps/hparams_search.py.)"""
 
+    @not_swallowed
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         from src.sweeps.report import load_jobs, write_report
 
