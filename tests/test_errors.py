@@ -167,9 +167,10 @@ CASES = {
         ],
     ),
     "ckpt-last-without-one": Case([*FAST, "ckpt_path=last"], ["ckpt_path=last but", "does not exist", "hydra.run.dir"]),
-    # a name of over 255 bytes: before, Hydra's warning that the run dir's lock had failed, and the run went on
+    # a name of over 255 bytes: before, Hydra's warning that the run dir's lock had failed, and the run went on; its
+    # parent (the folder every case's run dir is, checked to be gone) made before the failure, then taken back
     "run-dir-name-too-long": Case(
-        [*FAST, "hydra.run.dir={tmp}/" + "a" * 256 + "/run"],
+        [*FAST, "hydra.run.dir={tmp}/runs/run-dir-name-too-long/" + "a" * 256 + "/run"],
         ["File name too long", "hydra.run.dir=DIR", "shorten it"],
     ),
     "run-dir-not-writable": Case(

@@ -130,7 +130,10 @@ def hold(config: DictConfig, kind: str, shared: bool = False) -> Path:
             made = [path.absolute()]
         try:
             path.mkdir(parents=True, exist_ok=True)
-        except OSError as err:
+        except OSError as err:  # a name too long, a folder not writable: the parents made before it go, while empty
+            for folder in made:
+                with contextlib.suppress(OSError):
+                    folder.rmdir()
             report(unwritable_run_dir(err))
     # what a refused run may take back: only a dir it holds, never one that another run, started the same instant,
     # made too and holds (that run refused this one)
