@@ -186,6 +186,32 @@ def test_a_report_of_failed_jobs_alone_lists_them_and_draws_no_empty_picture(tmp
     assert not (tmp_path / "scaling.png").exists()
 
 
+def test_a_report_that_cannot_be_written_is_one_line_naming_the_command_that_writes_it_again(tmp_path, capsys):
+    """A full disk as the sweep ended: Hydra made the report's OSError a warning and the sweep exited 0 (then, its
+    traceback and exit 1). Here ``scaling.csv`` is /dev/full, where every write fails with ENOSPC, as on a full disk."""
+    from omegaconf import OmegaConf
+
+    from src.sweeps.report import main
+    from src.sweeps.sweep import ScalingReport
+
+    fake_job(tmp_path, 0, ["trainer.devices=1"], 1, 64, 1000.0)
+    fake_job(tmp_path, 1, ["trainer.devices=2"], 2, 64, 1800.0)
+    (tmp_path / "scaling.csv").symlink_to("/dev/full")
+    line = (
+        f"error: cannot write the scaling report into {tmp_path} (No space left on device): each job's results stay in "
+        f"its dir; free space there, then python -m src.sweeps.report {tmp_path}\n"
+    )
+    config = OmegaConf.create(
+        {"hydra": {"runtime": {"choices": {}}, "sweep": {"dir": str(tmp_path)}, "job": {"name": "train"}}}
+    )
+    with pytest.raises(SystemExit) as ended:
+        ScalingReport().on_multirun_end(config)
+    assert ended.value.code == 1 and capsys.readouterr().err == line
+    assert main([str(tmp_path)]) == 1 and capsys.readouterr().err == line
+    (tmp_path / "scaling.csv").unlink()  # space again: the same command writes it
+    assert main([str(tmp_path)]) == 0 and (tmp_path / "scaling.png").is_file()
+
+
 def test_report_recognises_strong_scaling(tmp_path):
     fake_job(tmp_path, 0, ["trainer.devices=1", "data.batch_size=256"], 1, 256, 1000.0)
     fake_job(tmp_path, 1, ["trainer.devices=2", "data.batch_size=128"], 2, 128, 1800.0)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import errno
 import json
 import math
 import sys
@@ -17,6 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
+
+from src.core.errors import storage_error_in
 
 WORLD_KEYS = ("trainer.devices", "trainer.num_nodes")
 COLUMNS = [
@@ -126,6 +129,16 @@ def write_report(sweep_dir: Path) -> list[Job]:
     if series:  # else no job finished: nothing to draw, and scaling.md says why each failed
         _plot(series, sweep_dir / "scaling.png")
     return jobs
+
+
+def unwritable_report(err: OSError, sweep_dir: Path) -> str:
+    """What to say when the report cannot be written (a full disk, a folder not writable): the jobs' results are
+    intact, and the report can be written again from them."""
+    fix = "free space there" if err.errno in (errno.ENOSPC, errno.EDQUOT) else "fix its permissions"
+    return (
+        f"cannot write the scaling report into {sweep_dir} ({err.strerror or err}): each job's results stay in its "
+        f"dir; {fix}, then python -m src.sweeps.report {sweep_dir}"
+    )
 
 
 def _row(job: Job) -> dict:
@@ -259,6 +272,12 @@ def main(argv: list[str] | None = None) -> int:
     except FileNotFoundError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except OSError as err:  # a full disk, a folder not writable
+        refused = storage_error_in(err)
+        if refused is None:
+            raise
+        print(f"error: {unwritable_report(refused, args.sweep_dir)}", file=sys.stderr)
+        return 1
     failed = sum(j.record is None for j in jobs)
     print(f"scaling report: {args.sweep_dir}/scaling.md ({len(jobs)} jobs, {failed} failed)")
     return 0
