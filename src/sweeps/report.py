@@ -19,7 +19,7 @@ from pathlib import Path
 
 import yaml
 
-from src.core.errors import storage_error_in
+from src.core.errors import print_line, storage_error_in
 
 WORLD_KEYS = ("trainer.devices", "trainer.num_nodes")
 COLUMNS = [
@@ -131,14 +131,21 @@ def write_report(sweep_dir: Path) -> list[Job]:
     return jobs
 
 
-def unwritable_report(err: OSError, sweep_dir: Path) -> str:
-    """What to say when the report cannot be written (a full disk, a folder not writable): the jobs' results are
-    intact, and the report can be written again from them."""
-    fix = "free space there" if err.errno in (errno.ENOSPC, errno.EDQUOT) else "fix its permissions"
-    return (
-        f"cannot write the scaling report into {sweep_dir} ({err.strerror or err}): each job's results stay in its "
-        f"dir; {fix}, then python -m src.sweeps.report {sweep_dir}"
+def write_report_or_end(sweep_dir: Path) -> list[Job]:
+    """``write_report``; where the filesystem refuses it (a full disk, a folder not writable), one ``error:`` line
+    that names the command to write it again, and exit 1: each job's results stay in its dir."""
+    try:
+        return write_report(sweep_dir)
+    except OSError as err:
+        refused = storage_error_in(err)
+        if refused is None:
+            raise
+    fix = "free space there" if refused.errno in (errno.ENOSPC, errno.EDQUOT) else "fix its permissions"
+    print_line(
+        f"error: cannot write the scaling report into {sweep_dir} ({refused.strerror or refused}): each job's results "
+        f"stay in its dir; {fix}, then python -m src.sweeps.report {sweep_dir}"
     )
+    sys.exit(1)
 
 
 def _row(job: Job) -> dict:
@@ -268,16 +275,10 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     try:
-        jobs = write_report(args.sweep_dir)
+        jobs = write_report_or_end(args.sweep_dir)
     except FileNotFoundError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    except OSError as err:  # a full disk, a folder not writable
-        refused = storage_error_in(err)
-        if refused is None:
-            raise
-        print(f"error: {unwritable_report(refused, args.sweep_dir)}", file=sys.stderr)
-        return 1
     failed = sum(j.record is None for j in jobs)
     print(f"scaling report: {args.sweep_dir}/scaling.md ({len(jobs)} jobs, {failed} failed)")
     return 0

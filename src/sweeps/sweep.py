@@ -28,7 +28,7 @@ from hydra.experimental.callback import Callback
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from src.core.errors import FAILURE_FILE, UserError, not_swallowed, print_line, storage_error_in, user_error_in
+from src.core.errors import FAILURE_FILE, UserError, not_swallowed, print_line, user_error_in
 from src.core.settings import check_values
 from src.launch.ranks import in_sweep
 from src.launch.run_dir import RESULT_FILE, read_result
@@ -89,21 +89,14 @@ class ScalingReport(Callback):
 
     @not_swallowed
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        from src.sweeps.report import load_jobs, unwritable_report, write_report
+        from src.sweeps.report import load_jobs, write_report_or_end
 
         if config.hydra.runtime.choices.get("hparams_search"):
             return
 
         sweep_dir = Path(config.hydra.sweep.dir)
         if config.hydra.job.name == "train":
-            try:
-                jobs = write_report(sweep_dir)
-            except OSError as err:  # a full disk, a folder not writable: one line, as a job's own would be
-                refused = storage_error_in(err)
-                if refused is None:
-                    raise
-                print_line(f"error: {unwritable_report(refused, sweep_dir)}")
-                sys.exit(1)
+            jobs = write_report_or_end(sweep_dir)
             failed = [j for j in jobs if j.record is None]
             log.info("Scaling report: %s (%d jobs, %d failed)", sweep_dir / "scaling.md", len(jobs), len(failed))
         else:  # eval, export, predict: nothing to scale (no throughput.json); a failed job left its failure record
