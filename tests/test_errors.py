@@ -27,6 +27,7 @@ CIFAR_OFFLINE = [*FAST_RUN, "data=cifar10", "data.download=false"]
 DDP2 = ["strategy=ddp", "trainer.devices=2"]
 SECONDS = 30
 PARALLEL = 2  # processes at a time: as many as CI has cores (each case is mostly importing torch)
+TARGET = re.compile(r"_target_:\s*(src\.[\w.]+)")  # a class a config builds
 
 
 @dataclass(frozen=True)
@@ -389,9 +390,6 @@ def test_every_hydra_callback_of_the_project_ends_the_run_on_an_error():
     for cls in classes:
         for name in [name for name in hooks if name in vars(cls)]:
             assert hasattr(vars(cls)[name], "__wrapped__"), f"{cls.__qualname__}.{name} is not not_swallowed"
-
-
-TARGET = re.compile(r"_target_:\s*(src\.[\w.]+)")
 
 
 @pytest.mark.parametrize("seed", ["abc", -1, 2**32, 1.5, True])
