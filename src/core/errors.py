@@ -108,16 +108,19 @@ def unwritable_run_dir(err: OSError) -> str:
     """What to say when the run dir cannot be created or written before the run starts (a write that fills the disk
     names no file: a stream's flush)."""
     where = f"the run dir: {err.filename}" if err.filename else "the run dir"
-    if err.errno in (errno.ENOSPC, errno.EDQUOT):
-        fix = "free space there"
-    elif err.errno == errno.ENAMETOOLONG:  # a name of over 255 bytes, a path of over 4,095
-        fix = "shorten it"
-    else:
-        fix = "fix its permissions"
     return (
         f"cannot write {where}: {err.strerror or err}: pass hydra.run.dir=DIR (hydra.sweep.dir=DIR with -m) somewhere "
-        f"you can write, or {fix}"
+        f"you can write, or {write_fix(err)}"
     )
+
+
+def write_fix(err: OSError) -> str:
+    """What to do about a folder the filesystem refused to write: free space, a shorter name, or its permissions."""
+    if err.errno in (errno.ENOSPC, errno.EDQUOT):
+        return "free space there"
+    if err.errno == errno.ENAMETOOLONG:  # a name of over 255 bytes, a path of over 4,095
+        return "shorten it"
+    return "fix its permissions"
 
 
 def require(package: str, extra: str, what: str) -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import errno
 import json
 import math
 import sys
@@ -19,7 +18,7 @@ from pathlib import Path
 
 import yaml
 
-from src.core.errors import print_line, storage_error_in
+from src.core.errors import print_line, storage_error_in, write_fix
 
 WORLD_KEYS = ("trainer.devices", "trainer.num_nodes")
 COLUMNS = [
@@ -140,10 +139,9 @@ def write_report_or_end(sweep_dir: Path) -> list[Job]:
         refused = storage_error_in(err)
         if refused is None:
             raise
-    fix = "free space there" if refused.errno in (errno.ENOSPC, errno.EDQUOT) else "fix its permissions"
     print_line(
         f"error: cannot write the scaling report into {sweep_dir} ({refused.strerror or refused}): each job's results "
-        f"stay in its dir; {fix}, then python -m src.sweeps.report {sweep_dir}"
+        f"stay in its dir; {write_fix(refused)}, then python -m src.sweeps.report {sweep_dir}"
     )
     sys.exit(1)
 
