@@ -453,3 +453,32 @@ def test_a_checkpoint_that_needs_full_unpickling_loads_only_with_ckpt_trusted(tm
     )
     assert trusted.returncode == 0, output(trusted)[-3000:]
     assert load(tmp_path / "trusted" / "checkpoints" / "last.ckpt")["global_step"] == 4  # 2 steps more
+
+
+def test_a_torch_file_that_lightning_did_not_write_is_one_line_for_train_eval_export_and_predict(tmp_path):
+    """What users hand in for a checkpoint: a plain state dict, one tensor, a list; a Lightning-like dict without the
+    model's hyperparameters. Before, a file that held no dict ended src.train and the others on a traceback."""
+    import torchvision
+
+    from src.checkpoints.files import read_checkpoint
+    from src.checkpoints.resume import check_compatible, model_from
+
+    refused = "is not a checkpoint of this project's model"
+    dicts = {
+        "state_dict.pt": torchvision.models.resnet18(num_classes=10).state_dict(),
+        "no_hyper_parameters.pt": {"state_dict": {}, "pytorch-lightning_version": "2.5.0"},
+    }
+    for name, content in dicts.items():
+        path = tmp_path / name
+        torch.save(content, path)
+        checkpoint = read_checkpoint(path)
+        with pytest.raises(UserError, match=f"ckpt_path={path} {refused}"):
+            check_compatible(checkpoint, path, {"arch": "resnet18"})  # src.train
+        with pytest.raises(UserError, match=f"ckpt_path={path} {refused}"):
+            model_from(checkpoint, path)  # src.eval, src.export, src.predict
+    for name, content, kind in (("tensor.pt", torch.zeros(3), "Tensor"), ("list.pt", [{"w": torch.zeros(2)}], "list")):
+        path = tmp_path / name
+        torch.save(content, path)
+        for trusted in (False, True):  # every command reads through read_checkpoint
+            with pytest.raises(UserError, match=rf"ckpt_path={path} {refused} \(it holds a {kind}, not the dict"):
+                read_checkpoint(path, trusted=trusted)

@@ -262,7 +262,7 @@ def read_checkpoint(path: str | Path, key: str = "ckpt_path", trusted: bool = Fa
             "the zip archive torch.save writes); pass an intact .ckpt written by src.train"
         )
     try:
-        return torch.load(path, map_location="cpu", weights_only=not trusted, mmap=True)  # mmap: no tensor is read yet
+        checkpoint = torch.load(path, map_location="cpu", weights_only=not trusted, mmap=True)  # mmap: no tensor read
     except pickle.UnpicklingError as err:
         if not trusted and "weights_only" in str(err):
             raise UserError(
@@ -275,3 +275,9 @@ def read_checkpoint(path: str | Path, key: str = "ckpt_path", trusted: bool = Fa
             f"{key}={shown} is not a readable checkpoint (corrupt or truncated: "
             f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})"
         ) from err
+    if not isinstance(checkpoint, dict):  # torch.save(a_tensor), a list of state dicts: intact, yet no checkpoint
+        raise UserError(
+            f"{key}={shown} is not a checkpoint of this project's model (it holds a {type(checkpoint).__name__}, not "
+            "the dict Lightning writes): pass a .ckpt written by src.train"
+        )
+    return checkpoint
