@@ -129,6 +129,45 @@ def write_cifar_folder(root: Path, per_batch: int = 20, seed: int = 0) -> Path:
     return root
 
 
+def without_root_permissions(call, *args):
+    """``call(*args)`` in a forked child that obeys file permissions as a user does, and its result (JSON).
+
+    root reads and writes through any mode bits; the child drops CAP_DAC_OVERRIDE and CAP_DAC_READ_SEARCH from its
+    effective set (still uid 0, as setpriv does for the cold runs of tests/test_errors.py), so a folder of mode 000
+    stops it as it stops another user. Nothing else changes: the same process, its modules already loaded.
+    """
+    import ctypes
+    import json
+
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: its answer, or its error, goes up the pipe; it never returns into pytest
+        try:
+            os.close(read)
+            if os.geteuid() == 0:
+                libc = ctypes.CDLL(None, use_errno=True)
+                header = (ctypes.c_uint32 * 2)(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this process
+                sets = (ctypes.c_uint32 * 6)()  # effective, permitted, inheritable: twice (capabilities 0-31, 32-63)
+                if libc.capget(header, sets) != 0:
+                    raise OSError(ctypes.get_errno(), "capget")
+                sets[0] &= ~0b110  # CAP_DAC_OVERRIDE (1), CAP_DAC_READ_SEARCH (2)
+                if libc.capset(header, sets) != 0:
+                    raise OSError(ctypes.get_errno(), "capset")
+            answer = {"result": call(*args)}
+        except BaseException as err:  # noqa: BLE001 - the parent raises it
+            answer = {"error": f"{type(err).__name__}: {err}"}
+        with os.fdopen(write, "w") as pipe:
+            json.dump(answer, pipe)
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as pipe:
+        answer = json.loads(pipe.read())
+    os.waitpid(pid, 0)
+    if "error" in answer:
+        raise AssertionError(f"in the child without root's permissions: {answer['error']}")
+    return answer["result"]
+
+
 def output(result) -> str:
     return result.stdout + result.stderr
 

@@ -20,7 +20,7 @@ import torch
 from src.checkpoints.files import AtomicCheckpointIO, remove_stale_temp_files
 from src.checkpoints.resume import resume_from
 from src.core.errors import StorageError, UserError
-from tests.conftest import FAST, FAST_RUN, descendants, output, running, train
+from tests.conftest import FAST, FAST_RUN, descendants, output, running, train, without_root_permissions
 from tests.test_supervision import LONG, error_lines, finish, last_step, start_and_wait_for_step
 
 # Deterministic CPU training, 2 epochs of 12 steps, last.ckpt every 2 steps.
@@ -482,3 +482,54 @@ def test_a_torch_file_that_lightning_did_not_write_is_one_line_for_train_eval_ex
         for trusted in (False, True):  # every command reads through read_checkpoint
             with pytest.raises(UserError, match=rf"ckpt_path={path} {refused} \(it holds a {kind}, not the dict"):
                 read_checkpoint(path, trusted=trusted)
+
+
+def _refusals(paths: list[str]) -> list[str]:
+    from src.checkpoints.files import read_checkpoint
+    from src.serving.formats import load_model
+
+    lines = []
+    for path in paths:
+        for read, given in ((read_checkpoint, Path(path)), (load_model, path)):  # src.train, src.eval; src.predict
+            try:
+                read(given, trusted=False)
+            except UserError as err:  # a refusal for what the file holds ({"state_dict": {}}) comes after the read
+                lines.append(str(err) if "cannot be read" in str(err) else "read")
+            else:
+                lines.append("read")
+    return lines
+
+
+def test_a_checkpoint_behind_permissions_is_one_line_naming_the_file_or_the_folder_that_refused(tmp_path):
+    """Another user's checkpoint or run dir. Before, a file in a folder that may not be entered was 'cannot write'
+    (the run's storage error), and a folder that may not be listed 'holds no .ckpt file'."""
+    torch.save({"state_dict": {}}, tmp_path / "unreadable.ckpt")
+    (tmp_path / "unreadable.ckpt").chmod(0o000)
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+    torch.save({"state_dict": {}}, tmp_path / "run" / "checkpoints" / "last.ckpt")
+    (tmp_path / "run").chmod(0o000)
+    shut = f"{tmp_path}/run"
+    try:
+        lines = without_root_permissions(
+            _refusals, [f"{tmp_path}/unreadable.ckpt", f"{shut}/checkpoints/last.ckpt", shut]
+        )
+    finally:
+        (tmp_path / "run").chmod(0o755)
+    fix = "fix that folder's permissions, or pass another checkpoint"
+    assert lines == [
+        *[
+            f"ckpt_path={tmp_path}/unreadable.ckpt cannot be read (Permission denied): fix its permissions, or pass "
+            "another checkpoint"
+        ]
+        * 2,
+        *[f"ckpt_path={shut}/checkpoints/last.ckpt cannot be read (Permission denied on {shut}): {fix}"] * 2,
+        *[f"ckpt_path={shut} cannot be read (Permission denied on {shut}): {fix}"] * 2,
+    ]
+    (tmp_path / "run").chmod(0o111)  # entered, not listed: a file named in it is read; the folder is not searched
+    lines = without_root_permissions(_refusals, [f"{shut}/checkpoints/last.ckpt", shut])
+    (tmp_path / "run").chmod(0o755)
+    assert lines == [
+        "read",
+        "read",
+        *[f"ckpt_path={shut} cannot be read (Permission denied on {shut}): {fix}"] * 2,
+    ]

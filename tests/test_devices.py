@@ -155,6 +155,16 @@ def test_impossible_gpu_choices_are_one_line_naming_the_key(gpus, accelerator, d
     assert str(refused.value) == message
 
 
+@pytest.mark.parametrize("accelerator", ["gpu", "cuda"])
+def test_a_gpu_run_where_no_cuda_gpu_is_visible_is_one_line_saying_to_run_on_the_cpu(gpus, accelerator):
+    gpus(0)  # a machine without one, or CUDA_VISIBLE_DEVICES= empty
+    with pytest.raises(UserError) as refused:
+        local_device_count(accelerator, 1)
+    assert str(refused.value) == (
+        f"trainer.accelerator={accelerator} but no CUDA GPU is visible here: use trainer.accelerator=cpu (or auto)"
+    )
+
+
 def test_a_list_of_gpu_ids_for_a_cpu_run_stops_before_training_with_what_to_give_instead(tmp_path):
     result = train(*FAST, "strategy=ddp", "trainer.devices=[0,1]", f"hydra.run.dir={tmp_path}")
     assert result.returncode == 2, output(result)

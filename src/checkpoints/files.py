@@ -215,16 +215,41 @@ class UnreadableCheckpoint(UserError):
     """A checkpoint file that is missing, cut off, corrupt or unreadable (not one that is merely untrusted)."""
 
 
-def not_a_file(key: str, path: Path, wanted: str) -> str:
-    """The line for a ``key`` that names no file: a missing path, or a folder (a run dir given for its checkpoint:
-    the newest ``.ckpt`` in it or in its ``checkpoints/`` is named; the folder itself is not searched further)."""
-    if not path.is_dir():
-        return f"{key}={path} does not exist: pass {wanted}"
-    found = [p for p in (*path.glob("*.ckpt"), *path.glob("checkpoints/*.ckpt")) if p.is_file()]
+def not_a_file(key: str, path: Path, wanted: str) -> str | None:
+    """None where ``path`` is a file; else the line for a ``key`` that names no file: a missing path, a folder (a run
+    dir given for its checkpoint: the newest ``.ckpt`` in it or in its ``checkpoints/`` is named; the folder itself is
+    not searched further), or a path behind a folder this process may not enter or list (another user's run dir)."""
+    try:
+        if path.is_file():
+            return None
+        if not path.is_dir():
+            return f"{key}={path} does not exist: pass {wanted}"
+        for folder in (path, path / "checkpoints"):
+            if folder.is_dir():
+                os.listdir(folder)  # glob passes over a folder it may not list, without a word
+        found = [p for p in (*path.glob("*.ckpt"), *path.glob("checkpoints/*.ckpt")) if p.is_file()]
+    except PermissionError as err:
+        return (
+            f"{key}={path} cannot be read ({err.strerror} on {_closed_folder(path, err)}): fix that folder's "
+            "permissions, or pass another checkpoint"
+        )
     if not found:
         return f"{key}={path} is a folder and holds no .ckpt file: pass {wanted}"
     newest = max(found, key=lambda p: (p.name == "last.ckpt", p.stat().st_mtime))
     return f"{key}={path} is a folder: pass a file in it, such as {key}={newest}"
+
+
+def _closed_folder(path: Path, err: OSError) -> str:
+    """The folder that refused: the first on the way to ``path`` that may not be entered, else the one not listed."""
+    path = path.absolute()
+    for step in reversed([path, *path.parents][:-1]):  # /a, /a/b, ..., path
+        try:
+            os.stat(step)
+        except PermissionError:
+            return str(step.parent)
+        except OSError:
+            break
+    return str(err.filename or path)
 
 
 def _local_copy(url: str, key: str) -> Path:
@@ -247,8 +272,9 @@ def read_checkpoint(path: str | Path, key: str = "ckpt_path", trusted: bool = Fa
     """
     shown = path
     path = _local_copy(str(path), key) if object_store.is_url(path) else Path(path)
-    if not path.is_file():
-        raise UnreadableCheckpoint(not_a_file(key, path, "the path of a .ckpt file written by src.train"))
+    refused = not_a_file(key, path, "the path of a .ckpt file written by src.train")
+    if refused is not None:
+        raise UnreadableCheckpoint(refused)
     try:
         with open(path, "rb") as f:
             intact = zipfile.is_zipfile(f)  # torch.save writes a zip archive: a cut-off one lacks its directory

@@ -155,10 +155,11 @@ def load_model(given: str | Path, trusted: bool) -> tuple[Callable[[torch.Tensor
         model, _ = load_classifier(given, trusted)
         return Normalised(model.net).eval(), class_names(None, model.hparams.num_classes)
     path = Path(given)
-    if not path.is_file():
-        from src.checkpoints.files import not_a_file
+    from src.checkpoints.files import not_a_file
 
-        raise UserError(not_a_file("ckpt_path", path, "a .ckpt of src.train, or a .onnx / .safetensors of src.export"))
+    refused = not_a_file("ckpt_path", path, "a .ckpt of src.train, or a .onnx / .safetensors of src.export")
+    if refused is not None:
+        raise UserError(refused)
     if path.suffix == ".onnx":
         return onnx_model(path)
     if path.suffix == ".safetensors":
