@@ -91,7 +91,7 @@ def test_a_failing_job_is_reported_and_the_sweep_goes_on(tmp_path):
 
 def test_a_value_every_command_checks_refuses_the_sweep_before_its_first_job_and_takes_its_dir_back(tmp_path):
     """Before, job 1's trainer.max_epochs=0 was refused once job 0 had trained, and the sweep dir stayed behind
-    a sweep refused before any job (its multirun.yaml and lock)."""
+    a sweep refused before any job (its multirun.yaml and lock). So was a job of two nodes in a Slurm batch script."""
     sweep_dir = tmp_path / "new" / "sweep"
     result = train("-m", *SWEEP, "trainer.max_epochs=1,0", f"hydra.sweep.dir={sweep_dir}")
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
@@ -105,6 +105,12 @@ def test_a_value_every_command_checks_refuses_the_sweep_before_its_first_job_and
     said = "error: job 0 (model.optimizer.lr=-0.1): model.optimizer.lr=-0.1 must be a number >= 0; no job of the sweep"
     assert result.returncode == 2 and said in result.stderr, output(result)[-3000:]
     assert "Run:" not in output(result) and (tmp_path / "mine").is_dir()
+    # in a Slurm batch script (no srun), a job of two nodes: before, job 0 trained, then job 1 failed
+    batch_script = {"SLURM_JOB_ID": "7", "SLURM_JOB_NAME": "sweep", "SLURM_NTASKS": "2", "SLURM_JOB_NUM_NODES": "2"}
+    result = train("-m", *SWEEP, "trainer.num_nodes=1,2", f"hydra.sweep.dir={tmp_path}/slurm/sweep", env=batch_script)
+    said = "error: job 1 (trainer.num_nodes=2): a -m sweep in a Slurm batch script runs its jobs on this one node"
+    assert result.returncode == 2 and said in result.stderr and "src.slurm_sweep" in result.stderr, output(result)
+    assert "Run:" not in output(result) and not (tmp_path / "slurm").exists()
 
 
 def test_sweeping_the_strategy_reports_one_series_per_strategy(tmp_path):

@@ -180,6 +180,21 @@ def check_mpi_world(devices: int, num_nodes: int) -> None:
         )
 
 
+def _slurm_places_ranks() -> bool:
+    return "SLURM_JOB_ID" in os.environ and slurm_detected() and not torchrun.active()
+
+
+def check_sweep_job_nodes(num_nodes: int) -> None:
+    """A job of a ``-m`` sweep in a Slurm batch script runs on this one node: one of several nodes cannot run. Asked
+    by each job's ranks, and by the sweep of every job before the first (src/sweeps/sweep.py)."""
+    if num_nodes > 1 and _slurm_places_ranks() and in_slurm_batch_script():
+        raise UserError(
+            f"a -m sweep in a Slurm batch script runs its jobs on this one node, but trainer.num_nodes="
+            f"{num_nodes}: sweep multi-node jobs with python -m src.slurm_sweep, which submits each "
+            "job to Slurm"
+        )
+
+
 def check_slurm_allocation(devices: int, num_nodes: int) -> None:
     """Under a Slurm job, the processes must come from srun and match the allocation, or DDP waits forever.
 
@@ -187,16 +202,11 @@ def check_slurm_allocation(devices: int, num_nodes: int) -> None:
     imported Lightning, torchvision and torchmetrics (from a cluster's shared filesystem, seconds to minutes at
     thousands of tasks).
     """
-    if "SLURM_JOB_ID" not in os.environ or not slurm_detected() or torchrun.active():
+    if not _slurm_places_ranks():
         return  # not Slurm, one process of an interactive allocation (named bash/interactive), or srun torchrun:
         # its agents start the ranks (src/launch/torchrun.py matched the counts to them)
     if ranks_started_here_under_slurm():  # a sweep in the batch script starts each job's ranks on this node
-        if num_nodes > 1:
-            raise UserError(
-                f"a -m sweep in a Slurm batch script runs its jobs on this one node, but trainer.num_nodes="
-                f"{num_nodes}: sweep multi-node jobs with python -m src.slurm_sweep, which submits each "
-                "job to Slurm"
-            )
+        check_sweep_job_nodes(num_nodes)
         return
     if in_slurm_batch_script() and (int(os.environ.get("SLURM_NTASKS", "1")) > 1 or devices * num_nodes > 1):
         raise UserError(

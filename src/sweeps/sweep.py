@@ -30,7 +30,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from src.core.errors import FAILURE_FILE, UserError, not_swallowed, print_line, user_error_in
 from src.core.settings import check_values
-from src.launch.ranks import in_sweep
+from src.launch.ranks import check_sweep_job_nodes, in_sweep
 from src.launch.run_dir import RESULT_FILE, read_result
 from src.resilience import supervision
 
@@ -200,6 +200,9 @@ def check_job_values(job: DictConfig, num: int, own: list[str]) -> None:
     overrides that the others do not share, which the line names."""
     try:
         check_values(job)
+        nodes = OmegaConf.select(job, "trainer.num_nodes", default=1)
+        if isinstance(nodes, int) and not isinstance(nodes, bool):  # any other value: its job says what is wrong
+            check_sweep_job_nodes(nodes)
         check_task_values(job)
     except UserError as err:
         raise UserError(f"job {num} ({' '.join(own)}): {err}; no job of the sweep started") from None
