@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 
@@ -17,6 +18,7 @@ NOISE = (
     "Seed set to",
     "All distributed processes registered",
     "is not supported by the model summary",  # bf16-mixed: the weights are fp32, the size it gives right
+    "fontManager",  # matplotlib's first import on a machine (torchmetrics imports it), at INFO
 )
 
 
@@ -32,6 +34,7 @@ def test_make_demo_tests_one_checkpoint_twice_with_the_same_accuracy_and_prints_
             "DEMO_ARGS=data.num_train=256 trainer.limit_val_batches=2 model.stem=imagenet model.width=16",
         ],
         cwd=ROOT,
+        env={**os.environ, "MPLCONFIGDIR": str(tmp_path / "matplotlib")},  # a new user's: no font cache yet
         capture_output=True,
         text=True,
         timeout=600,
