@@ -132,9 +132,9 @@ def write_cifar_folder(root: Path, per_batch: int = 20, seed: int = 0) -> Path:
 def without_root_permissions(call, *args):
     """``call(*args)`` in a forked child that obeys file permissions as a user does, and its result (JSON).
 
-    root reads and writes through any mode bits; the child drops CAP_DAC_OVERRIDE and CAP_DAC_READ_SEARCH from its
-    effective set (still uid 0, as setpriv does for the cold runs of tests/test_errors.py), so a folder of mode 000
-    stops it as it stops another user. Nothing else changes: the same process, its modules already loaded.
+    root reads and writes through any mode bits; the child drops CAP_DAC_OVERRIDE and CAP_DAC_READ_SEARCH (still uid
+    0, as setpriv does for the cold runs of tests/test_errors.py), so a folder of mode 000 stops it as it stops
+    another user. Nothing else changes: the same process, its modules already loaded.
     """
     import ctypes
     import json
@@ -150,7 +150,8 @@ def without_root_permissions(call, *args):
                 sets = (ctypes.c_uint32 * 6)()  # effective, permitted, inheritable: twice (capabilities 0-31, 32-63)
                 if libc.capget(header, sets) != 0:
                     raise OSError(ctypes.get_errno(), "capget")
-                sets[0] &= ~0b110  # CAP_DAC_OVERRIDE (1), CAP_DAC_READ_SEARCH (2)
+                for kind in range(3):  # effective, permitted (access(2) checks root with these), inheritable
+                    sets[kind] &= ~0b110  # CAP_DAC_OVERRIDE (1), CAP_DAC_READ_SEARCH (2)
                 if libc.capset(header, sets) != 0:
                     raise OSError(ctypes.get_errno(), "capset")
             answer = {"result": call(*args)}

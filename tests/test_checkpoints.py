@@ -533,3 +533,52 @@ def test_a_checkpoint_behind_permissions_is_one_line_naming_the_file_or_the_fold
         "read",
         *[f"ckpt_path={shut} cannot be read (Permission denied on {shut}): {fix}"] * 2,
     ]
+
+
+def _checkpoint_folder_refusals(folders: list[str]) -> list[str]:
+    from omegaconf import OmegaConf
+
+    from src.core.settings import check_checkpoint_folder
+
+    lines = []
+    for folder in folders:
+        try:
+            check_checkpoint_folder(OmegaConf.create({"task_name": "train", "paths": {"checkpoints": folder}}))
+        except UserError as err:
+            lines.append(str(err))
+        else:
+            lines.append("taken")
+    return lines
+
+
+def test_a_checkpoint_folder_that_cannot_be_made_or_written_is_one_line_as_the_run_starts(tmp_path):
+    """Before, found at the first save, an epoch in (hours, for a long one): 'cannot write .../best-....ckpt'; a file
+    in the folder's way ended the run there on a traceback. tests/test_errors.py runs one of these as a command."""
+    (tmp_path / "file").write_text("x")
+    for name in ("shut", "read-only"):
+        (tmp_path / name / "in").mkdir(parents=True)
+    (tmp_path / "read-only").chmod(0o555)
+    (tmp_path / "shut").chmod(0o000)
+    given = [
+        *(f"{tmp_path}/{name}" for name in ("new/deep", "file", "file/x", "read-only", "read-only/x", "shut/in/x")),
+        "s3://bucket/run",  # the object store's own checks
+    ]
+    try:
+        lines = without_root_permissions(_checkpoint_folder_refusals, given)
+    finally:
+        (tmp_path / "shut").chmod(0o755)
+        (tmp_path / "read-only").chmod(0o755)
+    fix = "pass paths.checkpoints=DIR somewhere you can write, or fix its permissions"
+    assert lines == [
+        "taken",
+        f"paths.checkpoints={tmp_path}/file is a file, not a folder: pass paths.checkpoints=DIR (or leave it out: "
+        "the run dir's checkpoints/)",
+        f"paths.checkpoints={tmp_path}/file/x lies under {tmp_path}/file, a file, not a folder: pass "
+        "paths.checkpoints=DIR (or leave it out: the run dir's checkpoints/)",
+        f"paths.checkpoints={tmp_path}/read-only cannot be written (Permission denied on {tmp_path}/read-only): {fix}",
+        f"paths.checkpoints={tmp_path}/read-only/x cannot be written (Permission denied on {tmp_path}/read-only): "
+        f"{fix}",
+        f"paths.checkpoints={tmp_path}/shut/in/x cannot be written (Permission denied on {tmp_path}/shut): {fix}",
+        "taken",
+    ]
+    assert not (tmp_path / "new").exists()  # nothing made

@@ -174,6 +174,14 @@ CASES = {
         [*FAST, "hydra.run.dir={tmp}/runs/run-dir-name-too-long/" + "a" * 256 + "/run"],
         ["File name too long", "hydra.run.dir=DIR", "shorten it"],
     ),
+    "run-dir-is-a-file": Case(  # before: "... or fix its permissions"
+        [*FAST, "hydra.run.dir={tmp}/random.ckpt"], ["{tmp}/random.ckpt: File exists", "move the file in its way"]
+    ),
+    # before: found at the first save, an epoch in (here: a traceback, NotADirectoryError)
+    "checkpoints-under-a-file": Case(
+        [*FAST, "paths.checkpoints={tmp}/random.ckpt/checkpoints"],
+        ["paths.checkpoints={tmp}/random.ckpt/checkpoints lies under {tmp}/random.ckpt, a file, not a folder"],
+    ),
     "run-dir-not-writable": Case(
         [*FAST, "hydra.run.dir={tmp}/readonly/run"],
         ["{tmp}/readonly/run", "Permission denied", "hydra.run.dir=DIR"],

@@ -32,7 +32,7 @@ from src.core.errors import (
     storage_error_in,
     wants_traceback,
 )
-from src.core.settings import check_no_empty_paths, check_values
+from src.core.settings import check_checkpoint_folder, check_no_empty_paths, check_values
 from src.launch import ranks, run_dir, torchrun
 from src.resilience import failure, heartbeat, supervision
 from src.tracking import servers
@@ -144,6 +144,7 @@ def handle_errors(task: Callable[..., Any]) -> Callable[..., Any]:
                 resume_own_run_dir(cfg)
             check_values(cfg)
             check_no_empty_paths(cfg)
+            check_checkpoint_folder(cfg)
             check_extras(cfg)
             _resolve_all(cfg)
             result = task(cfg)

@@ -115,11 +115,14 @@ def unwritable_run_dir(err: OSError) -> str:
 
 
 def write_fix(err: OSError) -> str:
-    """What to do about a folder the filesystem refused to write: free space, a shorter name, or its permissions."""
+    """What to do about a folder the filesystem refused to write: free space, a shorter name, a file out of its way, or
+    its permissions."""
     if err.errno in (errno.ENOSPC, errno.EDQUOT):
         return "free space there"
     if err.errno == errno.ENAMETOOLONG:  # a name of over 255 bytes, a path of over 4,095
         return "shorten it"
+    if err.errno in (errno.EEXIST, errno.ENOTDIR):  # a file where a folder must be
+        return "move the file in its way"
     return "fix its permissions"
 
 

@@ -5,6 +5,9 @@ takes the fraction of a second Hydra takes."""
 
 from __future__ import annotations
 
+import errno
+import os
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -193,3 +196,35 @@ def check_no_empty_paths(cfg: Any) -> None:
         value = OmegaConf.select(cfg, key, default=None, throw_on_missing=False)
         if isinstance(value, str) and not value.strip():
             raise UserError(f"{key} is empty (a shell variable that is not set?): give {what}")
+
+
+def check_checkpoint_folder(cfg: Any) -> None:
+    """A training's ``paths.checkpoints``, where it is a local folder: one this process can make and write. Before,
+    a folder it could not write was found at the first save, an epoch in (hours, for a long one), and a file where
+    the folder must be ended the run there on a traceback. A few ``stat`` calls, once per process; nothing is made."""
+    if cfg.get("task_name") != "train":
+        return
+    value = OmegaConf.select(cfg, "paths.checkpoints", default=None, throw_on_missing=False)
+    if not isinstance(value, str) or not value.strip() or "://" in value:
+        return  # empty: check_no_empty_paths; s3://: src/checkpoints/object_store.py
+    path = Path(value).absolute()
+    step = path
+    while True:  # the nearest part of the path that exists: the folder itself, or where it will be made
+        try:
+            mode = os.stat(step).st_mode
+            break
+        except (FileNotFoundError, NotADirectoryError, PermissionError):  # the last: a folder above not entered
+            step = step.parent
+    if not stat.S_ISDIR(mode):
+        where = "is a file" if step == path else f"lies under {step}, a file"
+        raise UserError(
+            f"paths.checkpoints={value} {where}, not a folder: pass paths.checkpoints=DIR (or leave it out: the run "
+            "dir's checkpoints/)"
+        )
+    if not os.access(step, os.W_OK | os.X_OK, effective_ids=os.access in os.supports_effective_ids):  # as writes
+        read_only = bool(os.statvfs(step).f_flag & os.ST_RDONLY)
+        why = os.strerror(errno.EROFS if read_only else errno.EACCES)
+        raise UserError(
+            f"paths.checkpoints={value} cannot be written ({why} on {step}): pass paths.checkpoints=DIR somewhere "
+            f"you can write, or {'remount it' if read_only else 'fix its permissions'}"
+        )
