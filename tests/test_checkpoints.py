@@ -246,7 +246,9 @@ def test_a_process_killed_while_writing_a_checkpoint_leaves_the_previous_one_who
     assert remove_stale_temp_files(checkpoints) == partial and not partial[0].exists()
 
 
-def test_a_refused_write_before_any_last_ckpt_says_run_again_not_resume(tmp_path):
+def test_a_refused_write_before_any_last_ckpt_says_run_again_not_resume_and_one_of_src_eval_names_no_checkpoint(
+    tmp_path,
+):
     from src.checkpoints.files import refused_write
 
     checkpoints = tmp_path / "checkpoints"
@@ -262,6 +264,13 @@ def test_a_refused_write_before_any_last_ckpt_says_run_again_not_resume(tmp_path
     assert refused_write(err, target, checkpoints).endswith(
         f"last.ckpt (step 4) is intact; make {target.parent} writable and resume with ckpt_path=last"
     )
+    # of src.eval, which trains nothing: before, the same words of last.ckpt
+    assert refused_write(err, target, checkpoints, trains=False) == (
+        f"cannot write {target} (Read-only file system): make {target.parent} writable and run again"
+    )
+    full = OSError(errno.ENOSPC, "No space left on device")
+    assert "free space and run again" in refused_write(full, target, checkpoints, trains=False)
+    assert "last.ckpt" not in refused_write(full, target, checkpoints, trains=False)
 
 
 def test_the_atomic_writer_leaves_only_the_final_file(tmp_path):

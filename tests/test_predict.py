@@ -19,7 +19,7 @@ from src.data.in_memory import eval_transform
 from src.predict import json_flag
 from src.serving.formats import load_classifier, load_model
 from src.serving.images import image_files, read_image
-from tests.conftest import ROOT, needs_sample, output, run_module
+from tests.conftest import ROOT, needs_sample, output, run_module, without_root_permissions
 
 COUNT = 6  # PNG files written from the sample's first test images
 
@@ -298,3 +298,45 @@ def test_dash_dash_json_prints_json_alone_on_stdout(sample_checkpoint, sample_pn
     predictions = json.loads(result.stdout)
     assert [Path(p["image"]).name for p in predictions] == ["1.png", "2.png"]
     assert all(len(p["top"]) == 1 and 0 < p["top"][0]["probability"] <= 1 for p in predictions)
+
+
+def _image_refusals(paths: list[str]) -> list[str]:
+    lines = []
+    for path in paths:
+        try:
+            for file in image_files(path):
+                read_image(file)
+        except UserError as err:
+            lines.append(str(err))
+        else:
+            lines.append("read")
+    return lines
+
+
+def test_images_behind_permissions_and_an_empty_file_are_one_line_each(tmp_path):
+    """Before: a folder that may not be listed or entered was 'cannot write ...: there is no intact last.ckpt yet'
+    (src.predict writes no checkpoint), a file that may not be read 'cannot be decoded as an image'; an empty file is
+    as damaged as a truncated one."""
+    Image.new("RGB", (32, 32)).save(tmp_path / "ok.png")
+    (tmp_path / "empty.png").write_bytes(b"")
+    (tmp_path / "shut").mkdir()
+    Image.new("RGB", (32, 32)).save(tmp_path / "shut" / "a.png")
+    (tmp_path / "unreadable.png").write_bytes((tmp_path / "ok.png").read_bytes())
+    (tmp_path / "unreadable.png").chmod(0o000)
+    shut = f"{tmp_path}/shut"
+    (tmp_path / "shut").chmod(0o000)
+    try:
+        lines = without_root_permissions(
+            _image_refusals, [f"{tmp_path}/ok.png", shut, f"{shut}/a.png", f"{tmp_path}/unreadable.png"]
+        )
+    finally:
+        (tmp_path / "shut").chmod(0o755)
+    fix = "fix that folder's permissions, or pass other images"
+    assert lines == [
+        "read",
+        f"images={shut} cannot be read (Permission denied on {shut}): {fix}",
+        f"images={shut}/a.png cannot be read (Permission denied on {shut}): {fix}",
+        f"{tmp_path}/unreadable.png cannot be read (Permission denied): fix its permissions, or pass other images",
+    ]
+    with pytest.raises(UserError, match=r"empty.png cannot be decoded as an image .* damaged or truncated one"):
+        read_image(tmp_path / "empty.png")

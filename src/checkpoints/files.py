@@ -22,7 +22,7 @@ import torch
 from lightning.fabric.plugins import TorchCheckpointIO
 
 from src.checkpoints import object_store
-from src.core.errors import StorageError, UserError, storage_error_in
+from src.core.errors import StorageError, UserError, closed_folder, storage_error_in
 
 LAST = "last.ckpt"
 PREVIOUS = "last.prev.ckpt"  # the last.ckpt before the current one
@@ -147,30 +147,36 @@ def _discard(path: Path) -> None:
         pass
 
 
-def refused_write(err: OSError, target: Path | None, checkpoints: Path | None, needed: int | None = None) -> str:
+def refused_write(
+    err: OSError, target: Path | None, checkpoints: Path | None, needed: int | None = None, trains: bool = True
+) -> str:
     """One line for a write the filesystem refused (full, read-only, removed under the run): what happened, which
-    ``last.ckpt`` in ``checkpoints`` is intact, and what to do."""
+    ``last.ckpt`` in ``checkpoints`` is intact, and what to do. Of a command that does not train (``trains``: src.eval),
+    no word of checkpoints."""
     target = target or Path(os.fsdecode(err.filename or "the run dir"))
     folder = target.parent
     if err.errno == errno.ENOENT and not folder.is_dir():
         gone = folder
         while not gone.parent.is_dir() and gone.parent != gone:
             gone = gone.parent
+        then = "its checkpoints and logs went with it; restore it and resume with ckpt_path=last, or start again"
         return (
             f"{gone} vanished during the run (it was removed while the run was writing {target.name}): "
-            "its checkpoints and logs went with it; restore it and resume with ckpt_path=last, or start again"
+            f"{then if trains else 'restore it, or run again elsewhere'}"
         )
-    step = _step_of(checkpoints / LAST) if checkpoints is not None else None
+    step = _step_of(checkpoints / LAST) if checkpoints is not None and trains else None
     previous = "the previous " if target.name == LAST else ""
-    if step is not None:
-        intact, again = f"{previous}{LAST} (step {step}) is intact", "resume with ckpt_path=last"
+    if not trains:
+        intact, again = "", "run again"  # joined below as "...: free space and run again"
+    elif step is not None:
+        intact, again = f"{previous}{LAST} (step {step}) is intact; ", "resume with ckpt_path=last"
     else:  # nothing to resume from (ckpt_path=last would be refused): the run starts again
-        intact, again = f"there is no intact {LAST} yet", "run again"
+        intact, again = f"there is no intact {LAST} yet; ", "run again"
     if err.errno in (errno.ENOSPC, errno.EDQUOT):
         free = _megabytes(shutil.disk_usage(folder).free) if folder.is_dir() else "?"
         sizes = f"{_megabytes(needed)} MB needed, {free} MB free" if needed else f"{free} MB free"
-        return f"no space left on device writing {target} ({sizes}): {intact}; free space and {again}"
-    return f"cannot write {target} ({err.strerror}): {intact}; make {folder} writable and {again}"
+        return f"no space left on device writing {target} ({sizes}): {intact}free space and {again}"
+    return f"cannot write {target} ({err.strerror}): {intact}make {folder} writable and {again}"
 
 
 def _step_of(path: Path) -> int | None:
@@ -230,26 +236,13 @@ def not_a_file(key: str, path: Path, wanted: str) -> str | None:
         found = [p for p in (*path.glob("*.ckpt"), *path.glob("checkpoints/*.ckpt")) if p.is_file()]
     except PermissionError as err:
         return (
-            f"{key}={path} cannot be read ({err.strerror} on {_closed_folder(path, err)}): fix that folder's "
+            f"{key}={path} cannot be read ({err.strerror} on {closed_folder(path, err)}): fix that folder's "
             "permissions, or pass another checkpoint"
         )
     if not found:
         return f"{key}={path} is a folder and holds no .ckpt file: pass {wanted}"
     newest = max(found, key=lambda p: (p.name == "last.ckpt", p.stat().st_mtime))
     return f"{key}={path} is a folder: pass a file in it, such as {key}={newest}"
-
-
-def _closed_folder(path: Path, err: OSError) -> str:
-    """The folder that refused: the first on the way to ``path`` that may not be entered, else the one not listed."""
-    path = path.absolute()
-    for step in reversed([path, *path.parents][:-1]):  # /a, /a/b, ..., path
-        try:
-            os.stat(step)
-        except PermissionError:
-            return str(step.parent)
-        except OSError:
-            break
-    return str(err.filename or path)
 
 
 def _local_copy(url: str, key: str) -> Path:

@@ -14,6 +14,7 @@ import os
 import re
 import sys
 import threading
+from pathlib import Path
 from typing import Any, Callable, Iterator, NoReturn
 
 EXIT_FAILED = 1  # the run failed: a rank died or raised, the run dir could not be written
@@ -123,7 +124,23 @@ def write_fix(err: OSError) -> str:
         return "shorten it"
     if err.errno in (errno.EEXIST, errno.ENOTDIR):  # a file where a folder must be
         return "move the file in its way"
+    if err.errno == errno.EROFS:
+        return "remount it writable"
     return "fix its permissions"
+
+
+def closed_folder(path: Path, err: OSError) -> str:
+    """The folder that refused ``err`` (EACCES): the first on the way to ``path`` that may not be entered, else the one
+    that may not be listed (``err.filename``)."""
+    path = path.absolute()
+    for step in reversed([path, *path.parents][:-1]):  # /a, /a/b, ..., path
+        try:
+            os.stat(step)
+        except PermissionError:
+            return str(step.parent)
+        except OSError:
+            break
+    return str(err.filename or path)
 
 
 def require(package: str, extra: str, what: str) -> None:

@@ -243,7 +243,8 @@ def _storage_line(err: OSError) -> str:
     from src.checkpoints.files import refused_write  # loads torch: only once a run is under way
 
     run_dir = HydraConfig.get().runtime.output_dir if HydraConfig.initialized() else None
-    return refused_write(err, None, Path(run_dir, "checkpoints") if run_dir else None)
+    trains = not HydraConfig.initialized() or HydraConfig.get().job.name == "train"  # src.eval: no checkpoint to name
+    return refused_write(err, None, Path(run_dir, "checkpoints") if run_dir else None, trains=trains)
 
 
 def _log_traceback(err: BaseException, log_dir: str | None, console: bool = True) -> str | None:

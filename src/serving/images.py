@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from omegaconf import ListConfig
 
-from src.core.errors import UserError
+from src.core.errors import UserError, closed_folder
 from src.serving.formats import IMAGE_SIZE
 
 log = logging.getLogger(__name__)
@@ -34,15 +34,21 @@ def image_files(images: Any) -> list[Path]:
     given = list(images) if isinstance(images, (list, tuple, ListConfig)) else [images]
     files: list[Path] = []
     for item in map(Path, map(str, given)):
-        if item.is_dir():
-            found = sorted(p for p in item.iterdir() if p.suffix.lower() in SUFFIXES and p.is_file())
-            if not found:
-                raise UserError(f"images={item} holds no PNG, JPEG, GIF or WebP file")
-            files += found
-        elif item.is_file():
-            files.append(item)
-        else:
-            raise UserError(f"images={item} does not exist: pass image files or a folder of them")
+        try:
+            if item.is_dir():
+                found = sorted(p for p in item.iterdir() if p.suffix.lower() in SUFFIXES and p.is_file())
+                if not found:
+                    raise UserError(f"images={item} holds no PNG, JPEG, GIF or WebP file")
+                files += found
+            elif item.is_file():
+                files.append(item)
+            else:
+                raise UserError(f"images={item} does not exist: pass image files or a folder of them")
+        except PermissionError as err:  # a folder that may not be entered or listed: before, 'cannot write ...'
+            raise UserError(
+                f"images={item} cannot be read ({err.strerror} on {closed_folder(item, err)}): fix that folder's "
+                "permissions, or pass other images"
+            ) from None
     return files
 
 
@@ -57,12 +63,15 @@ def read_image(path: Path) -> tuple[torch.Tensor, list[int] | None]:
     from torchvision.transforms.v2 import functional as F
 
     try:
+        content = bytearray(path.read_bytes())
+    except OSError as err:  # before: 'cannot be decoded as an image', for a file that could not be read
+        raise UserError(f"{path} cannot be read ({err.strerror}): fix its permissions, or pass other images") from None
+    try:
+        data = torch.frombuffer(content, dtype=torch.uint8)  # an empty file: a ValueError, as a damaged one
         # the file's own channels (grey, grey + alpha, RGB, RGBA), at its own depth (uint8 or uint16)
-        raw = decode_image(str(path), mode=ImageReadMode.UNCHANGED, apply_exif_orientation=True)
+        raw = decode_image(data, mode=ImageReadMode.UNCHANGED, apply_exif_orientation=True)
         # palette and grey-scale images in RGB: decode_image expands them (a palette PNG's UNCHANGED is its indices)
-        rgb = (
-            raw if raw.shape[-3] == 3 else decode_image(str(path), mode=ImageReadMode.RGB, apply_exif_orientation=True)
-        )
+        rgb = raw if raw.shape[-3] == 3 else decode_image(data, mode=ImageReadMode.RGB, apply_exif_orientation=True)
     except (RuntimeError, ValueError, OSError) as err:
         raise UserError(
             f"{path} cannot be decoded as an image (not a PNG, JPEG, GIF or WebP file, or a damaged or "
