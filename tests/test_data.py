@@ -89,6 +89,15 @@ def test_missing_data_with_an_unreachable_server_fails_fast_and_names_data_root(
     assert not (tmp_path / "cifar-10-batches-py").exists() and not (tmp_path / "cifar-10-python.tar.gz").exists()
 
 
+def test_a_data_root_that_is_a_file_or_lies_under_one_is_one_line_before_any_download(tmp_path):
+    """Before: a warning that the download lock could not be made, a download begun, then its failure."""
+    (tmp_path / "file").write_text("x")
+    for root in (tmp_path / "file", tmp_path / "file" / "sub"):
+        dm = CIFAR10DataModule(root=str(root), download=True, download_url="http://127.0.0.1:9/cifar-10-python.tar.gz")
+        with pytest.raises(UserError, match=rf"^data.root={root} is a file, or lies under one, not a folder: point"):
+            dm.prepare_data()
+
+
 def test_val_size_that_leaves_nothing_to_train_on_is_a_user_error(cifar_root):
     with pytest.raises(UserError, match="data.val_size=100"):
         CIFAR10DataModule(root=str(cifar_root), download=False, val_size=100).setup("fit")

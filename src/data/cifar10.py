@@ -150,6 +150,11 @@ class CIFAR10DataModule(InMemoryImageDataModule):
                 held.enter_context(locked(self.root / DOWNLOAD_LOCK))
                 alone = True
             except OSError as err:
+                if err.errno in (errno.EEXIST, errno.ENOTDIR):  # before: a download into a file, then its failure
+                    raise UserError(
+                        f"data.root={self.root} is a file, or lies under one, not a folder: point data.root at the "
+                        f"folder that holds {FOLDER}, or at a new one to download it into"
+                    ) from err
                 if err.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
                     raise UserError(
                         f"CIFAR-10 is not under data.root={self.root}, which is not writable "
