@@ -425,6 +425,55 @@ def test_a_rank_whose_peers_never_arrive_fails_after_the_timeout_naming_the_rend
         "strategy.store_bind=all",
     )
     assert time.monotonic() - start < 60
+    # node 1's side, node 0 never started: before, torch's client waited the timeout twice (20 s took 59 s) and
+    # printed c10d's warnings and two C++ stacks
+    start = time.monotonic()
+    result = train(
+        *FAST,
+        "strategy=ddp",
+        "trainer.devices=1",
+        "trainer.num_nodes=2",
+        "strategy.timeout_s=5",
+        f"hydra.run.dir={tmp_path}/node1",
+        env={"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "NODE_RANK": "1"},
+        timeout=120,
+    )
+    assert_user_error(
+        result,
+        f"error: rank 1 (NODE_RANK=1) could not form a process group of world size 2 at MASTER_ADDR:MASTER_PORT="
+        f"127.0.0.1:{port} within 5 s: 127.0.0.1:{port} refused the connection: node 0 has not started",
+    )
+    assert "c10d" not in output(result) and "frame #" not in output(result), output(result)[-3000:]
+    assert time.monotonic() - start < 40
+
+
+def test_a_rank_waits_for_node_0s_store_to_answer_and_says_what_it_met_when_it_never_does():
+    """The wait of node 1's ranks (src/distributed/strategy.py's wait_for_store): a store that starts listening a
+    moment later (node 0 late, a Kubernetes service's name not there yet) is met; a name no resolver takes (before, a
+    traceback from Python's IDNA codec) and a port nobody listens on end the wait at its timeout, saying which."""
+    import socket
+    import threading
+    from datetime import timedelta
+
+    from src.distributed.strategy import StoreUnreachable, wait_for_store
+
+    port = free_port()
+    late = socket.socket()
+    late.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    threading.Timer(0.5, lambda: (late.bind(("127.0.0.1", port)), late.listen())).start()
+    start = time.monotonic()
+    wait_for_store("127.0.0.1", port, timedelta(seconds=10))
+    assert 0.5 <= time.monotonic() - start < 3
+    late.close()
+    for host, met in (
+        ("127.0.0.1", f"127.0.0.1:{port} refused the connection: node 0 has not started"),
+        ("node..1", "MASTER_ADDR=node..1 does not resolve here (not a valid hostname: an empty label"),
+    ):
+        start = time.monotonic()
+        with pytest.raises(StoreUnreachable) as refused:
+            wait_for_store(host, port, timedelta(seconds=1.5))
+        assert str(refused.value).startswith(met), str(refused.value)
+        assert 1 <= time.monotonic() - start < 4
 
 
 def test_ckpt_path_auto_means_the_run_dirs_last_checkpoint_if_there_is_one(tmp_path):

@@ -175,7 +175,7 @@ class HydraDDPStrategy(DDPStrategy):
             )
         except torch.distributed.DistError as err:
             env = self.cluster_environment
-            where = f"{err}; " if isinstance(err, RanksMissing) else ""
+            where = f"{err}; " if isinstance(err, (RanksMissing, StoreUnreachable)) else ""
             where += f"{self._store_where}; " if self._store_where else ""
             raise UserError(
                 f"rank {self.global_rank} (NODE_RANK={self.node_rank}) could not form a process group of "
@@ -314,6 +314,8 @@ def rendezvous_store(
     listener = None
     if rank == 0 and bind == "master_addr":
         listener = ranks.held_port(host, port) or _bound_listener(host, port)
+    elif rank != 0:  # the store's own timeout stays the whole: its waits for keys take it too
+        wait_for_store(host, port, timeout)
     try:
         return torch.distributed.TCPStore(
             host,
@@ -563,10 +565,65 @@ def _bound_listener(host: str, port: int) -> socket.socket | None:
 
 def _resolve(host: str, port: int) -> tuple[int, tuple]:
     """``host``'s address family and socket address as this node resolves it, an IPv4 address first."""
-    family, _, _, _, address = min(
-        socket.getaddrinfo(host, port, type=socket.SOCK_STREAM), key=lambda info: info[0] != socket.AF_INET
-    )
+    family, _, _, _, address = min(_addresses(host, port), key=lambda info: info[0] != socket.AF_INET)
     return family, address
+
+
+def _addresses(host: str, port: int) -> list[tuple]:
+    """``socket.getaddrinfo`` for a stream to ``host``:``port``; a name no resolver could take (``node..1``, a label
+    of over 63 characters: Python's IDNA codec refuses it, before, a traceback) is a ``gaierror`` like a name that
+    does not resolve."""
+    try:
+        return socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except UnicodeError:
+        raise socket.gaierror(
+            socket.EAI_NONAME, "not a valid hostname: an empty label, or one of over 63 characters"
+        ) from None
+
+
+class StoreUnreachable(torch.distributed.DistNetworkError):
+    """A rank's wait for node 0's store timed out; ``str()``: what it met last (a name that does not resolve, a
+    connection refused or unanswered)."""
+
+
+PROBE_EVERY_S = 1.0  # at most, between a waiting rank's attempts (each one connection attempt to node 0)
+
+
+def wait_for_store(host: str, port: int, timeout: timedelta) -> None:
+    """Wait until node 0's store at ``host``:``port`` accepts a connection, resolving ``host`` again at each try (a
+    Kubernetes service's name appears once node 0's pod is ready), up to ``timeout``.
+
+    torch's client waited the timeout, then waited it once more (its whole connect retried), printing c10d's warnings
+    and two C++ stacks on the way: 20 s of ``strategy.timeout_s`` took 59 s. Here the wait is the timeout, quiet, and
+    the line says what was met. Node 0 answers each try's connection attempt with a refusal until it listens, then
+    each waiting rank connects once more than before: one attempt per rank and second at most while node 0 is not up.
+    """
+    import random
+
+    deadline = time.monotonic() + timeout.total_seconds()
+    pause = 0.05
+    while True:
+        try:
+            met = f"nothing answered at {host}:{port}: node 0 has not started, or cannot be reached from here"
+            for family, kind, proto, _, address in _addresses(host, port):
+                with socket.socket(family, kind, proto) as probe:
+                    probe.settimeout(max(0.1, min(PROBE_EVERY_S * 2, deadline - time.monotonic())))
+                    try:
+                        probe.connect(address)
+                    except OSError as err:
+                        refused = isinstance(err, ConnectionRefusedError)
+                        met = (
+                            f"{address[0]}:{port} {'refused the connection' if refused else 'did not answer'}: node 0 "
+                            "has not started, or cannot be reached from here"
+                        )
+                        continue
+                return
+        except socket.gaierror as err:
+            met = f"MASTER_ADDR={host} does not resolve here ({err.strerror}): give node 0's address or hostname"
+        if time.monotonic() + pause >= deadline:
+            raise StoreUnreachable(met)
+        time.sleep(pause)
+        pause = min(2 * pause, PROBE_EVERY_S) * random.uniform(0.75, 1.0)  # spread: not every rank at once
 
 
 def _is_hostname(host: str) -> bool:

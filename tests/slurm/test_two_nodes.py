@@ -119,13 +119,14 @@ def test_a_node_that_resolves_node_0s_name_elsewhere_is_named_and_with_store_bin
     strategy.store_bind=all: one world of two across the nodes, one checkpoint folder (the exception and hang tests
     above form the same world with the default store_bind=master_addr, and train in it until their faults)."""
     args = ["--nodes=2", "--ntasks-per-node=1", "--gpus-per-node=0", "slurm/train.sbatch", *FAST, "test=false"]
-    # strategy.store_bind=master_addr: node1 listens on 10.200.1.11 only; node2 gives up after two tries of 5 s
+    # strategy.store_bind=master_addr: node1 listens on 10.200.1.11 only; node2, refused at 10.200.0.11, gives up after 5 s
     job = cluster.sbatch(*args, "strategy.timeout_s=5")
     info = cluster.wait(job, timeout=180)
     log = cluster.log(job)
     assert info["JobState"] == "FAILED", log
     errors = [line for line in log.splitlines() if line.startswith("error:")]
     assert any("this node dialled 10.200.0.11:" in e and "set strategy.store_bind=all" in e for e in errors), log
+    assert any("10.200.0.11:" in e and "refused the connection" in e for e in errors), log  # what node2 met
     assert any("node 0's store listened on 10.200.1.11:" in e for e in errors), log
     job = cluster.sbatch(*args, "strategy.timeout_s=60", "strategy.store_bind=all")
     info = cluster.wait(job, timeout=180)
