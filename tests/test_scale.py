@@ -476,6 +476,18 @@ def test_a_dry_run_says_how_long_the_fit_runs_in_epochs_or_in_steps():
     assert _length({"max_epochs": None, "max_steps": 500}) == "500 steps in all"
 
 
+def test_the_store_wait_benchmark_connects_every_rank_to_a_late_store_both_ways_and_prints_its_table():
+    """benchmarks/store_wait.py runs src/distributed/strategy.py's store_client against a real TCPStore that listens
+    late, beside torch's client called as before (at 256 ranks: docs/scale.md); here at 4."""
+    result = run_script("benchmarks/store_wait.py", "--ranks=4", "--late-s=0.5", "--procs=2")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = [line for line in result.stdout.splitlines() if line.startswith("| 4 |")]
+    assert [row.split(" | ")[1] for row in rows] == ["store_client", "torch's client, as before"], result.stdout
+    assert all("ms (3 of 3)" in row for row in rows), result.stdout
+    lookups = int(rows[0].split(" | ")[2].replace(",", ""))
+    assert lookups == 3, result.stdout  # the name resolves: one lookup a rank, then torch's client waits
+
+
 def test_the_world_agreement_costs_two_requests_a_rank_five_under_torchrun_and_a_node_that_differs_stops_rank_0(
     tmp_path,
 ):

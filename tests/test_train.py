@@ -448,32 +448,38 @@ def test_a_rank_whose_peers_never_arrive_fails_after_the_timeout_naming_the_rend
 
 
 def test_a_rank_waits_for_node_0s_store_to_answer_and_says_what_it_met_when_it_never_does():
-    """The wait of node 1's ranks (src/distributed/strategy.py's wait_for_store): a store that starts listening a
-    moment later (node 0 late, a Kubernetes service's name not there yet) is met; a name no resolver takes (before, a
-    traceback from Python's IDNA codec) and a port nobody listens on end the wait at its timeout, saying which."""
-    import socket
+    """The wait of node 1's ranks (src/distributed/strategy.py's store_client): a store that starts listening a
+    moment later (node 0 late) is met, and its waits for keys take the whole timeout; a name no resolver takes
+    (before, a traceback from Python's IDNA codec) and a port nobody listens on end the wait at its timeout, not twice
+    it, saying which."""
     import threading
     from datetime import timedelta
 
-    from src.distributed.strategy import StoreUnreachable, wait_for_store
+    import torch.distributed as dist
+
+    from src.distributed.strategy import StoreUnreachable, store_client
 
     port = free_port()
-    late = socket.socket()
-    late.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    threading.Timer(0.5, lambda: (late.bind(("127.0.0.1", port)), late.listen())).start()
+    hosts = []
+    threading.Timer(
+        0.5,
+        lambda: hosts.append(dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)),
+    ).start()
     start = time.monotonic()
-    wait_for_store("127.0.0.1", port, timedelta(seconds=10))
-    assert 0.5 <= time.monotonic() - start < 3
-    late.close()
+    client = store_client("127.0.0.1", port, 2, timedelta(seconds=20))
+    assert 0.5 <= time.monotonic() - start < 10
+    client.set("k", "v")
+    assert hosts[0].get("k") == b"v" and client.timeout == timedelta(seconds=20)
+    port = free_port()
     for host, met in (
         ("127.0.0.1", f"127.0.0.1:{port} refused the connection: node 0 has not started"),
         ("node..1", "MASTER_ADDR=node..1 does not resolve here (not a valid hostname: an empty label"),
     ):
         start = time.monotonic()
         with pytest.raises(StoreUnreachable) as refused:
-            wait_for_store(host, port, timedelta(seconds=1.5))
+            store_client(host, port, 2, timedelta(seconds=2))
         assert str(refused.value).startswith(met), str(refused.value)
-        assert 1 <= time.monotonic() - start < 4
+        assert 2 <= time.monotonic() - start < 5
 
 
 def test_ckpt_path_auto_means_the_run_dirs_last_checkpoint_if_there_is_one(tmp_path):

@@ -311,17 +311,17 @@ def rendezvous_store(
     dial where nothing listens: ``all`` is for those clusters.
     """
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    if rank != 0:
+        return store_client(host, port, world_size, timeout)
     listener = None
-    if rank == 0 and bind == "master_addr":
+    if bind == "master_addr":
         listener = ranks.held_port(host, port) or _bound_listener(host, port)
-    elif rank != 0:  # the store's own timeout stays the whole: its waits for keys take it too
-        wait_for_store(host, port, timeout)
     try:
         return torch.distributed.TCPStore(
             host,
             port,
             world_size,
-            is_master=rank == 0,
+            is_master=True,
             timeout=timeout,
             multi_tenant=True,
             master_listen_fd=None if listener is None else listener.detach(),
@@ -582,21 +582,24 @@ def _addresses(host: str, port: int) -> list[tuple]:
 
 
 class StoreUnreachable(torch.distributed.DistNetworkError):
-    """A rank's wait for node 0's store timed out; ``str()``: what it met last (a name that does not resolve, a
-    connection refused or unanswered)."""
+    """A rank's wait for node 0's store timed out; ``str()``: what it met (a name that does not resolve, a connection
+    refused or unanswered)."""
 
 
-PROBE_EVERY_S = 1.0  # at most, between a waiting rank's attempts (each one connection attempt to node 0)
+RESOLVE_EVERY_S = 1.0  # at most, between a waiting rank's lookups of MASTER_ADDR (its resolver's, not the store's)
+CLIENT_SPARE_S = 60.0  # how much longer torch's client may wait than the rank: the rank has ended, with its line, first
 
 
-def wait_for_store(host: str, port: int, timeout: timedelta) -> None:
-    """Wait until node 0's store at ``host``:``port`` accepts a connection, resolving ``host`` again at each try (a
-    Kubernetes service's name appears once node 0's pod is ready), up to ``timeout``.
+def store_client(host: str, port: int, world_size: int, timeout: timedelta) -> torch.distributed.TCPStore:
+    """A rank's connection to node 0's store at ``host``:``port``, made within ``timeout``, or one StoreUnreachable
+    saying what was met: a name that does not resolve, a connection refused or unanswered.
 
     torch's client waited the timeout, then waited it once more (its whole connect retried), printing c10d's warnings
-    and two C++ stacks on the way: 20 s of ``strategy.timeout_s`` took 59 s. Here the wait is the timeout, quiet, and
-    the line says what was met. Node 0 answers each try's connection attempt with a refusal until it listens, then
-    each waiting rank connects once more than before: one attempt per rank and second at most while node 0 is not up.
+    and two C++ stacks on the way: 20 s of ``strategy.timeout_s`` took 59 s; a name that did not resolve (yet) was
+    a warning at each try. Here ``host`` is first looked up until it resolves (a Kubernetes service's name appears
+    once node 0's pod is ready): the resolver's work, no connection. Then torch's own client connects as before (the
+    same one connection, the same retries while node 0 refuses), on a thread the rank waits for until the timeout
+    only: past it the rank stops with its line before the client's timeout, so the client never prints its own.
     """
     import random
 
@@ -604,26 +607,59 @@ def wait_for_store(host: str, port: int, timeout: timedelta) -> None:
     pause = 0.05
     while True:
         try:
-            met = f"nothing answered at {host}:{port}: node 0 has not started, or cannot be reached from here"
-            for family, kind, proto, _, address in _addresses(host, port):
-                with socket.socket(family, kind, proto) as probe:
-                    probe.settimeout(max(0.1, min(PROBE_EVERY_S * 2, deadline - time.monotonic())))
-                    try:
-                        probe.connect(address)
-                    except OSError as err:
-                        refused = isinstance(err, ConnectionRefusedError)
-                        met = (
-                            f"{address[0]}:{port} {'refused the connection' if refused else 'did not answer'}: node 0 "
-                            "has not started, or cannot be reached from here"
-                        )
-                        continue
-                return
+            _addresses(host, port)
+            break
         except socket.gaierror as err:
-            met = f"MASTER_ADDR={host} does not resolve here ({err.strerror}): give node 0's address or hostname"
-        if time.monotonic() + pause >= deadline:
-            raise StoreUnreachable(met)
-        time.sleep(pause)
-        pause = min(2 * pause, PROBE_EVERY_S) * random.uniform(0.75, 1.0)  # spread: not every rank at once
+            if time.monotonic() >= deadline:
+                raise StoreUnreachable(
+                    f"MASTER_ADDR={host} does not resolve here ({err.strerror}): give node 0's address or hostname"
+                ) from None
+        time.sleep(max(0.0, min(pause, deadline - time.monotonic())))
+        pause = min(2 * pause, RESOLVE_EVERY_S) * random.uniform(0.75, 1.0)
+    made: dict[str, Any] = {}
+
+    def connect() -> None:
+        try:
+            made["store"] = torch.distributed.TCPStore(
+                host,
+                port,
+                world_size,
+                is_master=False,
+                timeout=timedelta(seconds=max(1.0, deadline - time.monotonic()) + CLIENT_SPARE_S),
+                multi_tenant=True,
+                wait_for_workers=False,
+            )
+        except BaseException as err:  # noqa: BLE001 - raised again in the rank's thread
+            made["error"] = err
+
+    client = threading.Thread(target=connect, name="store-client", daemon=True)
+    client.start()
+    client.join(max(0.0, deadline - time.monotonic()))
+    if "store" in made:
+        made["store"].set_timeout(timeout)  # its waits for keys take the whole timeout, as the host's do
+        return made["store"]
+    if "error" in made:
+        raise made["error"]
+    raise StoreUnreachable(_what_answers(host, port))
+
+
+def _what_answers(host: str, port: int) -> str:
+    """What one connection attempt to ``host``:``port`` meets now, for the line of a rank whose wait timed out."""
+    met = f"nothing answered at {host}:{port}"
+    try:
+        for family, kind, proto, _, address in _addresses(host, port):
+            with socket.socket(family, kind, proto) as probe:
+                probe.settimeout(2.0)
+                try:
+                    probe.connect(address)
+                except OSError as err:
+                    refused = isinstance(err, ConnectionRefusedError)
+                    met = f"{address[0]}:{port} {'refused the connection' if refused else 'did not answer'}"
+                    continue
+                return f"{address[0]}:{port} answered only as the wait ended"
+    except socket.gaierror as err:
+        return f"MASTER_ADDR={host} does not resolve here ({err.strerror})"
+    return f"{met}: node 0 has not started, or cannot be reached from here"
 
 
 def _is_hostname(host: str) -> bool:

@@ -119,7 +119,7 @@ def test_a_node_that_resolves_node_0s_name_elsewhere_is_named_and_with_store_bin
     strategy.store_bind=all: one world of two across the nodes, one checkpoint folder (the exception and hang tests
     above form the same world with the default store_bind=master_addr, and train in it until their faults)."""
     args = ["--nodes=2", "--ntasks-per-node=1", "--gpus-per-node=0", "slurm/train.sbatch", *FAST, "test=false"]
-    # strategy.store_bind=master_addr: node1 listens on 10.200.1.11 only; node2, refused at 10.200.0.11, gives up after 5 s
+    # strategy.store_bind=master_addr: node1 listens on 10.200.1.11 only; node2, refused at 10.200.0.11, stops after 5 s
     job = cluster.sbatch(*args, "strategy.timeout_s=5")
     info = cluster.wait(job, timeout=180)
     log = cluster.log(job)
