@@ -246,9 +246,7 @@ def test_a_process_killed_while_writing_a_checkpoint_leaves_the_previous_one_who
     assert remove_stale_temp_files(checkpoints) == partial and not partial[0].exists()
 
 
-def test_a_refused_write_before_any_last_ckpt_says_run_again_not_resume_and_one_of_src_eval_names_no_checkpoint(
-    tmp_path,
-):
+def test_a_refused_write_before_any_last_ckpt_says_run_again_not_resume(tmp_path):
     from src.checkpoints.files import refused_write
 
     checkpoints = tmp_path / "checkpoints"
