@@ -169,6 +169,21 @@ def without_root_permissions(call, *args):
     return answer["result"]
 
 
+def refusal_lines(check, items, taken: str = "taken") -> list[str]:
+    """For each of ``items``: the line of the UserError ``check(item)`` raises, or ``taken``."""
+    from src.core.errors import UserError
+
+    lines = []
+    for item in items:
+        try:
+            check(item)
+        except UserError as err:
+            lines.append(str(err))
+        else:
+            lines.append(taken)
+    return lines
+
+
 def output(result) -> str:
     return result.stdout + result.stderr
 

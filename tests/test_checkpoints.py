@@ -20,7 +20,16 @@ import torch
 from src.checkpoints.files import AtomicCheckpointIO, remove_stale_temp_files
 from src.checkpoints.resume import resume_from
 from src.core.errors import StorageError, UserError
-from tests.conftest import FAST, FAST_RUN, descendants, output, running, train, without_root_permissions
+from tests.conftest import (
+    FAST,
+    FAST_RUN,
+    descendants,
+    output,
+    refusal_lines,
+    running,
+    train,
+    without_root_permissions,
+)
 from tests.test_supervision import LONG, error_lines, finish, last_step, start_and_wait_for_step
 
 # Deterministic CPU training, 2 epochs of 12 steps, last.ckpt every 2 steps.
@@ -547,15 +556,12 @@ def _checkpoint_folder_refusals(folders: list[str]) -> list[str]:
 
     from src.core.settings import check_checkpoint_folder
 
-    lines = []
-    for folder in folders:
-        try:
-            check_checkpoint_folder(OmegaConf.create({"task_name": "train", "paths": {"checkpoints": folder}}))
-        except UserError as err:
-            lines.append(str(err))
-        else:
-            lines.append("taken")
-    return lines
+    return refusal_lines(
+        lambda folder: check_checkpoint_folder(
+            OmegaConf.create({"task_name": "train", "paths": {"checkpoints": folder}})
+        ),
+        folders,
+    )
 
 
 def test_a_checkpoint_folder_that_cannot_be_made_or_written_is_one_line_as_the_run_starts(tmp_path):

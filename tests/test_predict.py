@@ -19,7 +19,7 @@ from src.data.in_memory import eval_transform
 from src.predict import json_flag
 from src.serving.formats import load_classifier, load_model
 from src.serving.images import image_files, read_image
-from tests.conftest import ROOT, needs_sample, output, run_module, without_root_permissions
+from tests.conftest import ROOT, needs_sample, output, refusal_lines, run_module, without_root_permissions
 
 COUNT = 6  # PNG files written from the sample's first test images
 
@@ -301,16 +301,7 @@ def test_dash_dash_json_prints_json_alone_on_stdout(sample_checkpoint, sample_pn
 
 
 def _image_refusals(paths: list[str]) -> list[str]:
-    lines = []
-    for path in paths:
-        try:
-            for file in image_files(path):
-                read_image(file)
-        except UserError as err:
-            lines.append(str(err))
-        else:
-            lines.append("read")
-    return lines
+    return refusal_lines(lambda path: [read_image(file) for file in image_files(path)], paths, taken="read")
 
 
 def test_images_behind_permissions_and_an_empty_file_are_one_line_each(tmp_path):

@@ -402,19 +402,22 @@ def assert_user_error(result, *words: str, seconds: float | None = None) -> None
 
 def test_a_rank_whose_peers_never_arrive_fails_after_the_timeout_naming_the_rendezvous(tmp_path):
     port = free_port()
+
+    def alone(node_rank: int):  # one node of two, by hand, whose peer never starts
+        return train(
+            *FAST,
+            "strategy=ddp",
+            "trainer.devices=1",
+            "trainer.num_nodes=2",
+            "strategy.timeout_s=5",
+            f"hydra.run.dir={tmp_path}/node{node_rank}",
+            env={"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "NODE_RANK": str(node_rank)},
+            timeout=120,
+        )
+
     start = time.monotonic()
-    result = train(
-        *FAST,
-        "strategy=ddp",
-        "trainer.devices=1",
-        "trainer.num_nodes=2",
-        "strategy.timeout_s=5",
-        f"hydra.run.dir={tmp_path}",
-        env={"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "NODE_RANK": "0"},
-        timeout=120,
-    )
     assert_user_error(
-        result,
+        alone(0),
         f"MASTER_ADDR:MASTER_PORT=127.0.0.1:{port}",
         "NODE_RANK=0",
         "world size 2",
@@ -428,16 +431,7 @@ def test_a_rank_whose_peers_never_arrive_fails_after_the_timeout_naming_the_rend
     # node 1's side, node 0 never started: before, torch's client waited the timeout twice (20 s took 59 s) and
     # printed c10d's warnings and two C++ stacks
     start = time.monotonic()
-    result = train(
-        *FAST,
-        "strategy=ddp",
-        "trainer.devices=1",
-        "trainer.num_nodes=2",
-        "strategy.timeout_s=5",
-        f"hydra.run.dir={tmp_path}/node1",
-        env={"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "NODE_RANK": "1"},
-        timeout=120,
-    )
+    result = alone(1)
     assert_user_error(
         result,
         f"error: rank 1 (NODE_RANK=1) could not form a process group of world size 2 at MASTER_ADDR:MASTER_PORT="
