@@ -331,3 +331,17 @@ def test_images_behind_permissions_and_an_empty_file_are_one_line_each(tmp_path)
     ]
     with pytest.raises(UserError, match=r"empty.png cannot be decoded as an image .* damaged or truncated one"):
         read_image(tmp_path / "empty.png")
+
+
+def test_an_exported_model_or_checkpoint_that_may_not_be_read_is_one_line_saying_so(tmp_path):
+    """Before: onnxruntime's `system error number 13` and safetensors' `No such file or directory` for a file that
+    is there, unreadable."""
+    for name in ("m.onnx", "m.safetensors", "m.ckpt"):
+        (tmp_path / name).write_bytes(b"x")
+        (tmp_path / name).chmod(0o000)
+    paths = [f"{tmp_path}/{name}" for name in ("m.onnx", "m.safetensors", "m.ckpt")]
+    lines = without_root_permissions(refusal_lines, lambda path: load_model(path, trusted=False), paths)
+    assert lines == [
+        f"ckpt_path={path} cannot be read (Permission denied): fix its permissions, or pass another checkpoint"
+        for path in paths
+    ]

@@ -160,6 +160,12 @@ def load_model(given: str | Path, trusted: bool) -> tuple[Callable[[torch.Tensor
     refused = not_a_file("ckpt_path", path, "a .ckpt of src.train, or a .onnx / .safetensors of src.export")
     if refused is not None:
         raise UserError(refused)
+    try:  # before: onnxruntime's "system error number 13", safetensors' "No such file or directory"
+        path.open("rb").close()
+    except OSError as err:
+        raise UserError(
+            f"ckpt_path={path} cannot be read ({err.strerror}): fix its permissions, or pass another checkpoint"
+        ) from None
     if path.suffix == ".onnx":
         return onnx_model(path)
     if path.suffix == ".safetensors":
