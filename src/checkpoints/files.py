@@ -245,6 +245,11 @@ def not_a_file(key: str, path: Path, wanted: str) -> str | None:
     return f"{key}={path} is a folder: pass a file in it, such as {key}={newest}"
 
 
+def cannot_read(key: str, shown: str | Path, err: OSError) -> str:
+    """The line for a checkpoint or exported model that is there but cannot be opened (its permissions)."""
+    return f"{key}={shown} cannot be read ({err.strerror}): fix its permissions, or pass another checkpoint"
+
+
 def _local_copy(url: str, key: str) -> Path:
     """The node-local copy of an object-store checkpoint; a missing or unreadable object is one UnreadableCheckpoint."""
     object_store.check_url(url, key)
@@ -272,9 +277,7 @@ def read_checkpoint(path: str | Path, key: str = "ckpt_path", trusted: bool = Fa
         with open(path, "rb") as f:
             intact = zipfile.is_zipfile(f)  # torch.save writes a zip archive: a cut-off one lacks its directory
     except OSError as err:
-        raise UnreadableCheckpoint(
-            f"{key}={shown} cannot be read ({err.strerror}): fix its permissions, or pass another checkpoint"
-        ) from err
+        raise UnreadableCheckpoint(cannot_read(key, shown, err)) from err
     if not intact:
         raise UnreadableCheckpoint(
             f"{key}={shown} is not a checkpoint: truncated, corrupt or in another format (not "

@@ -13,7 +13,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from src.core.errors import UserError, check_number, whole
+from src.core.errors import UserError, check_number, whole, write_fix
 
 ACCELERATORS = ("auto", "cpu", "gpu", "cuda", "mps")
 
@@ -222,9 +222,9 @@ def check_checkpoint_folder(cfg: Any) -> None:
             "dir's checkpoints/)"
         )
     if not os.access(step, os.W_OK | os.X_OK, effective_ids=os.access in os.supports_effective_ids):  # as writes
-        read_only = bool(os.statvfs(step).f_flag & os.ST_RDONLY)
-        why = os.strerror(errno.EROFS if read_only else errno.EACCES)
+        code = errno.EROFS if os.statvfs(step).f_flag & os.ST_RDONLY else errno.EACCES
+        refused = OSError(code, os.strerror(code))
         raise UserError(
-            f"paths.checkpoints={value} cannot be written ({why} on {step}): pass paths.checkpoints=DIR somewhere "
-            f"you can write, or {'remount it' if read_only else 'fix its permissions'}"
+            f"paths.checkpoints={value} cannot be written ({refused.strerror} on {step}): pass paths.checkpoints=DIR "
+            f"somewhere you can write, or {write_fix(refused)}"
         )

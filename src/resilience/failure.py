@@ -242,9 +242,11 @@ def _storage_line(err: OSError) -> str:
 
     from src.checkpoints.files import refused_write  # loads torch: only once a run is under way
 
-    run_dir = HydraConfig.get().runtime.output_dir if HydraConfig.initialized() else None
-    trains = not HydraConfig.initialized() or HydraConfig.get().job.name == "train"  # src.eval: no checkpoint to name
-    return refused_write(err, None, Path(run_dir, "checkpoints") if run_dir else None, trains=trains)
+    hydra = HydraConfig.get() if HydraConfig.initialized() else None
+    run_dir = hydra.runtime.output_dir if hydra is not None else None
+    checkpoints = Path(run_dir, "checkpoints") if run_dir else None
+    trains = hydra is None or hydra.job.name == "train"  # src.eval: no checkpoint to name
+    return refused_write(err, None, checkpoints, trains=trains)
 
 
 def _log_traceback(err: BaseException, log_dir: str | None, console: bool = True) -> str | None:

@@ -155,21 +155,17 @@ def load_model(given: str | Path, trusted: bool) -> tuple[Callable[[torch.Tensor
         model, _ = load_classifier(given, trusted)
         return Normalised(model.net).eval(), class_names(None, model.hparams.num_classes)
     path = Path(given)
-    from src.checkpoints.files import not_a_file
+    from src.checkpoints.files import cannot_read, not_a_file
 
     refused = not_a_file("ckpt_path", path, "a .ckpt of src.train, or a .onnx / .safetensors of src.export")
     if refused is not None:
         raise UserError(refused)
-    try:  # before: onnxruntime's "system error number 13", safetensors' "No such file or directory"
-        path.open("rb").close()
-    except OSError as err:
-        raise UserError(
-            f"ckpt_path={path} cannot be read ({err.strerror}): fix its permissions, or pass another checkpoint"
-        ) from None
-    if path.suffix == ".onnx":
-        return onnx_model(path)
-    if path.suffix == ".safetensors":
-        return safetensors_model(path)
+    if path.suffix in (".onnx", ".safetensors"):  # a .ckpt: read_checkpoint says so itself
+        try:  # before: onnxruntime's "system error number 13", safetensors' "No such file or directory"
+            path.open("rb").close()
+        except OSError as err:
+            raise UserError(cannot_read("ckpt_path", path, err)) from None
+        return onnx_model(path) if path.suffix == ".onnx" else safetensors_model(path)
     model, _ = load_classifier(path, trusted)
     run_cfg, _ = run_config(path)
     return Normalised(model.net).eval(), class_names(
