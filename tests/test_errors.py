@@ -11,6 +11,7 @@ import re
 import shutil
 import socket
 import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -654,3 +655,51 @@ def test_a_run_dir_write_that_fills_the_disk_names_no_none_and_says_free_space()
     assert unwritable_run_dir(OSError(errno.EACCES, "Permission denied", "/x/run")).startswith(
         "cannot write the run dir: /x/run: Permission denied: pass hydra.run.dir=DIR"
     )
+
+
+@pytest.mark.parametrize(
+    "in_the_way, first, line",
+    [
+        (  # a run dir removed as the run started
+            None,
+            True,
+            "cannot write the run dir: {run}/train_rank1.log: No such file or directory: pass hydra.run.dir=DIR "
+            "(hydra.sweep.dir=DIR with -m) somewhere you can write, or leave it in place while the run starts (it was "
+            "removed as the run wrote there)",
+        ),
+        (  # under torchrun, srun, mpirun: the run dir taken back by the first process, refused by the same mistake, as
+            # this one opened its log there (before: logging's "ValueError: Unable to configure handler 'file'", a
+            # traceback, in torchrun's failure report too)
+            None,
+            False,
+            "the run dir went as this process started ({run}/train_rank1.log: No such file or directory): the run's "
+            "first process ended before the run began and took it back; its line says why",
+        ),
+        (
+            "folder",
+            True,
+            "cannot write the run dir: {run}/train_rank1.log: Is a directory: pass hydra.run.dir=DIR "
+            "(hydra.sweep.dir=DIR with -m) somewhere you can write, or move the folder in its way",
+        ),
+    ],
+)
+def test_a_log_file_hydra_cannot_open_in_the_run_dir_is_one_line(in_the_way, first, line, tmp_path):
+    """Hydra's ``configure_log`` with the project's file handler, in a child (logging's configuration closes every
+    handler of the process it runs in): its ValueError, whose cause is the OSError of the open, is one line."""
+    run = tmp_path / "run"
+    if in_the_way:
+        (run / "train_rank1.log").mkdir(parents=True)
+    log = str(run / "train_rank1.log")
+    script = (
+        "from hydra.core.utils import configure_log\n"
+        "from omegaconf import OmegaConf\n"
+        "from src.core.errors import hydra_error_message\n"
+        "conf = OmegaConf.create({'version': 1, 'disable_existing_loggers': False, 'root': {'handlers': ['file']},\n"
+        f"    'handlers': {{'file': {{'class': 'logging.FileHandler', 'filename': {log!r}}}}}}})\n"
+        "try:\n"
+        "    configure_log(conf)\n"
+        "except ValueError as err:\n"
+        f"    print(hydra_error_message(err, first={first}))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stdout) == (0, line.format(run=run) + "\n"), done

@@ -105,7 +105,7 @@ def _run(main: Callable[[], Any]) -> Any:
         error = carried.error
     except Exception as err:  # noqa: BLE001 - what is not a user's mistake is raised again below
         error = err
-    message = hydra_error_message(error, _task_started)
+    message = hydra_error_message(error, _task_started, first=ranks.is_launch_rank_zero())
     if message is None:
         raise error  # a bug outside the task: its whole traceback
     report(message)

@@ -124,6 +124,10 @@ def write_fix(err: OSError) -> str:
         return "shorten it"
     if err.errno in (errno.EEXIST, errno.ENOTDIR):  # a file where a folder must be
         return "move the file in its way"
+    if err.errno == errno.EISDIR:  # a folder where a file must be
+        return "move the folder in its way"
+    if err.errno == errno.ENOENT:  # a folder made, then gone before the write
+        return "leave it in place while the run starts (it was removed as the run wrote there)"
     if err.errno == errno.EROFS:
         return "remount it writable"
     return "fix its permissions"
@@ -313,8 +317,9 @@ def report(message: str) -> NoReturn:
     sys.exit(EXIT_USER_ERROR)
 
 
-def hydra_error_message(err: Exception, task_started: bool = False) -> str | None:
-    """What to tell the user about an error Hydra raised around the task, or None for a bug."""
+def hydra_error_message(err: Exception, task_started: bool = False, first: bool = True) -> str | None:
+    """What to tell the user about an error Hydra raised around the task, or None for a bug. ``first``: whether this
+    process owns the run dir (the launch's rank zero)."""
     from hydra.errors import CompactHydraException, MissingConfigException, OverrideParseException
     from omegaconf.errors import OmegaConfBaseException
 
@@ -335,7 +340,20 @@ def hydra_error_message(err: Exception, task_started: bool = False) -> str | Non
     if isinstance(err, CompactHydraException):  # Hydra prints these without a traceback too, with OmegaConf's cause
         detail = str(err.__cause__).splitlines()[0] if isinstance(err.__cause__, OmegaConfBaseException) else ""
         return f"{str(err).strip()} ({detail})" if detail else str(err)
+    if (
+        isinstance(err, ValueError)
+        and isinstance(err.__cause__, OSError)
+        and _raised_in(err, os.path.join("logging", "config.py"))
+    ):
+        # logging's "Unable to configure handler 'file'": this process's log could not be opened in the run dir (a
+        # folder in its way; under a launcher, the run dir taken back by the first rank, refused as this one started)
+        err = err.__cause__
     if isinstance(err, OSError) and not task_started:  # Hydra's own writes: the run dir, its log file
+        if err.errno == errno.ENOENT and not first:  # what its launcher's other processes see, or say in its report
+            return (
+                f"the run dir went as this process started ({err.filename}: {err.strerror}): the run's first process "
+                "ended before the run began and took it back; its line says why"
+            )
         return unwritable_run_dir(err)
     if isinstance(err, ValueError) and any(
         _raised_in(err, os.path.join("hydra", *where)) for where in (("_internal", "utils.py"), ("main.py",))
