@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import FAST, ROOT, descendants, free_port, output, process_environ, running
+from tests.conftest import FAST, ROOT, descendants, free_port, late_python, output, process_environ, running
 from tests.test_security import assert_loopback_only
 from tests.test_serving import listeners_of
 
@@ -87,28 +87,45 @@ def wait_for(condition, timeout: float, what: str, proc: subprocess.Popen | None
     pytest.fail(f"no {what} within {timeout:.0f} s")
 
 
+DEVICES_3 = (
+    "error: trainer.devices=3 but torchrun started 2 process(es) on this node (--nproc-per-node=2): leave "
+    "trainer.devices out under torchrun, or make them equal"
+)
+
+
 @pytest.mark.parametrize(
-    "mistake, attempts, line",
+    "mistake, attempts, line, given_dir",
     [
-        (  # found as the task starts (src/cli/entry.py's checks, src/resilience/supervision.py's end)
-            "trainer.devices=3",
-            1,
-            "error: trainer.devices=3 but torchrun started 2 process(es) on this node (--nproc-per-node=2): leave "
-            "trainer.devices out under torchrun, or make them equal",
-        ),
+        # found as the task starts (src/cli/entry.py's checks, src/resilience/supervision.py's end)
+        ("trainer.devices=3", 1, DEVICES_3, False),
+        # the same in a hydra.run.dir=DIR, which worker 1 makes first (local rank 0 starts 1.2 s late): local rank 0
+        # takes it for a dir that was there before the run and keeps it; worker 1, stopped, takes back its files once
+        # local rank 0's lock is free (before: DIR stayed with .lock, .hydra/ and an empty train.log)
+        ("trainer.devices=3", 1, DEVICES_3, True),
         (  # found by Hydra before any task (src/core/errors.py's report), with a restart that fails the same way
             "trainer.max_epoch=3",
             2,
             "error: trainer.max_epoch is not a key of the config: did you mean trainer.max_epochs or "
             "trainer.min_epochs? (a key the config lacks on purpose is added with +trainer.max_epoch=3)",
+            False,
         ),
     ],
 )
 def test_a_mistake_is_one_line_an_attempt_from_local_rank_0_and_torchruns_report_gives_it(
-    mistake, attempts, line, new_run_dirs
+    mistake, attempts, line, given_dir, new_run_dirs, tmp_path
 ):
+    given = tmp_path / "runs" / "run"
+    python = ["--no-python", str(late_python(tmp_path / "python", "LOCAL_RANK", 0))] if given_dir else []
     result = torchrun(
-        "--standalone", "--nproc-per-node=2", f"--max-restarts={attempts - 1}", "-m", "src.train", *FAST, mistake
+        "--standalone",
+        "--nproc-per-node=2",
+        f"--max-restarts={attempts - 1}",
+        *python,
+        "-m",
+        "src.train",
+        *FAST,
+        mistake,
+        *([f"hydra.run.dir={given}"] if given_dir else []),
     )
     assert result.returncode != 0
     errors = [text for text in result.stderr.splitlines() if text.startswith("error:")]
@@ -127,8 +144,9 @@ def test_a_mistake_is_one_line_an_attempt_from_local_rank_0_and_torchruns_report
     # other worker its empty log and any folder it made after local rank 0 had taken them back. Under a full suite's
     # load the agent can stop that worker while it is still starting, before it has met the mistake: its empty log
     # then stays (once in a full run; docs/torchrun.md says so)
-    left = [p for d in new_run_dirs() for p in d.rglob("*")]
+    left = [p for d in [*new_run_dirs(), *[given.parent] * given.parent.exists()] for p in d.rglob("*")]
     assert all(re.fullmatch(r"train_rank1\.log", p.name) and p.stat().st_size == 0 for p in left), left
+    assert not given_dir or not given.parent.exists(), left  # its parent too: worker 1 made it
 
 
 def test_two_workers_train_one_world_with_the_launchers_counts_and_a_restart_resumes_in_the_same_run_dir(

@@ -170,23 +170,39 @@ def forget_refused_run() -> None:
     _made.clear()
     logs = {h.baseFilename for h in logging.getLogger().handlers if isinstance(h, logging.FileHandler)}
     jobs = {Path(log).stem for log in logs if os.path.dirname(log) == str(run_dir)}  # this process's: train
+    if _take_back(run_dir, logs, jobs):
+        for folder in parents:  # only while empty: a run started since may have made its own dir there
+            try:
+                with contextlib.suppress(FileNotFoundError):  # taken back by another rank of the run, refused too
+                    folder.rmdir()
+            except OSError:  # something new in it: it stays
+                return
+
+
+def _take_back(run_dir: Path, logs: set[str], jobs: set[str]) -> bool:
+    """Remove ``run_dir`` where it holds only what every run writes as it starts (``forget_refused_run``): ``logs``
+    the first process's log files, ``jobs`` their names (``train``: the other ranks' logs, ``train_rank1.log``, go
+    while empty). True where it went (or was gone)."""
     try:
         entries = list(os.scandir(run_dir))
         hydra = [e.name for e in os.scandir(run_dir / ".hydra")] if (run_dir / ".hydra").is_dir() else []
         if not set(hydra) <= HYDRA_RECORD or not all(_start_file(e, logs) or _empty_rank_log(e, jobs) for e in entries):
-            return
+            return False
         for name in hydra:
-            (run_dir / ".hydra" / name).unlink()
+            with contextlib.suppress(FileNotFoundError):  # another rank of the run taking it back (_unheld)
+                (run_dir / ".hydra" / name).unlink()
         # the lock file last: until it goes, a run pointed here is refused, and one that comes after finds the dir
         # empty of this run's files (its own lock then keeps the dir)
         for entry in sorted(entries, key=lambda e: e.name == LOCK_FILE):
             with contextlib.suppress(FileNotFoundError):  # a rank's empty log, which that rank removed meanwhile
                 (os.rmdir if entry.name == ".hydra" else os.unlink)(entry.path)
-        for folder in (run_dir, *parents):  # only while empty: a run started since may have made its own dir there
-            with contextlib.suppress(FileNotFoundError):  # taken back by another rank of the run, refused too
-                folder.rmdir()
+        with contextlib.suppress(FileNotFoundError):  # taken back by another rank of the run, refused too
+            run_dir.rmdir()
+    except FileNotFoundError:  # taken back as it was listed
+        return True
     except OSError:  # something new in it: what is left stays
-        return
+        return False
+    return True
 
 
 def leave_refused_run(wait_s: float = 0.0) -> None:
@@ -207,9 +223,34 @@ def leave_refused_run(wait_s: float = 0.0) -> None:
                     folder.rmdir()
                 break
             except OSError:  # not empty: the first's files, another rank's log, another run's dir
+                if i == 0 and _take_back_unheld(folder):
+                    break
                 if i > 0 or time.monotonic() >= deadline:
                     return
                 time.sleep(0.02)  # the run dir: the first, refused too, is taking its files back
+
+
+def _take_back_unheld(run_dir: Path) -> bool:
+    """Take back the run dir this rank found missing as it started, where the run's first process has ended without
+    taking it back: it found the dir there (this rank, or another, made it first: ``hydra.run.dir=DIR`` under a
+    launcher) and took it for one that was there before the run. Only once the first's lock is free (it has ended),
+    and only its start files (``_take_back``). True where the dir went."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return False
+    job = HydraConfig.get().job.name
+    try:
+        fd = os.open(run_dir / LOCK_FILE, os.O_RDWR | os.O_CLOEXEC)
+    except OSError:  # no lock yet: the first has not held the dir (or has taken it back)
+        return False
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held: the first lives (or locks fail here): it stays
+        return _take_back(run_dir, {str(run_dir / f"{job}.log")}, {job})
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
 
 
 def _start_file(entry: os.DirEntry, logs: set[str]) -> bool:
