@@ -462,6 +462,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     budget.longest_files_first(items, seconds)
 
 
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    budget.record_took(report)
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     _stop_the_s3_server(session)
     _remove_multiprocessing_folder()

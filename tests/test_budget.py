@@ -69,3 +69,15 @@ def test_a_process_under_a_real_cpu_quota_reads_it_and_its_budget_grows_by_the_c
     assert result.returncode == 0, result.stderr
     cores = len(os.sched_getaffinity(0))
     assert result.stdout.strip().split("|") == ["0.5", str(2 / min(cores, 0.5)), f"a CPU quota of 0.5 of {cores} cores"]
+
+
+def test_the_tests_pace_is_the_weighted_median_of_the_measured_tests_and_a_new_test_counts_nothing():
+    """The budget's second measure of this machine's pace (the larger of the two counts): the tests' own seconds
+    against the reference's, over the whole session."""
+    reference = {f"t{i}": 2.0 for i in range(40)} | {"tiny": 0.1, "slower": 30.0, "faster": 10.0}
+    took = {f"t{i}": 6.0 for i in range(40)} | {"tiny": 5.0, "slower": 300.0, "faster": 10.0, "new": 100.0}
+    # x 3 for most; a test ten times slower than the rest does not move it, nor a tiny one, nor one not measured there
+    assert budget.tests_pace(took, reference) == (3.0, 42)
+    # weighed by the reference's seconds: a long test at its own pace outweighs shorter ones
+    assert budget.tests_pace(took | {"faster": 200.0}, reference | {"faster": 200.0}) == (1.0, 42)
+    assert budget.tests_pace({"t1": 6.0}, reference) is None  # a subset: too few to tell
