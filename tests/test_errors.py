@@ -664,8 +664,8 @@ def test_a_run_dir_write_that_fills_the_disk_names_no_none_and_says_free_space()
             None,
             True,
             "cannot write the run dir: {run}/train_rank1.log: No such file or directory: pass hydra.run.dir=DIR "
-            "(hydra.sweep.dir=DIR with -m) somewhere you can write, or leave it in place while the run starts (it was "
-            "removed as the run wrote there)",
+            "(hydra.sweep.dir=DIR with -m) somewhere you can write, or leave it in place (something removed it as it "
+            "was written)",
         ),
         (  # under torchrun, srun, mpirun: the run dir taken back by the first process, refused by the same mistake, as
             # this one opened its log there (before: logging's "ValueError: Unable to configure handler 'file'", a

@@ -127,7 +127,7 @@ def write_fix(err: OSError) -> str:
     if err.errno == errno.EISDIR:  # a folder where a file must be
         return "move the folder in its way"
     if err.errno == errno.ENOENT:  # a folder made, then gone before the write
-        return "leave it in place while the run starts (it was removed as the run wrote there)"
+        return "leave it in place (something removed it as it was written)"
     if err.errno == errno.EROFS:
         return "remount it writable"
     return "fix its permissions"

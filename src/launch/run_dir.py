@@ -189,7 +189,7 @@ def _take_back(run_dir: Path, logs: set[str], jobs: set[str]) -> bool:
         if not set(hydra) <= HYDRA_RECORD or not all(_start_file(e, logs) or _empty_rank_log(e, jobs) for e in entries):
             return False
         for name in hydra:
-            with contextlib.suppress(FileNotFoundError):  # another rank of the run taking it back (_unheld)
+            with contextlib.suppress(FileNotFoundError):  # another rank of the run taking it back (_take_back_unheld)
                 (run_dir / ".hydra" / name).unlink()
         # the lock file last: until it goes, a run pointed here is refused, and one that comes after finds the dir
         # empty of this run's files (its own lock then keeps the dir)
