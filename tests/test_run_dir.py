@@ -225,6 +225,7 @@ def test_a_refused_torchrun_run_takes_back_what_its_workers_made_whichever_made_
     monkeypatch.setattr(run_dir, "_made", [])
     monkeypatch.setattr(run_dir, "_held", [])
     monkeypatch.setattr(run_dir, "_found_missing", [])
+    monkeypatch.setattr(run_dir, "_found_locked", [])
     root = logging.getLogger()
 
     def refused_first(path, other_log: str, made_by_other: bool):
@@ -274,6 +275,18 @@ def test_a_refused_torchrun_run_takes_back_what_its_workers_made_whichever_made_
     assert not again.parent.exists() and (tmp_path / "runs").is_dir()
     # one it found missing that is not empty (local rank 0's files, or another run's) stays, and its parents with it
     run_dir._found_missing[:] = [tmp_path / "runs" / "day" / "torchrun-b", tmp_path / "runs" / "day"]
+    run_dir.leave_refused_run()
+    assert (tmp_path / "runs" / "day" / "torchrun-b" / ".lock").is_file()
+    # the run dir it found there, locked by the first, which the first took back as Hydra made it again for this rank
+    # (an srun task a moment late: an empty job dir stayed, 1 refusal in 8 by hand): there without the lock now, it
+    # goes while empty; one that was there before the run keeps the first's lock file, and stays
+    run_dir._found_missing[:] = []
+    again = tmp_path / "runs" / "day" / "slurm-1.0"
+    again.mkdir()
+    run_dir._found_locked[:] = [again]
+    run_dir.leave_refused_run()
+    assert not again.exists()
+    run_dir._found_locked[:] = [tmp_path / "runs" / "day" / "torchrun-b"]
     run_dir.leave_refused_run()
     assert (tmp_path / "runs" / "day" / "torchrun-b" / ".lock").is_file()
 

@@ -42,6 +42,7 @@ TAKE_BACK_WAIT_S = 5.0  # how long a refused rank waits for the run's first to t
 _held: list[int] = []  # open for the life of the process: closing the file would drop the lock
 _made: list[Path] = []  # the folders hold() made for this run, its run dir first, then the parents it made
 _found_missing: list[Path] = []  # another rank's: the run dir and parents that were not there as it started
+_found_locked: list[Path] = []  # another rank's: the run dir it found there as it started, locked by the first
 CONFIG_FILE = "config.yaml"  # the resolved config, src/training/trainer.py's record_config
 MULTIRUN_FILE = "multirun.yaml"  # Hydra's record of a sweep's config, in its sweep dir
 HYDRA_RECORD = {"config.yaml", "hydra.yaml", "overrides.yaml"}  # what Hydra writes into DIR/.hydra as a run starts
@@ -63,7 +64,9 @@ class RunDirLock(Callback):
         if is_launch_rank_zero():
             hold(config, "run", shared=bool(launched))
         else:
-            _found_missing[:] = _missing(Path(str(config.hydra.run.dir)))
+            path = Path(str(config.hydra.run.dir)).absolute()
+            _found_missing[:] = _missing(path)
+            _found_locked[:] = [path] if (path / LOCK_FILE).is_file() else []
 
     @not_swallowed
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
@@ -209,14 +212,15 @@ def leave_refused_run(wait_s: float = 0.0) -> None:
     """What a rank other than the run's first takes back as it ends refused: its log while empty, and the folders
     that were not there as it started, while empty: the run dir and its parents, where this rank made them (before
     the first, or again after the first took them back: under mpirun or srun a rank that starts a second late finds
-    the dir gone and makes it again). A torchrun worker, a quiet srun task or mpirun rank does it once the first
-    has ended (src/launch/torchrun.py, ``before_error_line`` in src/launch/ranks.py); a rank that says its own line
-    (mpirun's or srun's, once MPI is initialised or the group formed) waits up to ``wait_s`` for the first to take
-    back its files in the run dir, then takes back the parents it made, which the first, started after it, did not
-    know it made. Only folders this rank made, and only while empty: one another run or rank still uses stays."""
+    the dir gone and makes it again; one that found the dir there as the first had made it, and finds it made again,
+    takes back the run dir: ``_made_again``). A torchrun worker, a quiet srun task or mpirun rank does it once the
+    first has ended (src/launch/torchrun.py, ``before_error_line`` in src/launch/ranks.py); a rank that says its own
+    line (mpirun's or srun's, once MPI is initialised or the group formed) waits up to ``wait_s`` for the first to
+    take back its files in the run dir, then takes back the parents it made, which the first, started after it, did
+    not know it made. Only folders this rank made, and only while empty: one another run or rank still uses stays."""
     drop_empty_run_log()
     deadline = time.monotonic() + wait_s
-    for i, folder in enumerate(_found_missing):  # deepest first
+    for i, folder in enumerate(_found_missing or _made_again()):  # deepest first
         while True:
             try:
                 with contextlib.suppress(FileNotFoundError):  # taken back by the first
@@ -228,6 +232,14 @@ def leave_refused_run(wait_s: float = 0.0) -> None:
                 if i > 0 or time.monotonic() >= deadline:
                     return
                 time.sleep(0.02)  # the run dir: the first, refused too, is taking its files back
+
+
+def _made_again() -> list[Path]:
+    """The run dir this rank found there as it started, locked by the first, where it is there without the lock now:
+    the first took it back (the lock goes last, then the dir), and Hydra made it again for this rank, or another rank
+    of the run did, before the task's first line. A dir that was there before the run keeps its lock file, and
+    stays. (Not the folder's inode: a filesystem such as ext4 gives the one made again the same number.)"""
+    return [path for path in _found_locked if path.is_dir() and not (path / LOCK_FILE).exists()]
 
 
 def _take_back_unheld(run_dir: Path) -> bool:
