@@ -18,6 +18,7 @@ report, on the reference CPU.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import sys
@@ -203,12 +204,9 @@ def tests_pace(took: dict[str, float], reference: dict[str, float]) -> tuple[flo
     )
     if len(ratios) < PACE_MIN_TESTS:
         return None
-    half, weight = sum(there for _, there in ratios) / 2, 0.0
-    for ratio, there in ratios:
-        weight += there
-        if weight >= half:
-            return ratio, len(ratios)
-    return ratios[-1][0], len(ratios)
+    half = sum(there for _, there in ratios) / 2
+    weights = itertools.accumulate(there for _, there in ratios)
+    return next(ratio for (ratio, _), weight in zip(ratios, weights) if weight >= half), len(ratios)
 
 
 def record_took(report: pytest.TestReport) -> None:
