@@ -30,7 +30,7 @@ from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
 from src.core.errors import hydra_error_message, one_line
-from src.core.settings import check_values
+from src.core.settings import check_no_empty_paths, check_values
 from src.launch.run_dir import RESULT_FILE, read_result, write_json
 from src.sweeps.sweep import check_task_values, distinct
 
@@ -80,6 +80,7 @@ def check_jobs(jobs: list[list[str]]) -> str | None:
                     config = compose(config_name="train", overrides=job, return_hydra_config=True)
                     hydra_config.set_config(config)  # the data's paths name ${hydra:runtime.cwd}
                     check_values(config)
+                    check_no_empty_paths(config)  # paths.checkpoints is not checked: the jobs' nodes have their own
                     check_task_values(config)
                 except Exception as err:  # noqa: BLE001 - Hydra's and the checks' refusals, in their words
                     said = hydra_error_message(err)

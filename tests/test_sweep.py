@@ -111,6 +111,13 @@ def test_a_value_every_command_checks_refuses_the_sweep_before_its_first_job_and
     said = "error: job 1 (trainer.num_nodes=2): a -m sweep in a Slurm batch script runs its jobs on this one node"
     assert result.returncode == 2 and said in result.stderr and "src.slurm_sweep" in result.stderr, output(result)
     assert "Run:" not in output(result) and not (tmp_path / "slurm").exists()
+    # a job's paths.checkpoints that cannot be a folder: before, each job was refused as it started, a line a job
+    (tmp_path / "afile").write_text("")
+    checkpoints = f"paths.checkpoints={tmp_path}/ok,{tmp_path}/afile/ck"
+    result = train("-m", *SWEEP, checkpoints, f"hydra.sweep.dir={tmp_path}/c")
+    said = f"error: job 1 (paths.checkpoints={tmp_path}/afile/ck): paths.checkpoints={tmp_path}/afile/ck lies under"
+    assert result.returncode == 2 and said in result.stderr and "no job of the sweep" in result.stderr, output(result)
+    assert "Run:" not in output(result) and not (tmp_path / "c").exists() and not (tmp_path / "ok").exists()
 
 
 def test_sweeping_the_strategy_reports_one_series_per_strategy(tmp_path):
@@ -326,6 +333,8 @@ def test_slurm_sweep_checks_every_jobs_size_first_and_says_a_failed_sbatch_in_on
         # what building the data and the model checks (before: found as the job started, after its queue's wait)
         (["data.batch_size=64,0"], "error: job 1 (data.batch_size=0): data.batch_size=0 must be a whole number >= 1"),
         (["model.arch=resnet18,resnet99"], "error: job 1 (model.arch=resnet99): model.arch=resnet99 is not a"),
+        # a path every command checks as it starts (its folder is not: the jobs' nodes may have their own)
+        (["data.batch_size=8,16", "paths.checkpoints="], "error: job 0 (data.batch_size=8): paths.checkpoints is em"),
     ):
         assert slurm_sweep.main(["--", *overrides]) == 2
         err = capsys.readouterr().err

@@ -22,14 +22,16 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import yaml
+from hydra._internal.core_plugins.basic_launcher import BasicLauncher
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+from hydra.core.hydra_config import HydraConfig
 from hydra.core.utils import JobReturn, JobStatus
 from hydra.experimental.callback import Callback
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from src.core.errors import FAILURE_FILE, UserError, not_swallowed, print_line, user_error_in
-from src.core.settings import check_values
+from src.core.settings import check_checkpoint_folder, check_no_empty_paths, check_values
 from src.launch.ranks import check_sweep_job_nodes, in_sweep
 from src.launch.run_dir import RESULT_FILE, read_result
 from src.resilience import supervision
@@ -138,9 +140,10 @@ class _SkipFinished:
                 pending.clear()
 
         jobs = []
+        here = isinstance(self.launcher, BasicLauncher)  # its jobs run in this process, on this machine
         for num, overrides in enumerate(job_overrides, start=initial_job_idx):  # before any job runs
             config = job_config(self.hydra_context, self.config, num, list(overrides))
-            check_job_values(config, num, distinct(overrides, job_overrides))
+            check_job_values(config, num, distinct(overrides, job_overrides), here)
             jobs.append((num, list(overrides), job_dir(config)))
         for num, overrides, folder in jobs:
             check_same_job(folder, num, overrides)
@@ -193,19 +196,37 @@ def job_dir(job: DictConfig) -> Path:
     ).resolve()
 
 
-def check_job_values(job: DictConfig, num: int, own: list[str]) -> None:
+def check_job_values(job: DictConfig, num: int, own: list[str], here: bool = True) -> None:
     """The values each command checks as it starts (src/core/settings.py), and those building its data and model
     checks (``check_task_values``), for every job before the first runs: a value refused in job 3
-    (``trainer.max_epochs=0,1``, ``data.batch_size=64,0``) was found once jobs 0 to 2 had trained. ``own``: the job's
-    overrides that the others do not share, which the line names."""
+    (``trainer.max_epochs=0,1``, ``data.batch_size=64,0``) was found once jobs 0 to 2 had trained. ``here``: the
+    jobs run on this machine (Hydra's basic launcher), so its folders are theirs: ``paths.checkpoints`` is checked
+    too (a launcher plugin's jobs run elsewhere, where a node's own scratch folder may be all there is). ``own``: the
+    job's overrides that the others do not share, which the line names."""
     try:
         check_values(job)
         nodes = OmegaConf.select(job, "trainer.num_nodes", default=1)
         if isinstance(nodes, int) and not isinstance(nodes, bool):  # any other value: its job says what is wrong
             check_sweep_job_nodes(nodes)
         check_task_values(job)
+        check_job_paths(job, here)
     except UserError as err:
         raise UserError(f"job {num} ({' '.join(own)}): {err}; no job of the sweep started") from None
+
+
+def check_job_paths(job: DictConfig, here: bool) -> None:
+    """A job's paths as its run checks them as it starts: none empty, and (``here``) ``paths.checkpoints`` a folder
+    the job can make and write. The default names the job's own dir (``${paths.output_dir}``), which resolves from
+    Hydra's config of the job, set for the check as Hydra's launcher sets it for the run; the sweep's is put back."""
+    hydra_config = HydraConfig.instance()
+    before = hydra_config.cfg
+    hydra_config.set_config(job)
+    try:
+        check_no_empty_paths(job)
+        if here:
+            check_checkpoint_folder(job)
+    finally:
+        hydra_config.cfg = before
 
 
 TASK_NODES = ("data", "model")  # what a job builds from its config before the ranks meet, each checking its arguments
