@@ -105,6 +105,11 @@ def test_a_value_every_command_checks_refuses_the_sweep_before_its_first_job_and
     said = "error: job 0 (model.optimizer.lr=-0.1): model.optimizer.lr=-0.1 must be a number >= 0; no job of the sweep"
     assert result.returncode == 2 and said in result.stderr, output(result)[-3000:]
     assert "Run:" not in output(result) and (tmp_path / "mine").is_dir()
+    # the default data, whose folder names ${hydra:runtime.cwd}: before, job 0 was refused for the interpolation
+    # ("HydraConfig was not set"), so every -m sweep of CIFAR-10 itself was; its constructor reads nothing
+    result = train("-m", "data.batch_size=64,0", "trainer.accelerator=cpu", f"hydra.sweep.dir={tmp_path}/cifar")
+    said = "error: job 1 (data.batch_size=0): data.batch_size=0 must be a whole number >= 1"
+    assert result.returncode == 2 and result.stderr.startswith(said), output(result)[-3000:]
     # in a Slurm batch script (no srun), a job of two nodes: before, job 0 trained, then job 1 failed
     batch_script = {"SLURM_JOB_ID": "7", "SLURM_JOB_NAME": "sweep", "SLURM_NTASKS": "2", "SLURM_JOB_NUM_NODES": "2"}
     result = train("-m", *SWEEP, "trainer.num_nodes=1,2", f"hydra.sweep.dir={tmp_path}/slurm/sweep", env=batch_script)

@@ -204,26 +204,27 @@ def check_job_values(job: DictConfig, num: int, own: list[str], here: bool = Tru
     too (a launcher plugin's jobs run elsewhere, where a node's own scratch folder may be all there is). ``own``: the
     job's overrides that the others do not share, which the line names."""
     try:
+        check_job(job, here)
+    except UserError as err:
+        raise UserError(f"job {num} ({' '.join(own)}): {err}; no job of the sweep started") from None
+
+
+def check_job(job: DictConfig, here: bool = True) -> None:
+    """``check_job_values``'s checks of one job, in the words of the check that refused it (``hparams_search``'s
+    check of the values its trials may take, too). The job's values are resolved with Hydra's config of the job set,
+    as Hydra's launcher sets it for the run (the data's default folder names ``${hydra:runtime.cwd}``; the default
+    ``paths.checkpoints``, the job's own dir); what was set before is put back."""
+    hydra_config = HydraConfig.instance()
+    before = hydra_config.cfg
+    hydra_config.set_config(job)
+    try:
         check_values(job)
         nodes = OmegaConf.select(job, "trainer.num_nodes", default=1)
         if isinstance(nodes, int) and not isinstance(nodes, bool):  # any other value: its job says what is wrong
             check_sweep_job_nodes(nodes)
         check_task_values(job)
-        check_job_paths(job, here)
-    except UserError as err:
-        raise UserError(f"job {num} ({' '.join(own)}): {err}; no job of the sweep started") from None
-
-
-def check_job_paths(job: DictConfig, here: bool) -> None:
-    """A job's paths as its run checks them as it starts: none empty, and (``here``) ``paths.checkpoints`` a folder
-    the job can make and write. The default names the job's own dir (``${paths.output_dir}``), which resolves from
-    Hydra's config of the job, set for the check as Hydra's launcher sets it for the run; the sweep's is put back."""
-    hydra_config = HydraConfig.instance()
-    before = hydra_config.cfg
-    hydra_config.set_config(job)
-    try:
         check_no_empty_paths(job)
-        if here:
+        if here:  # a launcher plugin's jobs run elsewhere, where a node's own scratch folder may be all there is
             check_checkpoint_folder(job)
     finally:
         hydra_config.cfg = before
