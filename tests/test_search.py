@@ -130,12 +130,32 @@ def test_a_failing_trial_is_recorded_as_failed_and_the_search_says_why(tmp_path)
         "hydra.sweeper.n_trials=1",
         f"hydra.sweep.dir={sweep_dir}",
         *SEARCH,
-        "model.arch=choice(resnet7)",
+        "+callbacks.fault._target_=tests.faults.RaiseAt",  # a failure only the run meets
+        "+callbacks.fault.step=1",
+        "+callbacks.fault.error=builtins.ValueError",
         timeout=120,
     )
     assert result.returncode == 1, output(result)[-4000:]
-    assert "error: 1 of 1 trials failed: trial 0: model.arch=resnet7 is not a torchvision ResNet" in result.stderr
+    assert "error: 1 of 1 trials failed: trial 0: ValueError: injected failure at step 1" in result.stderr
     assert [t.state.name for t in study(sweep_dir).trials] == ["FAIL"]
+
+
+def test_a_value_a_trial_would_refuse_refuses_the_search_before_its_study_and_first_trial(tmp_path):
+    """Before, each trial ran and failed on it, and the study recorded every one as failed: a fixed value, and a
+    searched key's choice (or a range's end) a trial would refuse."""
+    for overrides, said, narrow in (
+        (["model.arch=choice(resnet18,resnet7)"], "error: model.arch=resnet7 is not a torchvision ResNet", "choices"),
+        (["model.optimizer.lr=interval(-0.1,0.5)"], "error: model.optimizer.lr=-0.1 must be a number >= 0", "range"),
+        ([f"paths.checkpoints={tmp_path}/f/ck"], f"error: paths.checkpoints={tmp_path}/f/ck lies under", None),
+    ):
+        (tmp_path / "f").write_text("")  # a file where the last case's checkpoints would go
+        result = train("-m", "hparams_search=optuna", f"hydra.sweep.dir={tmp_path}/s", *SEARCH, *overrides)
+        assert result.returncode == 2 and result.stderr.startswith(said), output(result)[-3000:]
+        assert result.stderr.count("\n") == 1 and result.stderr.endswith("; no trial of the search started\n")
+        key = said.split()[1].split("=")[0]
+        assert (f"(a value the search may try: narrow {key}'s {narrow})" in result.stderr) == (narrow is not None)
+        assert narrow is not None or "narrow" not in result.stderr  # a fixed value: nothing for the search to narrow
+        assert "Launching" not in output(result) and not (tmp_path / "s").exists()  # no study, no trial, no dir
 
 
 def test_a_search_on_several_nodes_or_without_multirun_is_refused_in_one_line(tmp_path):
@@ -192,11 +212,13 @@ def test_a_study_run_again_with_other_fixed_overrides_is_refused(tmp_path):
         ),
     ],
 )
-def test_the_sweepers_own_values_are_one_line_naming_the_key_before_any_trial(settings, words, tmp_path):
+def test_the_sweepers_own_values_are_one_line_naming_the_key_before_any_trial(settings, words, tmp_path, monkeypatch):
     from omegaconf import OmegaConf
 
     from src.sweeps.hparams_search import OptunaSweeper
 
+    # the trials' values are composed with Hydra's context of a real search: checked by the refusal test above
+    monkeypatch.setattr(OptunaSweeper, "_check_trials", lambda *_: None)
     sweeper = OptunaSweeper(**{"n_trials": 1, "params": {"model.optimizer.lr": "interval(0.01, 0.5)"}, **settings})
     sweeper.config = OmegaConf.create({"trainer": {"num_nodes": 1}, "hydra": {"sweep": {"dir": str(tmp_path)}}})
     with pytest.raises(UserError) as refused:

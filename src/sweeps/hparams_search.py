@@ -38,7 +38,7 @@ from omegaconf import DictConfig, OmegaConf
 from src.core.errors import FAILURE_FILE, UserError, check_number, print_line, require, whole
 from src.launch.ranks import is_launch_rank_zero
 from src.launch.run_dir import RESULT_FILE, read_result
-from src.sweeps.sweep import job_config
+from src.sweeps.sweep import check_job, job_config
 from src.sweeps.sweep import job_dir as sweep_job_dir
 
 log = logging.getLogger(__name__)
@@ -98,6 +98,13 @@ class OptunaSweeper(Sweeper):
         storage = self.storage or f"sqlite:///{sweep_dir / STUDY_FILE}"
         optuna.logging.set_verbosity(optuna.logging.WARNING)  # the trials' own lines say what happens
         sampler, pruner = self._built("sampler"), self._built("pruner")
+        job = [
+            *fixed,
+            f"search.storage='{storage}'",
+            f"search.study_name='{self.study_name}'",
+            f"search.params=[{','.join(space)}]",
+        ]
+        self._check_trials(space, job)
         try:
             study = optuna.create_study(
                 study_name=self.study_name,
@@ -125,12 +132,6 @@ class OptunaSweeper(Sweeper):
                 self.n_trials,
             )
         returns = []
-        job = [
-            *fixed,
-            f"search.storage='{storage}'",
-            f"search.study_name='{self.study_name}'",
-            f"search.params=[{','.join(space)}]",
-        ]
         # a trial that an earlier run of this sweep left running was cut short: finish it with its own values
         for trial in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
             returns.append(self._run(study, trial.number, trial.params, job))
@@ -156,6 +157,29 @@ class OptunaSweeper(Sweeper):
                 f"hydra.sweeper.{what}: {words.split(', set env var HYDRA_FULL_ERROR')[0].rstrip('.')}: change "
                 f"hydra.sweeper.{what}.* (its _target_: one of optuna.{what}s)"
             ) from err
+
+    def _check_trials(self, space: dict[str, Any], job: list[str]) -> None:
+        """What each trial checks as it starts, before the study is made or any trial starts: the fixed overrides,
+        and each searched key at both ends of its range and at every choice (a trial's values lie between them).
+        Before, ``trainer.max_epochs=0`` or a choice no model takes failed every trial the search ran, each one
+        recorded in the study as failed. The ends are zipped into jobs (as many as the most choices of a key)."""
+        from hydra._internal.core_plugins.basic_launcher import BasicLauncher
+
+        ends = {key: trial_ends(d) for key, d in space.items()}
+        here = isinstance(self.launcher, BasicLauncher)  # its trials run in this process: its folders are theirs
+        for i in range(max(len(values) for values in ends.values())):
+            tried = {key: values[i] if i < len(values) else values[0] for key, values in ends.items()}
+            overrides = [*(f"{key}={_override_value(v)}" for key, v in tried.items()), *job, "search.trial=0"]
+            try:
+                check_job(job_config(self.hydra_context, self.config, 0, overrides), here)
+            except UserError as err:
+                said = str(err)
+                for key, value in tried.items():
+                    if said.startswith(f"{key}={_override_value(value)}"):
+                        what = "choices" if is_choice(space[key]) else "range"
+                        said += f" (a value the search may try: narrow {key}'s {what})"
+                        break
+                raise UserError(f"{said}; no trial of the search started") from None
 
     def _run(self, study: Any, number: int, params: dict[str, Any], job: list[str]) -> JobReturn:
         """Run trial ``number`` as job ``number`` of the sweep (or take its result, if it finished), and tell the
@@ -266,6 +290,19 @@ def distribution(override: Override) -> Any:
     raise UserError(
         f"{key}: cannot search {override.input_line}: use interval(a,b), choice(a,b,...) or range(a,b,step)"
     )
+
+
+def is_choice(dist: Any) -> bool:
+    from optuna.distributions import CategoricalDistribution
+
+    return isinstance(dist, CategoricalDistribution)
+
+
+def trial_ends(dist: Any) -> list[Any]:
+    """The values of a key's distribution that bound what a trial may take: every choice, or a range's two ends."""
+    if is_choice(dist):
+        return list(dist.choices)
+    return [dist.low] if dist.low == dist.high else [dist.low, dist.high]
 
 
 def _override_value(value: Any) -> str:
