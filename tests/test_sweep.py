@@ -77,11 +77,15 @@ def test_device_sweep_runs_each_job_with_exactly_its_processes_and_reports(strat
 
 def test_a_failing_job_is_reported_and_the_sweep_goes_on(tmp_path):
     sweep_dir = tmp_path / "sweep"
-    result = train("-m", *SWEEP, "trainer.devices=0,2", "strategy=ddp", f"hydra.sweep.dir={sweep_dir}")
+    # job 0's rank 0 raises at its first step; job 1 names a rank its world of two lacks, so it never does (a value
+    # either job refuses as it starts is refused before the first: the test below)
+    fault = ["+callbacks.fault._target_=tests.faults.RaiseAt", "+callbacks.fault.step=0", "+callbacks.fault.rank=0,5"]
+    result = train("-m", *SWEEP, *fault, "trainer.devices=2", "strategy=ddp", f"hydra.sweep.dir={sweep_dir}")
     assert result.returncode == 1, output(result)[-4000:]
-    assert "error: 1 of 2 jobs failed: job 0: trainer.devices=0" in result.stderr
+    said = "error: 1 of 2 jobs failed: job 0: rank 0: RuntimeError: injected failure at step 0 (traceback in"
+    assert said in result.stderr
     failed, ok = job_dirs(sweep_dir)
-    assert "trainer.devices=0" in json.loads((failed / "failure.json").read_text())["error"]
+    assert "injected failure at step 0" in json.loads((failed / "failure.json").read_text())["error"]
     assert len(set(json.loads((ok / "throughput.json").read_text())["pids"])) == 2
     report = (sweep_dir / "scaling.md").read_text()
     assert "## Failed jobs" in report and "job 0" in report
@@ -105,6 +109,11 @@ def test_a_value_every_command_checks_refuses_the_sweep_before_its_first_job_and
     said = "error: job 0 (model.optimizer.lr=-0.1): model.optimizer.lr=-0.1 must be a number >= 0; no job of the sweep"
     assert result.returncode == 2 and said in result.stderr, output(result)[-3000:]
     assert "Run:" not in output(result) and (tmp_path / "mine").is_dir()
+    # what the job's first process checks as it starts its ranks: before, job 0 trained, then job 1 was refused
+    result = train("-m", *SWEEP, "backend=gloo,nccl", f"hydra.sweep.dir={tmp_path}/nccl")
+    said = "error: job 1 (backend=nccl): backend=nccl needs CUDA GPUs, but this run is on the CPU"
+    assert result.returncode == 2 and result.stderr.startswith(said), output(result)[-3000:]
+    assert "Run:" not in output(result) and not (tmp_path / "nccl").exists()
     # the default data, whose folder names ${hydra:runtime.cwd}: before, job 0 was refused for the interpolation
     # ("HydraConfig was not set"), so every -m sweep of CIFAR-10 itself was; its constructor reads nothing
     result = train("-m", "data.batch_size=64,0", "trainer.accelerator=cpu", f"hydra.sweep.dir={tmp_path}/cifar")

@@ -32,7 +32,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from src.core.errors import FAILURE_FILE, UserError, not_swallowed, print_line, user_error_in
 from src.core.settings import check_checkpoint_folder, check_no_empty_paths, check_values
-from src.launch.ranks import check_sweep_job_nodes, in_sweep
+from src.launch.ranks import check_strategy, check_sweep_job_nodes, in_sweep
 from src.launch.run_dir import RESULT_FILE, read_result
 from src.resilience import supervision
 
@@ -226,8 +226,22 @@ def check_job(job: DictConfig, here: bool = True) -> None:
         check_no_empty_paths(job)
         if here:  # a launcher plugin's jobs run elsewhere, where a node's own scratch folder may be all there is
             check_checkpoint_folder(job)
+            check_job_processes(job)
     finally:
         hydra_config.cfg = before
+
+
+def check_job_processes(job: DictConfig) -> None:
+    """What a training's or an evaluation's first process checks as it starts the job's ranks on this node
+    (src/launch/ranks.py's ``check_strategy``): its processes against this node's cores, the backend against the
+    device, the variables a run of several nodes needs. Before, ``trainer.devices=1,2,4`` on two cores trained jobs
+    0 and 1, then refused job 2."""
+    strategy = OmegaConf.select(job, "strategy", default=None)
+    if job.get("task_name") not in ("train", "eval") or strategy is None or "LOCAL_RANK" in os.environ:
+        return  # export and predict start no ranks; a rank's launcher checked (src/launch/ranks.py)
+    check_strategy(
+        strategy.name, strategy.backend, strategy.timeout_s, strategy.accelerator, strategy.devices, strategy.num_nodes
+    )
 
 
 TASK_NODES = ("data", "model")  # what a job builds from its config before the ranks meet, each checking its arguments
