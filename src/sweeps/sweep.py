@@ -200,9 +200,9 @@ def check_job_values(job: DictConfig, num: int, own: list[str], here: bool = Tru
     """The values each command checks as it starts (src/core/settings.py), and those building its data and model
     checks (``check_task_values``), for every job before the first runs: a value refused in job 3
     (``trainer.max_epochs=0,1``, ``data.batch_size=64,0``) was found once jobs 0 to 2 had trained. ``here``: the
-    jobs run on this machine (Hydra's basic launcher), so its folders are theirs: ``paths.checkpoints`` is checked
-    too (a launcher plugin's jobs run elsewhere, where a node's own scratch folder may be all there is). ``own``: the
-    job's overrides that the others do not share, which the line names."""
+    jobs run on this machine (Hydra's basic launcher), so its folders and cores are theirs: ``paths.checkpoints`` and
+    the job's processes are checked too (a launcher plugin's jobs run elsewhere, where a node's own scratch folder may
+    be all there is). ``own``: the job's overrides that the others do not share, which the line names."""
     try:
         check_job(job, here)
     except UserError as err:
