@@ -102,6 +102,14 @@ DEVICES_3 = (
         # takes it for a dir that was there before the run and keeps it; worker 1, stopped, takes back its files once
         # local rank 0's lock is free (before: DIR stayed with .lock, .hydra/ and an empty train.log)
         ("trainer.devices=3", 1, DEVICES_3, True),
+        (  # a sweep, which every worker would run whole (before: worker 1 said the sweep dir was another run's)
+            "-m",
+            1,
+            "error: a -m sweep runs its jobs from one process, which starts each job's ranks, but torchrun started 2: "
+            "start the sweep once, without torchrun (python -m src.train -m ...); on a Slurm cluster, python -m "
+            "src.slurm_sweep submits each job",
+            False,
+        ),
         (  # found by Hydra before any task (src/core/errors.py's report), with a restart that fails the same way
             "trainer.max_epoch=3",
             2,
@@ -116,6 +124,8 @@ def test_a_mistake_is_one_line_an_attempt_from_local_rank_0_and_torchruns_report
 ):
     given = tmp_path / "runs" / "run"
     python = ["--no-python", str(late_python(tmp_path / "python", "LOCAL_RANK", 0))] if given_dir else []
+    sweeps = ROOT / "outputs" / "multirun"  # the default sweep dir's (no test of the suite sweeps into it)
+    swept = set(sweeps.rglob("*"))
     result = torchrun(
         "--standalone",
         "--nproc-per-node=2",
@@ -147,6 +157,7 @@ def test_a_mistake_is_one_line_an_attempt_from_local_rank_0_and_torchruns_report
     left = [p for d in new_run_dirs() for p in d.rglob("*")]
     assert all(re.fullmatch(r"train_rank1\.log", p.name) and p.stat().st_size == 0 for p in left), left
     assert not given.parent.exists(), list(given.parent.rglob("*"))  # its parent too: worker 1 made it
+    assert set(sweeps.rglob("*")) == swept  # the sweep refused before its dir was made
 
 
 def test_two_workers_train_one_world_with_the_launchers_counts_and_a_restart_resumes_in_the_same_run_dir(

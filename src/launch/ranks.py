@@ -195,6 +195,25 @@ def check_sweep_job_nodes(num_nodes: int) -> None:
         )
 
 
+def check_sweep_started_once() -> None:
+    """A ``-m`` sweep (a grid, a search) runs its jobs from the one process the user starts, which starts each job's
+    ranks. Under torchrun, an srun step of several tasks or mpirun with several ranks, every process would run the
+    whole sweep: the first held the sweep dir and the others said it was held by another run. Asked as the sweep
+    starts, before its dir is made (src/launch/run_dir.py's ``RunDirLock``)."""
+    if torchrun.active():
+        launcher, count = "torchrun", os.environ.get("WORLD_SIZE", "1")
+    elif "SLURM_STEP_ID" in os.environ and not in_slurm_batch_script():
+        launcher, count = "srun", os.environ.get("SLURM_STEP_NUM_TASKS") or os.environ.get("SLURM_NTASKS", "1")
+    else:
+        launcher, count = "mpirun", mpi_world_size() or "1"
+    if count.strip().isdigit() and int(count) > 1:
+        raise UserError(
+            f"a -m sweep runs its jobs from one process, which starts each job's ranks, but {launcher} started "
+            f"{count}: start the sweep once, without {launcher} (python -m src.train -m ...); on a Slurm cluster, "
+            "python -m src.slurm_sweep submits each job"
+        )
+
+
 def check_slurm_allocation(devices: int, num_nodes: int) -> None:
     """Under a Slurm job, the processes must come from srun and match the allocation, or DDP waits forever.
 

@@ -33,7 +33,7 @@ from omegaconf import DictConfig, OmegaConf, read_write
 
 from src.core.errors import not_swallowed, print_line, report, unwritable_run_dir
 from src.launch import torchrun
-from src.launch.ranks import drop_empty_run_log, is_launch_rank_zero, launch_name
+from src.launch.ranks import check_sweep_started_once, drop_empty_run_log, is_launch_rank_zero, launch_name
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +70,7 @@ class RunDirLock(Callback):
 
     @not_swallowed
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        check_sweep_started_once()
         hold(config, "sweep")
 
 
