@@ -30,7 +30,7 @@ from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
 from src.core.errors import hydra_error_message, one_line
-from src.core.settings import check_no_empty_paths, check_values
+from src.core.settings import check_no_empty_paths, check_values, hydra_config_of
 from src.launch.run_dir import RESULT_FILE, read_result, write_json
 from src.sweeps.sweep import check_task_values, distinct
 
@@ -69,26 +69,20 @@ def check_jobs(jobs: list[list[str]]) -> str | None:
     wrong, in words, or None. A misspelled key, a group's unknown option or a refused value was each found by a job
     that had queued for its allocation."""
     from hydra import compose, initialize_config_dir
-    from hydra.core.hydra_config import HydraConfig
 
-    hydra_config = HydraConfig.instance()
-    before = hydra_config.cfg  # put back after: a caller's own (this process's, in a test) stays as it was
     with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[1] / "conf"), version_base="1.3"):
-        try:
-            for k, job in enumerate(jobs):
-                try:
-                    config = compose(config_name="train", overrides=job, return_hydra_config=True)
-                    hydra_config.set_config(config)  # the data's paths name ${hydra:runtime.cwd}
+        for k, job in enumerate(jobs):
+            try:
+                config = compose(config_name="train", overrides=job, return_hydra_config=True)
+                with hydra_config_of(config):  # the data's paths name ${hydra:runtime.cwd}
                     check_values(config)
                     check_no_empty_paths(config)  # paths.checkpoints is not checked: the jobs' nodes have their own
                     check_task_values(config)
-                except Exception as err:  # noqa: BLE001 - Hydra's and the checks' refusals, in their words
-                    said = hydra_error_message(err)
-                    if said is None:
-                        raise
-                    return f"job {k} ({' '.join(distinct(job, jobs))}): {one_line(said)}; no job was submitted"
-        finally:
-            hydra_config.cfg = before
+            except Exception as err:  # noqa: BLE001 - Hydra's and the checks' refusals, in their words
+                said = hydra_error_message(err)
+                if said is None:
+                    raise
+                return f"job {k} ({' '.join(distinct(job, jobs))}): {one_line(said)}; no job was submitted"
     return None
 
 

@@ -20,6 +20,7 @@ from omegaconf import DictConfig
 
 from src.checkpoints import object_store
 from src.core.errors import not_swallowed, report
+from src.core.settings import hydra_config_of
 from src.launch import torchrun
 
 
@@ -32,17 +33,11 @@ class EarlierRunCheck(Callback):
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         if not starts_anew(config):
             return
-        from hydra.core.hydra_config import HydraConfig
-
-        hydra_config = HydraConfig.instance()
-        before = hydra_config.cfg  # put back after: run_job sets its own next (and a test's process keeps its own)
         try:
-            hydra_config.set_config(config)  # paths.checkpoints names the run dir through ${output_dir:}
-            folder = str(config.paths.checkpoints)
+            with hydra_config_of(config):  # paths.checkpoints names the run dir through ${output_dir:}
+                folder = str(config.paths.checkpoints)
         except Exception:  # noqa: BLE001 - a value that cannot resolve yet is refused by the run's own checks
             return
-        finally:
-            hydra_config.cfg = before
         if not object_store.is_url(folder):
             refuse_earlier_run(folder, str(config.hydra.run.dir))
 

@@ -5,11 +5,12 @@ takes the fraction of a second Hydra takes."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import stat
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from omegaconf import OmegaConf
 
@@ -228,3 +229,20 @@ def check_checkpoint_folder(cfg: Any) -> None:
             f"paths.checkpoints={value} cannot be written ({refused.strerror} on {step}): pass paths.checkpoints=DIR "
             f"somewhere you can write, or {write_fix(refused)}"
         )
+
+
+@contextlib.contextmanager
+def hydra_config_of(config: Any) -> Iterator[None]:
+    """Hydra's config (``HydraConfig``) set to ``config``'s while its values resolve outside the run Hydra runs it in
+    (a sweep's job before any job runs, a run's before Hydra's ``run_job`` sets it): ``${hydra:runtime.cwd}`` (the
+    data's default folder) and ``${output_dir:}`` (the run dir, the default ``paths.checkpoints``) resolve as in the
+    run. What was set before (the sweep's, a test process's own, none) is put back."""
+    from hydra.core.hydra_config import HydraConfig
+
+    hydra_config = HydraConfig.instance()
+    before = hydra_config.cfg
+    try:
+        hydra_config.set_config(config)
+        yield
+    finally:
+        hydra_config.cfg = before

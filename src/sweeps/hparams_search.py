@@ -38,7 +38,7 @@ from omegaconf import DictConfig, OmegaConf
 from src.core.errors import FAILURE_FILE, UserError, check_number, print_line, require, whole
 from src.launch.ranks import is_launch_rank_zero
 from src.launch.run_dir import RESULT_FILE, read_result
-from src.sweeps.sweep import check_job, job_config
+from src.sweeps.sweep import check_job, job_config, runs_here
 from src.sweeps.sweep import job_dir as sweep_job_dir
 
 log = logging.getLogger(__name__)
@@ -163,10 +163,8 @@ class OptunaSweeper(Sweeper):
         and each searched key at both ends of its range and at every choice (a trial's values lie between them).
         Before, ``trainer.max_epochs=0`` or a choice no model takes failed every trial the search ran, each one
         recorded in the study as failed. The ends are zipped into jobs (as many as the most choices of a key)."""
-        from hydra._internal.core_plugins.basic_launcher import BasicLauncher
-
         ends = {key: trial_ends(d) for key, d in space.items()}
-        here = isinstance(self.launcher, BasicLauncher)  # its trials run in this process: its folders are theirs
+        here = runs_here(self.launcher)
         for i in range(max(len(values) for values in ends.values())):
             tried = {key: values[i] if i < len(values) else values[0] for key, values in ends.items()}
             overrides = [*(f"{key}={_override_value(v)}" for key, v in tried.items()), *job, "search.trial=0"]

@@ -24,14 +24,13 @@ from typing import Any, Sequence
 import yaml
 from hydra._internal.core_plugins.basic_launcher import BasicLauncher
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
-from hydra.core.hydra_config import HydraConfig
 from hydra.core.utils import JobReturn, JobStatus
 from hydra.experimental.callback import Callback
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from src.core.errors import FAILURE_FILE, UserError, not_swallowed, print_line, user_error_in
-from src.core.settings import check_checkpoint_folder, check_no_empty_paths, check_values
+from src.core.settings import check_checkpoint_folder, check_no_empty_paths, check_values, hydra_config_of
 from src.launch.ranks import check_strategy, check_sweep_job_nodes, in_sweep
 from src.launch.run_dir import RESULT_FILE, read_result
 from src.resilience import supervision
@@ -140,7 +139,7 @@ class _SkipFinished:
                 pending.clear()
 
         jobs = []
-        here = isinstance(self.launcher, BasicLauncher)  # its jobs run in this process, on this machine
+        here = runs_here(self.launcher)
         for num, overrides in enumerate(job_overrides, start=initial_job_idx):  # before any job runs
             config = job_config(self.hydra_context, self.config, num, list(overrides))
             check_job_values(config, num, distinct(overrides, job_overrides), here)
@@ -181,6 +180,12 @@ def distinct(job: Sequence[str], jobs: Sequence[Sequence[str]]) -> list[str]:
     return [o for o in job if o not in common] or list(job)
 
 
+def runs_here(launcher: Any) -> bool:
+    """Whether ``launcher`` runs a sweep's jobs in this process, on this machine (Hydra's basic launcher), so that this
+    machine's folders and cores are the jobs' own."""
+    return isinstance(launcher, BasicLauncher)
+
+
 def job_config(hydra_context: HydraContext, config: DictConfig, num: int, overrides: list[str]) -> DictConfig:
     """Job ``num``'s config, composed as Hydra's launcher composes it."""
     job = hydra_context.config_loader.load_sweep_config(config, list(overrides))
@@ -214,10 +219,7 @@ def check_job(job: DictConfig, here: bool = True) -> None:
     check of the values its trials may take, too). The job's values are resolved with Hydra's config of the job set,
     as Hydra's launcher sets it for the run (the data's default folder names ``${hydra:runtime.cwd}``; the default
     ``paths.checkpoints``, the job's own dir); what was set before is put back."""
-    hydra_config = HydraConfig.instance()
-    before = hydra_config.cfg
-    hydra_config.set_config(job)
-    try:
+    with hydra_config_of(job):
         check_values(job)
         nodes = OmegaConf.select(job, "trainer.num_nodes", default=1)
         if isinstance(nodes, int) and not isinstance(nodes, bool):  # any other value: its job says what is wrong
@@ -227,8 +229,6 @@ def check_job(job: DictConfig, here: bool = True) -> None:
         if here:  # a launcher plugin's jobs run elsewhere, where a node's own scratch folder may be all there is
             check_checkpoint_folder(job)
             check_job_processes(job)
-    finally:
-        hydra_config.cfg = before
 
 
 def check_job_processes(job: DictConfig) -> None:
