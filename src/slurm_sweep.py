@@ -29,10 +29,10 @@ from pathlib import Path
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
-from src.core.errors import hydra_error_message, one_line
+from src.core.errors import UserError, hydra_error_message, one_line, print_line
 from src.core.settings import check_no_empty_paths, check_values, hydra_config_of
 from src.launch.run_dir import RESULT_FILE, read_result, write_json
-from src.sweeps.sweep import check_task_values, distinct
+from src.sweeps.sweep import check_grid, check_task_values, distinct
 
 SBATCH_SCRIPT = "slurm/train.sbatch"
 JOBS_FILE = "jobs.json"
@@ -43,6 +43,7 @@ SIZE_KEYS = {"trainer.devices": "--ntasks-per-node", "trainer.num_nodes": "--nod
 
 def expand(overrides: list[str]) -> list[list[str]]:
     """Every job's overrides, in the order ``-m`` would run them."""
+    check_grid(overrides)
     parsed = OverridesParser.create().parse_overrides(overrides)
     return [job for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
 
@@ -112,6 +113,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         jobs = expand(overrides)
+    except UserError as err:
+        print_line(f"error: {err}")
+        return 2
     except Exception as err:  # noqa: BLE001 - Hydra's parser errors are the user's to fix
         print(f"error: cannot expand the sweep: {err}", file=sys.stderr)
         return 2

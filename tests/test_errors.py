@@ -68,6 +68,16 @@ CASES = {
         ["--cfg", "job", "-m", "trainer.devices=1,2"], ["Only one of --run, --multirun", "drop -m"]
     ),
     "run-and-multirun": Case(["--run", "-m", "trainer.devices=1,2"], ["Only one of --run, --multirun, --cfg"]),
+    # a sweep's ranges: before, Hydra's "BasicSweeper does not support sweep type : INTERVAL_SWEEP" traceback, exit 1,
+    # and the sweep dir left behind; the search's sweeper alone: "search.storage is not a key of the config"
+    "range-in-a-grid-sweep": Case(
+        ["-m", *FAST, "model.optimizer.lr=interval(0.01,0.1)", "hydra.sweep.dir={tmp}/runs/range-in-a-grid-sweep"],
+        ["model.optimizer.lr=interval(0.01,0.1) is a range", "a grid sweep cannot run", "hparams_search=optuna"],
+    ),
+    "search-sweeper-alone": Case(
+        ["-m", *FAST, "hydra/sweeper=optuna", "hydra.sweep.dir={tmp}/runs/search-sweeper-alone"],
+        ["hydra/sweeper=optuna", "pass hparams_search=optuna instead"],
+    ),
     "resolve-without-cfg": Case(["--resolve"], ["The --resolve flag can only be used in conjunction with --cfg"]),
     "rerun-of-no-file": Case(["--experimental-rerun", "{tmp}/no.pickle"], ["File {tmp}/no.pickle does not exist"]),
     "broken-interpolation": Case(

@@ -354,6 +354,11 @@ def test_slurm_sweep_checks_every_jobs_size_first_and_says_a_failed_sbatch_in_on
         err = capsys.readouterr().err
         assert err.startswith(said) and err.endswith("; no job was submitted\n") and err.count("\n") == 1, err
     assert HydraConfig.instance().cfg is before  # left set, it broke later in-process tests of the same worker
+    # a range a search draws from: before, "cannot expand the sweep: BasicSweeper does not support sweep type"
+    assert slurm_sweep.main(["--", "model.optimizer.lr=interval(0.01,0.1)"]) == 2
+    assert capsys.readouterr().err.startswith(
+        "error: model.optimizer.lr=interval(0.01,0.1) is a range for a search to draw from, which a grid sweep cannot"
+    )
     assert slurm_sweep.main(["--", "trainer.devices=1,2"]) == 2
     said = capsys.readouterr().err
     assert said.count("\n") == 1 and said.endswith(

@@ -83,6 +83,11 @@ class OptunaSweeper(Sweeper):
         )
 
     def sweep(self, arguments: list[str]) -> list[Sequence[JobReturn]]:
+        if self.config is not None and "search" not in self.config:  # before: "search.storage is not a key"
+            raise UserError(
+                "hydra/sweeper=optuna is the search's sweeper, picked with its search space by hparams_search=optuna: "
+                "pass hparams_search=optuna instead (python -m src.train -m hparams_search=optuna ...)"
+            )
         require("optuna", "optuna", "hparams_search=optuna")
         import optuna
 

@@ -119,6 +119,32 @@ class ResumingSweeper(BasicSweeper):
         super().setup(hydra_context=hydra_context, task_function=task_function, config=config)
         self.launcher = _SkipFinished(self.launcher, hydra_context, config)
 
+    def sweep(self, arguments: list[str]) -> Any:
+        check_grid(arguments)
+        check_grid(self._parse_config(), "hydra.sweeper.params's ")
+        return super().sweep(arguments)
+
+
+def check_grid(overrides: list[str], where: str = "") -> None:
+    """A grid sweep runs listed values; ``interval(...)`` is a range a search draws from. Before, Hydra's
+    ``BasicSweeper does not support sweep type : INTERVAL_SWEEP`` traceback, exit 1, and the sweep dir left behind."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parser = OverridesParser.create()
+    for text in overrides:
+        override = parser.parse_override(text)
+        if override.is_sweep_override() and not override.is_discrete_sweep():
+            key = override.get_key_element()
+            search = (
+                "search it with hparams_search=optuna"
+                if not where
+                else "hparams_search=optuna searches its own params with its own sweeper: leave out hydra/sweeper"
+            )
+            raise UserError(
+                f"{where}{text} is a range for a search to draw from, which a grid sweep cannot run: list the "
+                f"values to run ({key}=A,B or {key}='range(START,STOP,STEP)'), or {search}"
+            )
+
 
 class _SkipFinished:
     """A sweep's launcher, minus the jobs that finished in an earlier run of the sweep dir; any launcher plugin."""
