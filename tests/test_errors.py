@@ -74,6 +74,11 @@ CASES = {
         ["-m", *FAST, "model.optimizer.lr=interval(0.01,0.1)", "hydra.sweep.dir={tmp}/runs/range-in-a-grid-sweep"],
         ["model.optimizer.lr=interval(0.01,0.1) is a range", "a grid sweep cannot run", "hparams_search=optuna"],
     ),
+    # jobs that share a dir: before, job 1 resumed job 0's finished run (a warning, no training), then a traceback
+    "sweep-subdir-shared": Case(
+        ["-m", *FAST, "seed=1,2", "hydra.sweep.dir={tmp}/runs/sweep-subdir-shared", "hydra.sweep.subdir=same"],
+        ["hydra.sweep.subdir=same puts job 0 in", "leave hydra.sweep.subdir out", "no job of the sweep started"],
+    ),
     "search-sweeper-alone": Case(
         ["-m", *FAST, "hydra/sweeper=optuna", "hydra.sweep.dir={tmp}/runs/search-sweeper-alone"],
         ["hydra/sweeper=optuna", "pass hparams_search=optuna instead"],

@@ -245,6 +245,7 @@ def check_job(job: DictConfig, here: bool = True) -> None:
     check of the values its trials may take, too). The job's values are resolved with Hydra's config of the job set,
     as Hydra's launcher sets it for the run (the data's default folder names ``${hydra:runtime.cwd}``; the default
     ``paths.checkpoints``, the job's own dir); what was set before is put back."""
+    check_job_dir(job)
     with hydra_config_of(job):
         check_values(job)
         nodes = OmegaConf.select(job, "trainer.num_nodes", default=1)
@@ -255,6 +256,22 @@ def check_job(job: DictConfig, here: bool = True) -> None:
         if here:  # a launcher plugin's jobs run elsewhere, where a node's own scratch folder may be all there is
             check_checkpoint_folder(job)
             check_job_processes(job)
+
+
+def check_job_dir(job: DictConfig) -> None:
+    """A sweep keeps job N in ``hydra.sweep.dir/N``: the resume, the scaling report and the search read them there.
+    Before, ``hydra.sweep.subdir=same`` ran job 1 as a resume of job 0's finished run (a warning, no training, job 0's
+    test again) and the report ended in a traceback; ``${hydra.job.override_dirname}`` ran every job, then the same."""
+    sweep = OmegaConf.select(job, "hydra.sweep")
+    num = OmegaConf.select(job, "hydra.job.num")
+    if sweep is None or num is None or job_dir(job) == Path(str(sweep.dir), str(num)).resolve():
+        return
+    subdir = OmegaConf.to_container(sweep, resolve=False).get("subdir")  # type: ignore[union-attr]
+    raise UserError(
+        f"hydra.sweep.subdir={subdir} puts job {num} in {job_dir(job)}, but a sweep keeps each job in "
+        "hydra.sweep.dir/<job number> (its resume, its scaling report and a search read them there): leave "
+        "hydra.sweep.subdir out, and name the sweep with hydra.sweep.dir"
+    )
 
 
 def check_job_processes(job: DictConfig) -> None:
