@@ -220,7 +220,8 @@ def test_the_sweepers_own_values_are_one_line_naming_the_key_before_any_trial(se
     # the trials' values are composed with Hydra's context of a real search: checked by the refusal test above
     monkeypatch.setattr(OptunaSweeper, "_check_trials", lambda *_: None)
     sweeper = OptunaSweeper(**{"n_trials": 1, "params": {"model.optimizer.lr": "interval(0.01, 0.5)"}, **settings})
-    sweeper.config = OmegaConf.create({"trainer": {"num_nodes": 1}, "hydra": {"sweep": {"dir": str(tmp_path)}}})
+    config = {"trainer": {"num_nodes": 1}, "hydra": {"sweep": {"dir": str(tmp_path)}}, "search": {}}
+    sweeper.config = OmegaConf.create(config)  # search: what hparams_search=optuna adds, whose sweeper this is
     with pytest.raises(UserError) as refused:
         sweeper.sweep([])
     assert str(refused.value).startswith(words)
