@@ -261,7 +261,7 @@ def check_job(job: DictConfig, here: bool = True) -> None:
 def check_job_dir(job: DictConfig) -> None:
     """A sweep keeps job N in ``hydra.sweep.dir/N``: the resume, the scaling report and the search read them there.
     Before, ``hydra.sweep.subdir=same`` ran job 1 as a resume of job 0's finished run (a warning, no training, job 0's
-    test again) and the report ended in a traceback; ``${hydra.job.override_dirname}`` ran every job, then the same."""
+    test again), and the report, which reads ``N/``, ended in a traceback."""
     sweep = OmegaConf.select(job, "hydra.sweep")
     num = OmegaConf.select(job, "hydra.job.num")
     if sweep is None or num is None or job_dir(job) == Path(str(sweep.dir), str(num)).resolve():
