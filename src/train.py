@@ -37,7 +37,13 @@ def main(cfg: DictConfig) -> float | None:
     from hydra.utils import instantiate
 
     from src.callbacks.trial_pruning import pruned_at
-    from src.checkpoints.resume import check_compatible, resume_from, warn_changed_settings, warn_global_batch_change
+    from src.checkpoints.resume import (
+        check_compatible,
+        resume_from,
+        warn_changed_settings,
+        warn_global_batch_change,
+        warn_nothing_to_train,
+    )
     from src.core.console import quiet_resume
     from src.launch.run_dir import record_result
     from src.models.batch_size import keep_checkpoint_batch
@@ -62,6 +68,8 @@ def main(cfg: DictConfig) -> float | None:
         check_compatible(checkpoint, ckpt_path, model.hparams)
         if cfg.ckpt_path in ("last", "auto") and is_launch_rank_zero():  # the run goes on in its own dir
             warn_changed_settings(cfg)
+        if cfg.ckpt_path != "auto":  # auto: a requeue, which may come after the last epoch, during the test
+            warn_nothing_to_train(checkpoint, ckpt_path, cfg.trainer.max_epochs, cfg.trainer.get("max_steps", -1))
         keep_checkpoint_batch(datamodule, checkpoint)  # data.batch_size=auto resumes with the batch it trained with
     if torchrun.active():  # a restart says where it resumes; at another world size, the global batch stays
         for line in (

@@ -227,9 +227,30 @@ def test_resume_from_last_continues_the_global_step(single_run, tmp_path):
     )
     assert_ok(result)
     assert "Restoring states from the checkpoint" in output(result)
+    assert "nothing is left to train" not in output(result)  # 3 epochs asked, 2 trained
     resumed = checkpoint(tmp_path / "checkpoints" / "last.ckpt")
     assert resumed["global_step"] == 36 and resumed["epoch"] == 2
     assert [e.step for e in scalars(tmp_path)["train/loss"]] == list(range(24, 36))
+
+
+def test_a_resume_of_a_checkpoint_that_trained_every_epoch_asked_says_nothing_is_left_to_train(single_run, capsys):
+    """Before, a finished run resumed into a new dir with its trainer.max_epochs trained nothing, silently, and
+    tested the checkpoint's weights as if it had. The single run's own last.ckpt: 2 epochs, 24 steps."""
+    from src.checkpoints.resume import warn_nothing_to_train
+
+    path = only_last_ckpt(single_run)
+    saved = checkpoint(path)
+    warn_nothing_to_train(saved, path, 2, -1)
+    assert capsys.readouterr().err == (
+        f"warning: ckpt_path={path} has trained 2 epoch(s), 24 step(s), and this run asks for trainer.max_epochs=2: "
+        "nothing is left to train, and the test runs on its weights; to train on, pass trainer.max_epochs above 2 "
+        "(the learning-rate schedule ends with trainer.max_epochs)\n"
+    )
+    warn_nothing_to_train(saved, path, 3, 24)
+    assert "asks for trainer.max_steps=24: nothing is left" in capsys.readouterr().err
+    for max_epochs, max_steps in ((3, -1), (3, 25), (None, -1)):  # something left to train
+        warn_nothing_to_train(saved, path, max_epochs, max_steps)
+    assert capsys.readouterr().err == ""
 
 
 @pytest.mark.parametrize(

@@ -299,6 +299,27 @@ def warn_global_batch_change(
     )
 
 
+def warn_nothing_to_train(checkpoint: dict[str, Any], path: str | Path, max_epochs: Any, max_steps: Any) -> None:
+    """One warning line where the checkpoint a run resumes from has trained all the epochs (or steps) this run
+    asks for: Lightning trains nothing then, silently, and the run goes on to its test. Before, a finished run resumed
+    into a new dir to train on (``trainer.max_epochs`` as before) looked like a run that had trained."""
+    progress = checkpoint.get("loops", {}).get("fit_loop", {}).get("epoch_progress", {}).get("current", {})
+    epochs, step = progress.get("processed"), checkpoint.get("global_step")
+    if not isinstance(epochs, int) or not isinstance(step, int):
+        return  # not a checkpoint of Lightning's fit loop: Lightning's own load says what is wrong
+    if isinstance(max_steps, int) and not isinstance(max_steps, bool) and 0 <= max_steps <= step:
+        asked, more = f"trainer.max_steps={max_steps}", f"trainer.max_steps above {step}"
+    elif isinstance(max_epochs, int) and not isinstance(max_epochs, bool) and 0 <= max_epochs <= epochs:
+        asked, more = f"trainer.max_epochs={max_epochs}", f"trainer.max_epochs above {epochs}"
+    else:
+        return
+    _warn(
+        f"ckpt_path={path} has trained {epochs} epoch(s), {step} step(s), and this run asks for {asked}: nothing is "
+        f"left to train, and the test runs on its weights; to train on, pass {more} (the learning-rate schedule "
+        "ends with trainer.max_epochs)"
+    )
+
+
 _ABSENT = object()
 
 
