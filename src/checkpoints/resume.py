@@ -299,17 +299,19 @@ def warn_global_batch_change(
     )
 
 
-def warn_nothing_to_train(checkpoint: dict[str, Any], path: str | Path, max_epochs: Any, max_steps: Any) -> None:
+def warn_nothing_to_train(checkpoint: dict[str, Any], path: str | Path, max_epochs: int | None, max_steps: int) -> None:
     """One warning line where the checkpoint a run resumes from has trained all the epochs (or steps) this run
     asks for: Lightning trains nothing then, silently, and the run goes on to its test. Before, a finished run resumed
-    into a new dir to train on (``trainer.max_epochs`` as before) looked like a run that had trained."""
+    into a new dir to train on (``trainer.max_epochs`` as before) looked like a run that had trained. The two limits
+    are the run's, checked as it started (src/core/settings.py: ``max_epochs`` null or >= 1, ``max_steps`` -1 or
+    >= 1); the checkpoint's progress is the file's, read as Lightning's fit loop compares it with them."""
     progress = checkpoint.get("loops", {}).get("fit_loop", {}).get("epoch_progress", {}).get("current", {})
     epochs, step = progress.get("processed"), checkpoint.get("global_step")
     if not isinstance(epochs, int) or not isinstance(step, int):
         return  # not a checkpoint of Lightning's fit loop: Lightning's own load says what is wrong
-    if isinstance(max_steps, int) and not isinstance(max_steps, bool) and 0 <= max_steps <= step:
+    if 0 < max_steps <= step:
         asked, more = f"trainer.max_steps={max_steps}", f"trainer.max_steps above {step}"
-    elif isinstance(max_epochs, int) and not isinstance(max_epochs, bool) and 0 <= max_epochs <= epochs:
+    elif max_epochs is not None and max_epochs <= epochs:
         asked, more = f"trainer.max_epochs={max_epochs}", f"trainer.max_epochs above {epochs}"
     else:
         return
