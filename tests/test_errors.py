@@ -79,6 +79,17 @@ CASES = {
         ["-m", *FAST, "seed=1,2", "hydra.sweep.dir={tmp}/runs/sweep-subdir-shared", "hydra.sweep.subdir=same"],
         ["hydra.sweep.subdir=same puts job 0 in", "leave hydra.sweep.subdir out", "no job of the sweep started"],
     ),
+    # a checkpoint missing in the second job: before, job 0 was evaluated, then job 1 failed as it started
+    "sweep-checkpoint-missing": Case(
+        [
+            "-m",
+            *EVAL,
+            "ckpt_path={tmp}/resnet18.ckpt,{tmp}/missing.ckpt",
+            "hydra.sweep.dir={tmp}/runs/sweep-checkpoint-missing",
+        ],
+        ["job 1 (ckpt_path={tmp}/missing.ckpt)", "does not exist", "no job of the sweep started"],
+        module="src.eval",
+    ),
     "search-sweeper-alone": Case(
         ["-m", *FAST, "hydra/sweeper=optuna", "hydra.sweep.dir={tmp}/runs/search-sweeper-alone"],
         ["hydra/sweeper=optuna", "pass hparams_search=optuna instead"],

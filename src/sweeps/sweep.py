@@ -256,6 +256,7 @@ def check_job(job: DictConfig, here: bool = True) -> None:
         if here:  # a launcher plugin's jobs run elsewhere, where a node's own scratch folder may be all there is
             check_checkpoint_folder(job)
             check_job_processes(job)
+            check_given_checkpoint(job)
 
 
 def check_job_dir(job: DictConfig) -> None:
@@ -285,6 +286,24 @@ def check_job_processes(job: DictConfig) -> None:
     check_strategy(
         strategy.name, strategy.backend, strategy.timeout_s, strategy.accelerator, strategy.devices, strategy.num_nodes
     )
+
+
+def check_given_checkpoint(job: DictConfig) -> None:
+    """The checkpoint a job is given (``ckpt_path=PATH``: an evaluation's, or a training's that starts from it) is a
+    file here. Before, ``python -m src.eval -m ckpt_path=A,B`` with B missing evaluated A, then job 1 failed as it
+    started. Whether it is there only: each job reads its own checkpoint whole as it starts, and an object store's
+    (``s3://``) is read there too."""
+    given = OmegaConf.select(job, "ckpt_path", default=None, throw_on_missing=False)
+    if job.get("task_name") not in ("train", "eval") or not isinstance(given, str) or given in ("", "last", "auto"):
+        return  # last and auto: the job's own run dir, which may hold nothing yet
+    from src.checkpoints import object_store
+    from src.checkpoints.files import not_a_file
+
+    if object_store.is_url(given):
+        return
+    refused = not_a_file("ckpt_path", Path(given), "the path of a .ckpt file written by src.train")
+    if refused is not None:
+        raise UserError(refused)
 
 
 TASK_NODES = ("data", "model")  # what a job builds from its config before the ranks meet, each checking its arguments
