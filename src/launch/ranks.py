@@ -102,6 +102,13 @@ def check_mpi() -> None:
         ) from None
 
 
+def check_strategy_of(strategy: Any) -> tuple[str, int]:
+    """``check_strategy`` of a composed ``cfg.strategy``."""
+    return check_strategy(
+        strategy.name, strategy.backend, strategy.timeout_s, strategy.accelerator, strategy.devices, strategy.num_nodes
+    )
+
+
 def start_local_ranks(strategy: Any, ckpt_path: str | None = None) -> tuple[list[subprocess.Popen], list[int]]:
     """In the process the user started, start this node's other ranks now, if this run has any (ddp, >1 device).
 
@@ -114,9 +121,7 @@ def start_local_ranks(strategy: Any, ckpt_path: str | None = None) -> tuple[list
     check_mpi()
     if "LOCAL_RANK" in os.environ:  # a rank started by this project or torchrun: its launcher checked
         return [], []
-    name, local = check_strategy(
-        strategy.name, strategy.backend, strategy.timeout_s, strategy.accelerator, strategy.devices, strategy.num_nodes
-    )
+    name, local = check_strategy_of(strategy)
     check_slurm_allocation(local, strategy.num_nodes)
     check_mpi_world(local, strategy.num_nodes)
     if name != "ddp" or local == 1 or ranks_placed_by_launcher():

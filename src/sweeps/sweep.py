@@ -31,7 +31,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from src.core.errors import FAILURE_FILE, UserError, not_swallowed, print_line, user_error_in
 from src.core.settings import check_checkpoint_folder, check_no_empty_paths, check_values, hydra_config_of
-from src.launch.ranks import check_strategy, check_sweep_job_nodes, in_sweep
+from src.launch.ranks import check_strategy_of, check_sweep_job_nodes, in_sweep
 from src.launch.run_dir import RESULT_FILE, read_result
 from src.resilience import supervision
 
@@ -283,9 +283,7 @@ def check_job_processes(job: DictConfig) -> None:
     strategy = OmegaConf.select(job, "strategy", default=None)
     if job.get("task_name") not in ("train", "eval") or strategy is None or "LOCAL_RANK" in os.environ:
         return  # export and predict start no ranks; a rank's launcher checked (src/launch/ranks.py)
-    check_strategy(
-        strategy.name, strategy.backend, strategy.timeout_s, strategy.accelerator, strategy.devices, strategy.num_nodes
-    )
+    check_strategy_of(strategy)
 
 
 def check_given_checkpoint(job: DictConfig) -> None:
