@@ -1,8 +1,9 @@
 """cifar10-ddp: ResNet on CIFAR-10 with Lightning + Hydra, from one CPU to many GPU nodes."""
 
-from src.core import startup
+from src.core import startup, user_folders
 
 startup.pause()  # python -m src.train (eval, export, predict): the garbage collector off while they load
+user_folders.matplotlib_folder()  # before torchmetrics imports matplotlib: a folder of its own where home is read-only
 
 from omegaconf import OmegaConf  # noqa: E402
 

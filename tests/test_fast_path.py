@@ -206,8 +206,10 @@ def test_the_measurement_is_kept_per_network_and_read_back_by_later_processes(mo
     assert all(f"torch {torch.__version__}" in key and fp.cpu_model() in key for key in kept)
 
 
-def test_processes_starting_together_measure_once_and_agree(tmp_path):
+def test_processes_starting_together_measure_once_and_agree_in_a_home_that_cannot_be_written(tmp_path):
     """Two real processes, no cache yet: the file lock makes one time the steps while the other waits for its answer.
+    Their home cannot be written (a container run as a user without one): the answer is kept in the user's node folder
+    (src/core/user_folders.py); before, each process timed its own steps, both at once, and could choose otherwise.
     The probe times the FAST runs' narrow network: its real steps, at a fraction of ResNet-18's (and bf16, which the
     CPU is said to have, may be emulated)."""
     code = (
@@ -218,8 +220,10 @@ def test_processes_starting_together_measure_once_and_agree(tmp_path):
         "fp.measure_bf16_speedup = measure; chosen = fp.fast_path('cpu', 'resnet18');"
         "print(chosen.precision, len(timed), fp.bf16_speedup('resnet18'))"
     )
-    env = {"XDG_CACHE_HOME": str(tmp_path / "cache"), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
-    env["TMPDIR"] = gettempdir()  # the session's (tests/conftest.py), not the machine's /tmp
+    (tmp_path / "file").write_text("")  # a cache folder under a file: nothing can be made there
+    env = {"XDG_CACHE_HOME": str(tmp_path / "file" / "cache"), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
+    env["TMPDIR"] = str(tmp_path / "node")
+    (tmp_path / "node").mkdir()
     procs = [
         subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
         for _ in range(2)
@@ -228,7 +232,7 @@ def test_processes_starting_together_measure_once_and_agree(tmp_path):
     assert all(p.returncode == 0 for p in procs)
     assert sorted(a[1] for a in answers) == ["0", "1"]  # one measured, the other read its answer
     assert answers[0][0] == answers[1][0] and answers[0][2] == answers[1][2]
-    kept = json.loads((tmp_path / "cache" / "cifar10-ddp" / "cpu-bf16.json").read_text())
+    kept = json.loads((tmp_path / "node" / f"cifar10-ddp-{os.getuid()}" / "cifar10-ddp" / "cpu-bf16.json").read_text())
     (record,) = kept.values()
     assert record["fp32_img_s"] > 0 and record["bf16_img_s"] > 0 and len(record["pairs"]) == fp.PROBE_PAIRS
     assert record["speedup"] == statistics.median(record["pairs"])

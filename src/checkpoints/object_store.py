@@ -29,12 +29,12 @@ import logging
 import os
 import re
 import socket
-import stat
 import tempfile
 import time
 from pathlib import Path
 from typing import Any, Iterator
 
+from src.core import user_folders
 from src.core.errors import StorageError, UserError, require, storage_error_in
 
 log = logging.getLogger(__name__)
@@ -269,25 +269,11 @@ def local_copy(url: str) -> Path:
 
 
 def node_folder() -> Path:
-    """This user's folder in the node's temp dir (``TMPDIR``), made on first use: the copies downloaded, and the
-    checkpoints staged before a put. One a user, its mode 0700: every job of a node shares /tmp, and a folder of one
-    user's would refuse another's ranks (and show them its checkpoints). The staged files of processes killed half way
-    (SIGKILL, the OOM killer: no ``finally`` runs; a checkpoint's size each) are removed on first use in a process."""
+    """This user's folder in the node's temp dir (src/core/user_folders.py's ``node_folder``): the copies downloaded,
+    and the checkpoints staged before a put. The staged files of processes killed half way (SIGKILL, the OOM killer:
+    no ``finally`` runs; a checkpoint's size each) are removed on first use in a process."""
     global _swept
-    folder = node_folder_path()
-    try:
-        folder.mkdir(mode=0o700, exist_ok=True)
-        found = folder.lstat()
-    except OSError as err:
-        raise StorageError(
-            f"cannot make {folder} for the checkpoints this node stages ({err.strerror}): point TMPDIR at a writable "
-            "local folder"
-        ) from None
-    if not stat.S_ISDIR(found.st_mode) or found.st_uid != os.getuid():
-        raise StorageError(
-            f"{folder} is not a folder of this user's (uid {os.getuid()}): another user or a link holds its name; "
-            "point TMPDIR at a folder of your own"
-        )
+    folder = user_folders.node_folder()
     if not _swept:
         _swept = True
         remove_stale_stages(folder)
@@ -316,9 +302,7 @@ def remove_unused_copies(folder: Path, older_than_s: float = UNUSED_COPY_S) -> l
     return removed
 
 
-def node_folder_path() -> Path:
-    """Where ``node_folder()`` is, made or not: ``$TMPDIR/cifar10-ddp-UID``."""
-    return Path(tempfile.gettempdir()) / f"cifar10-ddp-{os.getuid()}"
+node_folder_path = user_folders.node_folder_path
 
 
 @contextlib.contextmanager

@@ -15,8 +15,9 @@ The choice follows what the machine reports and what it measures, never a guess 
   bf16 on an AVX512_BF16 AMD EPYC, and 0.8x on an AVX512_BF16 Intel Xeon without AMX (docs/performance.md,
   "The CPU fast path"). So the network's train step is timed once in both (``measure_bf16_speedup``: pairs of
   steps and their median), and the result kept per CPU model, torch version and network in
-  ``~/.cache/cifar10-ddp/cpu-bf16.json`` (``$XDG_CACHE_HOME``): the processes of a run, and every later run on
-  such a CPU, read the same answer; one taken on a busy CPU, the runs of the next ten minutes.
+  ``~/.cache/cifar10-ddp/cpu-bf16.json`` (``$XDG_CACHE_HOME``; ``$TMPDIR/cifar10-ddp-UID/cifar10-ddp/`` where the
+  home folder cannot be written): the processes of a run, and every later run on such a CPU, read the same answer;
+  one taken on a busy CPU, the runs of the next ten minutes.
 
 ``benchmarks/cpu_fast_path.py`` measures every combination through ``python -m src.train``.
 """
@@ -35,6 +36,7 @@ from typing import Callable
 
 import torch
 
+from src.core import user_folders
 from src.core.errors import UserError
 from src.launch.run_dir import locked, read_json, write_json
 
@@ -311,8 +313,10 @@ def paired(step: Callable[[bool], float], pairs: int) -> tuple[list[float], list
 
 
 def cache_file() -> Path:
-    """Where measurements are kept: ``$XDG_CACHE_HOME/cifar10-ddp/cpu-bf16.json`` (``~/.cache`` by default)."""
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "cifar10-ddp" / "cpu-bf16.json"
+    """Where measurements are kept: ``$XDG_CACHE_HOME/cifar10-ddp/cpu-bf16.json`` (``~/.cache`` by default); where
+    the home folder cannot be written, in this user's node folder (src/core/user_folders.py), so that the ranks of a
+    node still measure once and agree."""
+    return user_folders.cache_folder("cifar10-ddp") / "cpu-bf16.json"
 
 
 def cpu_model() -> str:
