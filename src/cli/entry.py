@@ -119,9 +119,10 @@ def handle_errors(task: Callable[..., Any]) -> Callable[..., Any]:
         global _task_started
         _task_started = True
         # a log file on a full or read-only disk would print a traceback per record, TensorBoard's writer thread
-        # one when its write fails (it raises the error again in the training loop, where it becomes one line)
+        # one when its write fails (it raises the error again in the training loop, where it becomes one line); a
+        # thread a limit on processes and threads stopped ends the run with its one line
         logging.raiseExceptions = False
-        threading.excepthook = _quiet_storage_errors
+        threading.excepthook = _thread_errors
         heartbeat.register_stack_dump(supervision.rank_label())  # kill -USR2 PID: this process's stacks to its log
         try:
             check_group_choices()
@@ -167,10 +168,12 @@ def handle_errors(task: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
-def _quiet_storage_errors(args: threading.ExceptHookArgs) -> None:
+def _thread_errors(args: threading.ExceptHookArgs) -> None:
     if args.exc_value is not None and storage_error_in(args.exc_value) is not None:
         log.debug("thread %s: %s", args.thread.name if args.thread else "?", args.exc_value)
         return
+    if args.exc_value is not None:
+        failure.thread_out_of_tasks(args.exc_value)  # ends the run where a limit on tasks stopped the thread
     threading.__excepthook__(args)
 
 

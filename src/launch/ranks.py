@@ -30,6 +30,7 @@ from src.launch.devices import local_device_count, slurm_detected, srun_task, to
 BACKENDS = ("auto", "nccl", "gloo")
 STRATEGIES = ("auto", "ddp", "ddp_spawn")
 # Environments whose launcher (srun, torchrun, mpirun, jsrun, a Kubeflow job) starts every rank itself.
+STARTED_RANK_STOP_S = 10  # a rank still importing ends on SIGTERM at once; one that got further saves nothing yet
 _EXTERNAL_LAUNCHERS = ("SLURM_NTASKS", "TORCHELASTIC_RUN_ID", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "LSB_JOBID")
 
 
@@ -143,11 +144,23 @@ def spawn_local_ranks(
     environment; return them and their global ranks."""
     command, cwd = child_command()
     command += list(extra)
-    procs, ranks = [], []
-    for local_rank in range(1, local_processes):
-        env = {**os.environ, "LOCAL_RANK": str(local_rank), _LAUNCHER_PID: str(os.getpid())}
-        procs.append(subprocess.Popen(command, env=env, cwd=cwd))
-        ranks.append(node_rank * local_processes + local_rank)
+    procs: list[subprocess.Popen] = []
+    ranks: list[int] = []
+    try:
+        for local_rank in range(1, local_processes):
+            env = {**os.environ, "LOCAL_RANK": str(local_rank), _LAUNCHER_PID: str(os.getpid())}
+            procs.append(subprocess.Popen(command, env=env, cwd=cwd))
+            ranks.append(node_rank * local_processes + local_rank)
+    except OSError:  # a fork refused (a limit on processes reached): the ranks started so far go before the line
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(STARTED_RANK_STOP_S)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        raise
     return procs, ranks
 
 

@@ -51,7 +51,8 @@ from src.core.errors import (
     wants_traceback,
 )
 from src.launch import ranks, torchrun
-from src.resilience import supervision
+from src.resilience import supervision, task_limit
+from src.resilience.task_limit import task_limit_in
 
 log = logging.getLogger(__name__)
 
@@ -136,6 +137,18 @@ def fail(err: BaseException, log_dir: str | None = None, rank_zero: bool | None 
     supervision.end_run(line, code)
 
 
+def thread_out_of_tasks(err: BaseException) -> None:
+    """End the run where ``err``, which ended a thread of this process (a failure or hang watch starting its helper,
+    a writer), is a refused thread or process with a limit on tasks reached: the run's one line, as the main thread's
+    would be. Before, the thread printed its traceback and was gone (a watch no longer watching), and the run went
+    on or ended on another line. Returns where ``err`` is anything else."""
+    limited = task_limit_in(err)
+    line = task_limit.line_for(limited) if limited is not None else None
+    if line is not None:
+        _log_traceback(err, None, console=False)  # in the log file only
+        supervision.end_run(_named(line, True), EXIT_FAILED)
+
+
 def interrupted() -> NoReturn:
     """Ctrl-C where no training step can stop cleanly (starting, between a sweep's jobs): exit 130, one line."""
     supervision.stop_watching_failures(wait=False)
@@ -175,6 +188,11 @@ def describe(err: BaseException, log_dir: str | None = None) -> tuple[str | None
 
         _log_traceback(err, log_dir, console=False)
         return _named(line_for(memory), True), EXIT_FAILED
+    limited = task_limit_in(err)
+    limit_line = task_limit.line_for(limited) if limited is not None else None
+    if limit_line is not None:  # a limit on processes and threads reached: which, and what to change
+        _log_traceback(err, log_dir, console=False)
+        return _named(limit_line, True), EXIT_FAILED
     logged = _log_traceback(err, log_dir)
     where = f" (traceback in {logged})" if logged else ""
     first = str(err).strip().splitlines()[0] if str(err).strip() else ""
