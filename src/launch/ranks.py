@@ -29,8 +29,8 @@ from src.launch.devices import local_device_count, slurm_detected, srun_task, to
 
 BACKENDS = ("auto", "nccl", "gloo")
 STRATEGIES = ("auto", "ddp", "ddp_spawn")
-# Environments whose launcher (srun, torchrun, mpirun, jsrun, a Kubeflow job) starts every rank itself.
 STARTED_RANK_STOP_S = 10  # a rank still importing ends on SIGTERM at once; one that got further saves nothing yet
+# Environments whose launcher (srun, torchrun, mpirun, jsrun, a Kubeflow job) starts every rank itself.
 _EXTERNAL_LAUNCHERS = ("SLURM_NTASKS", "TORCHELASTIC_RUN_ID", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "LSB_JOBID")
 
 
