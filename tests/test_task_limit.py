@@ -8,11 +8,15 @@ whichever rank met the limit first; below that, torch's or gloo's C++ threads ca
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -47,23 +51,52 @@ print("not ended")
 """
 
 
-def pids_cgroups() -> Path | None:
-    """Where a pids cgroup of the test's own can be made (cgroup v1's pids hierarchy, as root), or None."""
-    return V1 if V1.is_dir() and os.access(V1, os.W_OK) and (V1 / "cgroup.procs").exists() else None
+# The child: local ranks started where only one more task fits; the first starts, the second's fork is refused.
+SPAWN = r"""
+import os, subprocess, sys
+from pathlib import Path
+from src.launch import ranks
+group = Path(sys.argv[1])
+(group / "cgroup.procs").write_text(str(os.getpid()))
+(group / "pids.max").write_text(str(int((group / "pids.current").read_text()) + 1))
+started, real = [], subprocess.Popen
+def popen(*args, **kwargs):
+    started.append(real(*args, **kwargs))
+    return started[-1]
+ranks.subprocess.Popen = popen  # each rank started, seen
+ranks.child_command = lambda: (["sleep", "60"], "/")  # a rank's command line, without a Hydra job to re-enter
+try:
+    ranks.spawn_local_ranks(3, 0)
+except OSError as err:
+    print("refused", err.errno, [proc.poll() for proc in started])
+"""
+
+
+@contextlib.contextmanager
+def pids_cgroup() -> Iterator[Path]:
+    """A pids cgroup of the test's own (cgroup v1's pids hierarchy, as root; else the test is skipped), removed after
+    it with anything left in it."""
+    if not (V1.is_dir() and os.access(V1, os.W_OK) and (V1 / "cgroup.procs").exists()):
+        pytest.skip("no pids cgroup this process may make (cgroup v1's pids hierarchy, as root)")
+    group = V1 / f"cifar10-ddp-test-{uuid.uuid4().hex[:8]}"
+    group.mkdir()
+    try:
+        yield group
+    finally:
+        for pid in (group / "cgroup.procs").read_text().split():  # what a failing test left running
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid), signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while (group / "cgroup.procs").read_text().strip() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        group.rmdir()
 
 
 def test_a_limit_on_tasks_reached_is_named_with_what_to_change_for_a_thread_a_fork_and_a_threads_thread(tmp_path):
-    root = pids_cgroups()
-    if root is None:
-        pytest.skip("no pids cgroup this process may make (cgroup v1's pids hierarchy, as root)")
-    group = root / f"cifar10-ddp-test-{uuid.uuid4().hex[:8]}"
-    group.mkdir()
-    try:
+    with pids_cgroup() as group:
         done = subprocess.run(
             [sys.executable, "-c", CHILD, str(group)], cwd=ROOT, capture_output=True, text=True, timeout=120
         )
-    finally:
-        group.rmdir()  # the child has ended: its cgroup is empty
     said = [line for line in done.stdout.splitlines() if line.startswith("describe:")]
     assert len(said) == 2, done.stdout + done.stderr
     assert "can't start new thread: this run may start no more processes or threads (the cgroup's pids.max" in said[0]
@@ -74,6 +107,15 @@ def test_a_limit_on_tasks_reached_is_named_with_what_to_change_for_a_thread_a_fo
     assert done.returncode == 1 and "not ended" not in done.stdout, done.stdout + done.stderr
     assert len(errors) == 1 and "can't start new thread: this run may start no more" in errors[0], done.stderr
     assert "Traceback" not in done.stderr, done.stderr
+
+
+def test_a_local_rank_whose_fork_is_refused_stops_the_ranks_started_before_it():
+    """Before, they were left to notice their launcher gone, each with a line of its own."""
+    with pids_cgroup() as group:
+        done = subprocess.run(
+            [sys.executable, "-c", SPAWN, str(group)], cwd=ROOT, capture_output=True, text=True, timeout=120
+        )
+    assert done.stdout.split() == ["refused", "11", "[-15]"], done.stdout + done.stderr  # EAGAIN; SIGTERM, reaped
 
 
 def test_a_refusal_with_no_limit_reached_keeps_its_own_line():
