@@ -7,16 +7,19 @@ from __future__ import annotations
 import json
 import os
 import re
+import select
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests import warm
 from tests.conftest import FAST, ROOT, descendants, free_port, output, running, train
 from tests.test_supervision import LONG, error_lines, finish, last_step, rank_pids, start_and_wait_for_step
 
@@ -300,6 +303,58 @@ def test_ctrl_c_in_a_sweep_stops_the_job_and_says_the_same_command_resumes_it(tm
         "finished jobs are skipped and job 0 goes on from its last.ckpt"
     ) in out
     assert not (tmp_path / "1").exists() and "Traceback" not in out
+
+
+def test_a_terminal_that_hangs_up_stops_every_rank_at_one_step_with_last_ckpt_and_its_line_in_the_log(tmp_path):
+    """SIGHUP: an SSH session dropped, a terminal window closed. Before, every process died of it at once, the steps
+    since the last ``last.ckpt`` lost, and nothing said so anywhere. The hangup as the kernel makes it: the terminal's
+    master side closed (its output goes nowhere from then on), then SIGHUP to its foreground process group; the run
+    is that group's, its output a pseudo-terminal's."""
+    master, slave = os.openpty()
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR")}
+    overrides = [*LONG, "strategy=ddp", "trainer.devices=2", f"hydra.run.dir={tmp_path}"]
+    with os.fdopen(slave, "wb", buffering=0) as terminal:
+        proc = warm.popen(
+            [sys.executable, "-m", "src.train", *overrides],
+            env={**env, "PYTHONUNBUFFERED": "1"},
+            cwd=ROOT,
+            stdout=terminal,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    shown, stop = [], threading.Event()
+
+    def show() -> None:  # the terminal's screen: read, so that the run never waits on a full one
+        while not stop.is_set():
+            if select.select([master], [], [], 0.1)[0]:
+                try:
+                    shown.append(os.read(master, 1 << 16))
+                except OSError:
+                    return
+
+    screen = threading.Thread(target=show, daemon=True)
+    screen.start()
+    try:
+        wait_for(lambda: last_step(tmp_path) >= 2 and len(rank_pids(proc.pid)) == 2, proc)
+        everyone = [proc.pid, *descendants(proc.pid)]
+    finally:
+        stop.set()
+        screen.join()
+        os.close(master)
+    os.killpg(proc.pid, signal.SIGHUP)
+    proc.wait(60)
+    assert proc.returncode == 128 + signal.SIGHUP, b"".join(shown)[-3000:]
+    log = (tmp_path / "train.log").read_text()
+    step = last_step(tmp_path)
+    assert (
+        f"stopped: SIGHUP after step {step}: every rank stopped there and {tmp_path}/checkpoints/last.ckpt holds that "
+        f"step; resume with ckpt_path={tmp_path}/checkpoints/last.ckpt"
+    ) in log, log[-3000:]
+    assert step > 2 and "Traceback" not in log
+    deadline = time.monotonic() + 30
+    while [p for p in everyone if running(p)] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in everyone if running(p)], "processes were left behind"
 
 
 def test_a_run_started_with_ctrl_c_ignored_trains_on_through_a_ctrl_c_to_its_process_group(tmp_path):

@@ -1,5 +1,8 @@
-"""SIGTERM (a preempted VM, ``kubectl delete``, ``scancel``, a Slurm requeue) and Ctrl-C (SIGINT): stop every rank
-at the same step, write ``last.ckpt``, exit ``128 + signal`` (143, 130). A second Ctrl-C quits at once.
+"""SIGTERM (a preempted VM, ``kubectl delete``, ``scancel``, a Slurm requeue), Ctrl-C (SIGINT) and SIGHUP (the
+terminal gone: an SSH session dropped, a terminal window closed): stop every rank at the same step, write
+``last.ckpt``, exit ``128 + signal`` (143, 130, 129). A second Ctrl-C quits at once. After SIGHUP the process writes
+what it would have printed to its log file (a hung-up terminal fails every write); under ``nohup``, which ignores
+SIGHUP, the run goes on.
 
 This replaces Lightning's own SIGTERM handling, which (2.6.6) exits with code 0 and writes no checkpoint,
 acts only on rank zero's signal, and runs a collective inside the signal handler. Here a signal only
@@ -36,7 +39,7 @@ import torch.distributed as dist
 
 from src.checkpoints.files import LAST
 from src.checkpoints.last import LastCheckpoint
-from src.core.errors import UserError, print_line
+from src.core.errors import UserError, print_line, terminal_gone, terminals
 from src.launch import torchrun
 from src.resilience import failure, heartbeat, supervision
 from src.resilience.failure import Terminated
@@ -66,7 +69,7 @@ def wanted_period(period: int, slow_reads: int) -> int:
 
 
 class GracefulStop(L.Callback):
-    """Stops training (or testing) at the same batch on every rank after a SIGTERM to any of them."""
+    """Stops training (or testing) at the same batch on every rank after a SIGTERM, SIGINT or SIGHUP to any of them."""
 
     def __init__(self, period: int = 1) -> None:
         if isinstance(period, bool) or not isinstance(period, int) or not 1 <= period <= MAX_PERIOD:
@@ -74,6 +77,7 @@ class GracefulStop(L.Callback):
                 f"callbacks.graceful_stop.period={period} must be a whole number of batches from 1 to {MAX_PERIOD}"
             )
         self._signum: int | None = None
+        self._terminals: list[int] = []  # which of stdout and stderr were a terminal (for SIGHUP)
         self._group: Any = None
         self._pending: tuple[torch.Tensor, Any, int] | None = None  # flags, their all-reduce, saves when sent
         self._last: LastCheckpoint | None = None
@@ -136,8 +140,13 @@ class GracefulStop(L.Callback):
             signal.signal(signal.SIGTERM, self._on_signal)
             if not failure.sigint_ignored():  # a background job's: the terminal's Ctrl-C is not for it
                 signal.signal(signal.SIGINT, self._on_signal)
+            if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:  # ignored: nohup's, which keeps the run going
+                self._terminals = terminals()  # asked now: a terminal that hung up no longer says it is one
+                signal.signal(signal.SIGHUP, self._on_signal)
 
     def _on_signal(self, signum: int, frame: Any) -> None:
+        if signum == signal.SIGHUP:  # the terminal is gone: writes to it would fail and end the run before its stop
+            terminal_gone(self._terminals)
         if signum == signal.SIGINT:
             if self._pressed is not None and time.monotonic() - self._pressed > SAME_PRESS_S:
                 self._quit_now()

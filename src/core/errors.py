@@ -293,11 +293,48 @@ def console_turn() -> Iterator[None]:
             _CONSOLE.release()
 
 
+_TERMINAL_GONE = threading.Event()  # stderr was a terminal that hung up (terminal_gone)
+
+
+def terminals() -> list[int]:
+    """Which of stdout and stderr are a terminal now (a hung-up one no longer says so: ask before)."""
+    found = []
+    for fd in (1, 2):
+        try:
+            if os.isatty(fd):
+                found.append(fd)
+        except OSError:
+            continue
+    return found
+
+
+def terminal_gone(fds: list[int]) -> None:
+    """The terminal this process wrote to is gone (SIGHUP: an SSH session dropped, a terminal window closed). Its
+    descriptors ``fds`` write to /dev/null from now on, as under ``nohup``: a write to a hung-up terminal fails with
+    EIO, which would end the run where it was to stop at a step and write ``last.ckpt``. ``print_line``'s lines go
+    to the log file instead (``logging``'s file handlers; the console's now write nowhere)."""
+    if not fds:  # stdout and stderr go elsewhere (a file, a pipe): they still take the lines
+        return
+    if 2 in fds:
+        _TERMINAL_GONE.set()
+    null = os.open(os.devnull, os.O_WRONLY)
+    try:
+        for fd in fds:
+            os.dup2(null, fd)
+    finally:
+        os.close(null)
+
+
 def print_line(text: str) -> None:
     """``text`` and its newline on stderr in one write, in the console's turn. ``print`` writes them apart where
     stderr is unbuffered (``PYTHONUNBUFFERED``, ``python -u``): a launcher's SIGTERM between the two left a line
     without its end, and the launcher's own output glued to it. One write of a line to a pipe is also never cut by
-    another rank's."""
+    another rank's. Once stderr's terminal has hung up, into the log file."""
+    if _TERMINAL_GONE.is_set():
+        import logging
+
+        logging.getLogger("src").warning(text)
+        return
     with console_turn():
         sys.stderr.write(text + "\n")
         sys.stderr.flush()

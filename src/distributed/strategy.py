@@ -31,7 +31,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
-from src.core.errors import EXIT_FAILED, UserError
+from src.core.errors import EXIT_FAILED, UserError, terminal_gone, terminals
 from src.launch import ranks, torchrun
 from src.launch.devices import uses_cuda
 from src.resilience import failure, heartbeat, supervision
@@ -690,9 +690,9 @@ class HydraJobLauncher(_SubprocessScriptLauncher):
 
 
 class HydraSpawnLauncher(_MultiProcessingLauncher):
-    """``ddp_spawn``'s launcher: the parent passes a SIGTERM on to its ranks (it is no rank itself), a rank that
-    stopped on request exits with ``128 + signal`` instead of multiprocessing's 1, and the ranks compute with the
-    TF32 settings the parent chose (src/training/trainer.py's hardware_defaults)."""
+    """``ddp_spawn``'s launcher: the parent passes a SIGTERM (SIGINT, SIGHUP) on to its ranks (it is no rank
+    itself), a rank that stopped on request exits with ``128 + signal`` instead of multiprocessing's 1, and the ranks
+    compute with the TF32 settings the parent chose (src/training/trainer.py's hardware_defaults)."""
 
     def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
         self._backend_flags = backend_flags()  # the ranks get them with this launcher, pickled
@@ -706,8 +706,17 @@ class HydraSpawnLauncher(_MultiProcessingLauncher):
             return self._launch(function, *args, trainer=trainer, **kwargs)
         # Ctrl-C reaches the ranks from the terminal too; they take a second one within a second for the same. A
         # process that ignores SIGINT (a shell's background job) keeps ignoring it, as its ranks do.
-        signums = (signal.SIGTERM,) if failure.sigint_ignored() else (signal.SIGTERM, signal.SIGINT)
-        previous = {signum: signal.signal(signum, lambda signum, frame: self.kill(signum)) for signum in signums}
+        signums = [signal.SIGTERM] if failure.sigint_ignored() else [signal.SIGTERM, signal.SIGINT]
+        if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:  # the terminal gone; ignored under nohup
+            signums.append(signal.SIGHUP)
+        ttys = terminals()  # asked now: a terminal that hung up no longer says it is one
+
+        def pass_on(signum: int, frame: Any) -> None:
+            if signum == signal.SIGHUP:
+                terminal_gone(ttys)
+            self.kill(signum)
+
+        previous = {signum: signal.signal(signum, pass_on) for signum in signums}
         try:
             return self._launch(function, *args, trainer=trainer, **kwargs)
         finally:

@@ -73,8 +73,9 @@ RUN_WAIT_S = 120.0  # how long a rank waits for rank 0 to say which run this is
 END_CONNECT_S = 5.0
 _STOPPED_ON_REQUEST = 128 + signal.SIGTERM
 _INTERRUPTED = 128 + signal.SIGINT  # Ctrl-C: rank zero says where the run stopped
+_HUNG_UP = 128 + signal.SIGHUP  # the terminal gone: stopped at a step as on SIGTERM, its line in the log
 # exit codes of a rank that told its own story
-_SAID_WHY = {EXIT_FAILED, EXIT_USER_ERROR, _STOPPED_ON_REQUEST, _INTERRUPTED}
+_SAID_WHY = {EXIT_FAILED, EXIT_USER_ERROR, _STOPPED_ON_REQUEST, _INTERRUPTED, _HUNG_UP}
 _stopped_here: set[int] = set()  # pids this process stopped on purpose: their ending is no failure
 _ending = threading.Lock()  # held by the thread that is ending this process
 
@@ -124,7 +125,7 @@ def failed_child(procs: Sequence[subprocess.Popen], ranks: Sequence[int]) -> tup
     ended = []
     for proc, rank in zip(procs, ranks):
         code = proc.poll()
-        if code not in (None, 0, _STOPPED_ON_REQUEST, _INTERRUPTED) and proc.pid not in _stopped_here:
+        if code not in (None, 0, _STOPPED_ON_REQUEST, _INTERRUPTED, _HUNG_UP) and proc.pid not in _stopped_here:
             ended.append((f"rank {rank} (pid {proc.pid}) died: {how_it_ended(code)}", code))
     return min(ended, key=lambda failure: said_why(failure[1]), default=None)
 
