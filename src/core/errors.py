@@ -10,6 +10,7 @@ import contextlib
 import difflib
 import errno
 import functools
+import logging
 import os
 import re
 import sys
@@ -331,8 +332,6 @@ def print_line(text: str) -> None:
     without its end, and the launcher's own output glued to it. One write of a line to a pipe is also never cut by
     another rank's. Once stderr's terminal has hung up, into the log file."""
     if _TERMINAL_GONE.is_set():
-        import logging
-
         logging.getLogger("src").warning(text)
         return
     with console_turn():
