@@ -313,15 +313,21 @@ def test_a_terminal_that_hangs_up_stops_every_rank_at_one_step_with_last_ckpt_an
     master, slave = os.openpty()
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR")}
     overrides = [*LONG, "strategy=ddp", "trainer.devices=2", f"hydra.run.dir={tmp_path}"]
-    with os.fdopen(slave, "wb", buffering=0) as terminal:
-        proc = warm.popen(
-            [sys.executable, "-m", "src.train", *overrides],
-            env={**env, "PYTHONUNBUFFERED": "1"},
-            cwd=ROOT,
-            stdout=terminal,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+    # an interactive shell's job has SIGHUP at its default; this session's may ignore it (started under nohup), and a
+    # run started so rightly trains on through a hangup
+    ignored = signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    try:
+        with os.fdopen(slave, "wb", buffering=0) as terminal:
+            proc = warm.popen(
+                [sys.executable, "-m", "src.train", *overrides],
+                env={**env, "PYTHONUNBUFFERED": "1"},
+                cwd=ROOT,
+                stdout=terminal,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+    finally:
+        signal.signal(signal.SIGHUP, ignored)
     shown, stop = [], threading.Event()
 
     def show() -> None:  # the terminal's screen: read, so that the run never waits on a full one

@@ -151,6 +151,8 @@ def become(request: dict[str, Any]) -> None:
     # the SIGINT a cold start would have: ignored where its starter ignores it or asked for that (a shell's background
     # job), else Python's own handler; before the spares are forked, which are its local ranks
     signal.signal(signal.SIGINT, signal.SIG_IGN if request["sigint_ignored"] else signal.default_int_handler)
+    # SIGHUP as its starter has it (ignored under nohup, which an exec keeps), not as this parent was started
+    signal.signal(signal.SIGHUP, signal.SIG_IGN if request.get("sighup_ignored") else signal.SIG_DFL)
     if request["new_session"]:
         os.setsid()
     else:
@@ -556,6 +558,7 @@ def _request(
         "new_session": new_session,
         "pgid": pgid,
         "sigint_ignored": ignore_sigint or signal.getsignal(signal.SIGINT) is signal.SIG_IGN,
+        "sighup_ignored": signal.getsignal(signal.SIGHUP) is signal.SIG_IGN,
         "spares": local_ranks(cmd[3:]) if module in ("src.train", "src.eval") else 0,
     }
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
