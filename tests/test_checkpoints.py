@@ -76,7 +76,23 @@ def assert_same_training(resumed: dict, reference: dict, steps: int = 24) -> Non
 
 @pytest.mark.parametrize("world, sig", [("one process", signal.SIGKILL), ("ddp x2", signal.SIGTERM)])
 def test_a_run_stopped_mid_epoch_resumes_with_ckpt_path_last_to_the_same_weights(world, sig, uninterrupted, tmp_path):
-    proc = start_and_wait_for_step(tmp_path, 4, *EXACT, *WORLDS[world], ranks=len(WORLDS[world]))
+    # rank 0 waits in step 5, last.ckpt at step 4, until the signal: the stop lands mid-epoch however busy the machine
+    # (the narrow network's 8 steps to the epoch's end once took less than a look at last.ckpt under load). The wait
+    # changes no computation, and is not in the resume's command
+    held = tmp_path.with_name(f"{tmp_path.name}-held")
+    hold = [
+        "+callbacks.fault._target_=tests.faults.SleepAt",
+        "+callbacks.fault.rank=0",
+        "+callbacks.fault.step=5",
+        "+callbacks.fault.seconds=120",
+        "+callbacks.fault.until_signal=true",
+        f"+callbacks.fault.once={held}",
+    ]
+    proc = start_and_wait_for_step(tmp_path, 4, *EXACT, *WORLDS[world], *hold, ranks=len(WORLDS[world]))
+    deadline = time.monotonic() + 60
+    while not held.exists():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0][-3000:]
+        time.sleep(0.05)
     os.kill(proc.pid, sig)
     out, _ = finish(proc, [proc.pid], limit_s=60)
     assert proc.returncode == (-signal.SIGKILL if sig == signal.SIGKILL else 128 + signal.SIGTERM), out[-3000:]
