@@ -45,9 +45,11 @@ def node_folder() -> Path:
 
 
 def writable(folder: Path) -> bool:
-    """Whether ``folder`` is a folder this process can write in, made (and its parents) where it is missing."""
+    """Whether ``folder`` is a folder this process can write in, made (and its parents) where it is missing. One that
+    is there is only looked at (every rank of a run asks at its start, and a home is often a shared filesystem)."""
     try:
-        folder.mkdir(parents=True, exist_ok=True)
+        if not folder.is_dir():
+            folder.mkdir(parents=True, exist_ok=True)
     except OSError:
         return False
     return folder.is_dir() and os.access(folder, os.W_OK)
