@@ -101,11 +101,16 @@ def pids_cgroup() -> Iterator[Path]:
         group.rmdir()
 
 
-def test_a_limit_on_tasks_reached_is_named_with_what_to_change_for_a_thread_a_fork_and_a_threads_thread(tmp_path):
+def in_own_cgroup(script: str) -> subprocess.CompletedProcess:
+    """``python -c script CGROUP``, the script putting itself in a pids cgroup of its own, which goes after it."""
     with pids_cgroup() as group:
-        done = subprocess.run(
-            [sys.executable, "-c", CHILD, str(group)], cwd=ROOT, capture_output=True, text=True, timeout=120
+        return subprocess.run(
+            [sys.executable, "-c", script, str(group)], cwd=ROOT, capture_output=True, text=True, timeout=120
         )
+
+
+def test_a_limit_on_tasks_reached_is_named_with_what_to_change_for_a_thread_a_fork_and_a_threads_thread(tmp_path):
+    done = in_own_cgroup(CHILD)
     said = [line for line in done.stdout.splitlines() if line.startswith("describe:")]
     assert len(said) == 2, done.stdout + done.stderr
     assert "can't start new thread: this run may start no more processes or threads (the cgroup's pids.max" in said[0]
@@ -120,10 +125,7 @@ def test_a_limit_on_tasks_reached_is_named_with_what_to_change_for_a_thread_a_fo
 
 def test_a_local_rank_whose_fork_is_refused_stops_the_ranks_started_before_it():
     """Before, they were left to notice their launcher gone, each with a line of its own."""
-    with pids_cgroup() as group:
-        done = subprocess.run(
-            [sys.executable, "-c", SPAWN, str(group)], cwd=ROOT, capture_output=True, text=True, timeout=120
-        )
+    done = in_own_cgroup(SPAWN)
     assert done.stdout.split() == ["refused", "11", "[-15]"], done.stdout + done.stderr  # EAGAIN; SIGTERM, reaped
 
 

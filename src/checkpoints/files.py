@@ -22,6 +22,7 @@ import torch
 from lightning.fabric.plugins import TorchCheckpointIO
 
 from src.checkpoints import object_store
+from src.core import user_folders
 from src.core.errors import StorageError, UserError, closed_folder, storage_error_in
 
 LAST = "last.ckpt"
@@ -112,7 +113,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             if refused is None:
                 raise
             raise StorageError(
-                f"cannot stage {url} in {object_store.node_folder_path()} ({refused.strerror}): the store is as it "
+                f"cannot stage {url} in {user_folders.node_folder_path()} ({refused.strerror}): the store is as it "
                 "was; free space there (or point TMPDIR elsewhere) and resume with ckpt_path=last"
             ) from err
 

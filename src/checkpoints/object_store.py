@@ -302,9 +302,6 @@ def remove_unused_copies(folder: Path, older_than_s: float = UNUSED_COPY_S) -> l
     return removed
 
 
-node_folder_path = user_folders.node_folder_path
-
-
 @contextlib.contextmanager
 def staged(name: str, folder: Path | None = None) -> Iterator[Path]:
     """A new file in ``folder`` (``node_folder()`` by default) for ``name`` on its way to or from the store, locked

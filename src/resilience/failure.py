@@ -52,7 +52,6 @@ from src.core.errors import (
 )
 from src.launch import ranks, torchrun
 from src.resilience import supervision, task_limit
-from src.resilience.task_limit import task_limit_in
 
 log = logging.getLogger(__name__)
 
@@ -142,8 +141,7 @@ def thread_out_of_tasks(err: BaseException) -> None:
     a writer), is a refused thread or process with a limit on tasks reached: the run's one line, as the main thread's
     would be. Before, the thread printed its traceback and was gone (a watch no longer watching), and the run went
     on or ended on another line. Returns where ``err`` is anything else."""
-    limited = task_limit_in(err)
-    line = task_limit.line_for(limited) if limited is not None else None
+    line = task_limit.line_for(err)
     if line is not None:
         _log_traceback(err, None, console=False)  # in the log file only
         supervision.end_run(_named(line, True), EXIT_FAILED)
@@ -188,8 +186,7 @@ def describe(err: BaseException, log_dir: str | None = None) -> tuple[str | None
 
         _log_traceback(err, log_dir, console=False)
         return _named(line_for(memory), True), EXIT_FAILED
-    limited = task_limit_in(err)
-    limit_line = task_limit.line_for(limited) if limited is not None else None
+    limit_line = task_limit.line_for(err)
     if limit_line is not None:  # a limit on processes and threads reached: which, and what to change
         _log_traceback(err, log_dir, console=False)
         return _named(limit_line, True), EXIT_FAILED

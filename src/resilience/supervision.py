@@ -74,8 +74,9 @@ END_CONNECT_S = 5.0
 _STOPPED_ON_REQUEST = 128 + signal.SIGTERM
 _INTERRUPTED = 128 + signal.SIGINT  # Ctrl-C: rank zero says where the run stopped
 _HUNG_UP = 128 + signal.SIGHUP  # the terminal gone: stopped at a step as on SIGTERM, its line in the log
+_STOPS = (_STOPPED_ON_REQUEST, _INTERRUPTED, _HUNG_UP)  # exit codes of a rank stopped on request: no failure
 # exit codes of a rank that told its own story
-_SAID_WHY = {EXIT_FAILED, EXIT_USER_ERROR, _STOPPED_ON_REQUEST, _INTERRUPTED, _HUNG_UP}
+_SAID_WHY = {EXIT_FAILED, EXIT_USER_ERROR, *_STOPS}
 _stopped_here: set[int] = set()  # pids this process stopped on purpose: their ending is no failure
 _ending = threading.Lock()  # held by the thread that is ending this process
 
@@ -125,7 +126,7 @@ def failed_child(procs: Sequence[subprocess.Popen], ranks: Sequence[int]) -> tup
     ended = []
     for proc, rank in zip(procs, ranks):
         code = proc.poll()
-        if code not in (None, 0, _STOPPED_ON_REQUEST, _INTERRUPTED, _HUNG_UP) and proc.pid not in _stopped_here:
+        if code not in (None, 0, *_STOPS) and proc.pid not in _stopped_here:
             ended.append((f"rank {rank} (pid {proc.pid}) died: {how_it_ended(code)}", code))
     return min(ended, key=lambda failure: said_why(failure[1]), default=None)
 

@@ -88,11 +88,15 @@ def user_limit() -> str | None:
 
 
 def line_for(err: BaseException) -> str | None:
-    """The run's one line for ``err``, a refused thread or process, where a limit on tasks is reached; else None."""
+    """The run's one line where ``err`` is (or was caused by) a refused thread or process and a limit on tasks is
+    reached; else None."""
+    refused = task_limit_in(err)
+    if refused is None:
+        return None
     reached = [found for found in (cgroup_limit(), user_limit()) if found is not None]
     if not reached:
         return None
-    said = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    said = str(refused).strip().splitlines()[0] if str(refused).strip() else type(refused).__name__
     return (
         f"{said}: this run may start no more processes or threads ({'; '.join(reached)}): raise that limit, or start "
         "fewer (trainer.devices, data.num_workers)"
