@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import io
+import re
+
 import lightning as L
 import pytest
 import torch
@@ -202,6 +205,29 @@ def test_a_fit_counted_in_steps_warms_up_and_decays_over_those_steps():
     peak = 0.1 * 4 / 128  # a warm-up of one epoch (2 steps) from 0.1 x the peak, then down to 0 at step 5
     assert used[:3] == pytest.approx([0.1 * peak, 0.55 * peak, peak]) and used[3] < peak
     assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.0)
+
+
+def test_the_progress_bar_ends_an_epoch_that_max_steps_cuts_short_at_its_last_step():
+    """The bar draws at most every min_interval_s (src/callbacks/progress.py); an epoch that trainer.max_steps ended
+    between drawings ended on the count drawn before (1/11 after 3 steps)."""
+    from src.callbacks.progress import ProgressBar
+
+    console = io.StringIO()
+    model = ImageClassifier(arch="resnet18", stem="imagenet", width=16)
+    data = SyntheticDataModule(num_train=48, num_test=4, batch_size=4, val_size=4)  # 11 steps an epoch
+    trainer = L.Trainer(
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        max_epochs=30,  # as the project's config: the bar counts an epoch's batches, not max_steps
+        max_steps=3,
+        callbacks=[ProgressBar(min_interval_s=3600, console_kwargs={"file": console, "width": 100})],
+    )
+    trainer.fit(model, data)
+    assert trainer.global_step == 3
+    assert re.search(r"Epoch 0/29 .* 3/11 ", console.getvalue()), console.getvalue()
 
 
 def test_loss_falls_on_synthetic_data():
