@@ -39,9 +39,11 @@ def main(cfg: DictConfig) -> float | None:
     from src.callbacks.trial_pruning import pruned_at
     from src.checkpoints.resume import (
         check_compatible,
+        checkpoints_folder,
         resume_from,
         warn_changed_settings,
         warn_global_batch_change,
+        warn_moved_checkpoints,
         warn_nothing_to_train,
     )
     from src.core.console import quiet_resume
@@ -64,12 +66,15 @@ def main(cfg: DictConfig) -> float | None:
     datamodule = instantiate(cfg.data)
     model = instantiate(cfg.model)
     ckpt_path, checkpoint = resume_from(cfg.ckpt_path, cfg.paths.checkpoints, trusted=cfg.ckpt_trusted)
+    finished = False  # the checkpoint has trained all this run asks for (said): nothing of its own to keep
     if checkpoint is not None:  # a wrong file fails here in one line, before the ranks meet
         check_compatible(checkpoint, ckpt_path, model.hparams)
         if cfg.ckpt_path in ("last", "auto") and is_launch_rank_zero():  # the run goes on in its own dir
             warn_changed_settings(cfg)
         if cfg.ckpt_path != "auto":  # auto: a requeue, which may come after the last epoch, during the test
-            warn_nothing_to_train(checkpoint, ckpt_path, cfg.trainer.max_epochs, cfg.trainer.get("max_steps", -1))
+            finished = warn_nothing_to_train(
+                checkpoint, ckpt_path, cfg.trainer.max_epochs, cfg.trainer.get("max_steps", -1)
+            )
         keep_checkpoint_batch(datamodule, checkpoint)  # data.batch_size=auto resumes with the batch it trained with
     if torchrun.active():  # a restart says where it resumes; at another world size, the global batch stays
         for line in (
@@ -82,9 +87,11 @@ def main(cfg: DictConfig) -> float | None:
                 log.info(line)
     continue_logs(cfg, ckpt_path, checkpoint)  # metrics.csv keeps its rows; the MLflow / W&B runs go on
     saved_by = (checkpoint or {}).get("saved_by")
+    saved_in = checkpoints_folder(checkpoint) if checkpoint is not None and not finished else None
     del checkpoint  # Lightning loads it again on every rank
     quiet_resume(ckpt_path, getattr(datamodule, "pipeline", None) == "device")
     trainer = build_trainer(cfg, model.hparams.arch)
+    warn_moved_checkpoints(saved_in, ckpt_path, getattr(trainer.checkpoint_callback, "dirpath", None))
     if saved_by and not torchrun.active():  # a resume at another world size: the global batch it trains, if changed
         batch = getattr(datamodule, "batch_size", None)
         warn_global_batch_change(saved_by, trainer.world_size, batch, trainer.accumulate_grad_batches)

@@ -105,6 +105,22 @@ def test_a_run_stopped_mid_epoch_resumes_with_ckpt_path_last_to_the_same_weights
     assert "settings other than its own" not in output(result)  # the same command: nothing changed
     assert_same_training(load(tmp_path / "checkpoints" / "last.ckpt"), uninterrupted[world])
 
+    # its last.ckpt trained on in a new run dir: the best that run tests is of its own epochs, said once for the run
+    # (before: Lightning's warning with its source line from every rank, and a project warning once per rank more)
+    other = tmp_path.with_name(f"{tmp_path.name}-on")
+    last = tmp_path / "checkpoints" / "last.ckpt"
+    on = train(*EXACT, *WORLDS[world], "trainer.max_epochs=3", f"ckpt_path={last}", f"hydra.run.dir={other}")
+    assert on.returncode == 0, output(on)[-3000:]
+    moved = (
+        f"ckpt_path={last} was saved by a run that kept its checkpoints in {tmp_path}/checkpoints: this run keeps its "
+        f"own in {other}/checkpoints, and its best checkpoint (the one a test uses) is the best of the epochs it "
+        f"trains from here; the earlier run's best stays in {tmp_path}/checkpoints"
+    )
+    assert [line for line in on.stderr.splitlines() if line.startswith("warning:")] == [f"warning: {moved}"], on.stderr
+    assert output(on).count(moved) == 1 and "The dirpath has changed" not in output(on), output(on)[-3000:]
+    for log in (other / "train.log", *other.glob("train_*local*.log")):  # each rank's log file keeps it
+        assert moved in log.read_text(), log
+
 
 def test_a_resume_in_the_runs_own_dir_names_each_setting_it_changes_and_nothing_else(tmp_path):
     """What ``warn_changed_settings`` puts in its one line (a real resume prints it: the dataloader test below)."""

@@ -152,6 +152,10 @@ def test_a_truncated_last_ckpt_is_passed_over_and_the_checkpoint_resumed_from_is
     assert warnings == [
         f"warning: {url}/last.ckpt cannot be read (not the zip archive torch.save writes): resuming from {url}/{best} "
         "(step 12), the newest intact checkpoint of the run dir",
+        # copied from another run's prefix: this run's best is of its own epochs
+        f"warning: ckpt_path={url}/{best} was saved by a run that kept its checkpoints in {uninterrupted[0]}: this run "
+        f"keeps its own in {url}, and its best checkpoint (the one a test uses) is the best of the epochs it trains "
+        f"from here; the earlier run's best stays in {uninterrupted[0]}",
         # the two DDP ranks' checkpoint, resumed by one process
         "warning: resuming a checkpoint of world size 2 at world size 1: the global batch is 4 (4 per process) where "
         "it trained with 8; the learning rate and the steps per epoch follow it: to keep them, pass data.batch_size=8",

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.conftest import FAST, ROOT, cmdline, descendants, free_port, running, train
+from tests.conftest import FAST, ROOT, cmdline, descendants, free_port, output, running, train
 
 # Long enough that a signal always lands mid-training: 2,000 images, batch 4 per rank.
 LONG = [
@@ -127,6 +127,16 @@ def test_sigterm_stops_every_rank_at_one_step_with_a_checkpoint_and_exit_code_14
     )
     assert f"resume with ckpt_path={tmp_path}/checkpoints/last.ckpt" in stopped[0]
     assert "Traceback" not in out
+    if strategy == "ddp_spawn":  # as the line says, a step further: the spawned ranks drop what the parent drops
+        resumed = train(
+            *LONG, f"strategy={strategy}", "trainer.devices=2", f"trainer.max_steps={step + 1}", "ckpt_path=last",
+            f"hydra.run.dir={tmp_path}",
+        )  # fmt: skip
+        assert resumed.returncode == 0, output(resumed)[-3000:]
+        # before: Lightning's "Checkpoint directory ... exists and is not empty", from a spawned rank (a new
+        # interpreter, without the filters of src/core/console.py's quiet_resume)
+        assert "site-packages" not in output(resumed), output(resumed)[-3000:]  # no warning with its source line
+        assert torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == step + 1
 
 
 # A test-only callback that raises on one rank at step 3, before that step's all-reduce (tests/faults.py), a second

@@ -10,6 +10,7 @@ whole, and never from one that names code.
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,8 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from src.checkpoints import object_store
 from src.checkpoints.files import LAST, PREVIOUS, UnreadableCheckpoint, read_checkpoint
-from src.core.errors import UserError, print_line
+from src.core.console import warning_line
+from src.core.errors import UserError
 from src.launch.torchrun import trained_batch
 
 log = logging.getLogger(__name__)
@@ -94,12 +96,11 @@ def _reason(err: UserError) -> str:
 
 
 def _warn(message: str) -> None:
-    """One ``warning:`` line from the process that owns the run dir (every rank makes the same choice)."""
+    """One ``warning:`` line from the process that owns the run dir (every rank makes the same choice); every
+    rank's log file keeps it."""
     from src.launch.ranks import is_launch_rank_zero
 
-    log.warning(message)
-    if is_launch_rank_zero():
-        print_line(f"warning: {message}")
+    warning_line(log, message, say=is_launch_rank_zero())
 
 
 def check_compatible(
@@ -299,26 +300,62 @@ def warn_global_batch_change(
     )
 
 
-def warn_nothing_to_train(checkpoint: dict[str, Any], path: str | Path, max_epochs: int | None, max_steps: int) -> None:
+def warn_nothing_to_train(checkpoint: dict[str, Any], path: str | Path, max_epochs: int | None, max_steps: int) -> bool:
     """One warning line where the checkpoint a run resumes from has trained all the epochs (or steps) this run
     asks for: Lightning trains nothing then, silently, and the run goes on to its test. Before, a finished run resumed
     into a new dir to train on (``trainer.max_epochs`` as before) looked like a run that had trained. The two limits
     are the run's, checked as it started (src/core/settings.py: ``max_epochs`` null or >= 1, ``max_steps`` -1 or
-    >= 1); the checkpoint's progress is the file's, read as Lightning's fit loop compares it with them."""
-    progress = checkpoint.get("loops", {}).get("fit_loop", {}).get("epoch_progress", {}).get("current", {})
-    epochs, step = progress.get("processed"), checkpoint.get("global_step")
-    if not isinstance(epochs, int) or not isinstance(step, int):
-        return  # not a checkpoint of Lightning's fit loop: Lightning's own load says what is wrong
+    >= 1); the checkpoint's progress is the file's, read as Lightning's fit loop compares it with them. True where
+    it warned."""
+    done = _trained(checkpoint)
+    if done is None:
+        return False  # not a checkpoint of Lightning's fit loop: Lightning's own load says what is wrong
+    epochs, step = done
     if 0 < max_steps <= step:
         asked, more = f"trainer.max_steps={max_steps}", f"trainer.max_steps above {step}"
     elif max_epochs is not None and max_epochs <= epochs:
         asked, more = f"trainer.max_epochs={max_epochs}", f"trainer.max_epochs above {epochs}"
     else:
-        return
+        return False
     _warn(
         f"ckpt_path={path} has trained {epochs} epoch(s), {step} step(s), and this run asks for {asked}: nothing is "
         f"left to train, and the test runs on its weights; to train on, pass {more} (the learning-rate schedule "
         "ends with trainer.max_epochs)"
+    )
+    return True
+
+
+def _trained(checkpoint: dict[str, Any]) -> tuple[int, int] | None:
+    """The epochs and steps a checkpoint of Lightning's fit loop has trained, as that loop reads them."""
+    progress = checkpoint.get("loops", {}).get("fit_loop", {}).get("epoch_progress", {}).get("current", {})
+    epochs, step = progress.get("processed"), checkpoint.get("global_step")
+    return (epochs, step) if isinstance(epochs, int) and isinstance(step, int) else None
+
+
+def checkpoints_folder(checkpoint: dict[str, Any]) -> str | None:
+    """The folder the run that saved ``checkpoint`` kept its checkpoints in (its ``ModelCheckpoint``'s state)."""
+    for key, state in (checkpoint.get("callbacks") or {}).items():
+        if isinstance(key, str) and key.startswith("ModelCheckpoint") and isinstance(state, dict):
+            folder = state.get("dirpath")
+            return folder if isinstance(folder, str) else None
+    return None
+
+
+def warn_moved_checkpoints(saved: str | None, path: str | Path, folder: str | None) -> None:
+    """One warning line where a run resumes a checkpoint saved with its checkpoints in another folder than this
+    run's (``ckpt_path=`` another run's file, or a run dir moved since). Lightning's ``ModelCheckpoint`` then takes
+    back only the path of that run's best checkpoint, not its score or top-k: the best this run keeps and tests is
+    the best of the epochs it trains now, whatever the earlier run reached. Before, Lightning's own warning said so
+    in its words (``best_model_score``, ``kth_value``, ...) with its source line, from every rank."""
+    if saved is None or folder is None:
+        return
+    local = not object_store.is_url(saved) and not object_store.is_url(folder)
+    if (os.path.realpath(saved) == os.path.realpath(folder)) if local else saved.rstrip("/") == folder.rstrip("/"):
+        return
+    _warn(
+        f"ckpt_path={path} was saved by a run that kept its checkpoints in {saved}: this run keeps its own in "
+        f"{folder}, and its best checkpoint (the one a test uses) is the best of the epochs it trains from here; the "
+        f"earlier run's best stays in {saved}"
     )
 
 

@@ -14,28 +14,46 @@ Warnings a user can do nothing about are dropped everywhere:
   precision (bf16-mixed is the default on GPUs) the weights are fp32, so the 32 bits the summary falls back on
   give the right size;
 - ``This DataLoader will create N worker processes in total ... suggested max number of worker``: torch's, for
-  each loader; the run line says it once, with the rank's cores (src/data/in_memory.py's ``describe_workers``).
+  each loader; the run line says it once, with the rank's cores (src/data/in_memory.py's ``describe_workers``);
+- ``ModelCheckpoint(monitor='val/acc') could not find the monitored key ... Did you call log('val/acc')``: a fit
+  that ended before its first validation (``trainer.limit_val_batches=0``, ``trainer.max_steps`` within an epoch);
+  the test's line says no best checkpoint was kept.
 
 A run that resumes (``ckpt_path``, a Slurm requeue, a torchrun restart) also drops ``Checkpoint directory ...
-exists and is not empty`` (it resumes from there), and, with ``data.pipeline=device``, Lightning's ``your
-dataloader is not resumable`` (that pipeline carries its place in the epoch in the checkpoint).
+exists and is not empty`` (it resumes from there), ``The dirpath has changed from ...`` (a checkpoint of another
+folder: the project's own line says what it means, src/checkpoints/resume.py), and, with ``data.pipeline=device``,
+Lightning's ``your dataloader is not resumable`` (that pipeline carries its place in the epoch in the checkpoint).
+``ddp_spawn``'s ranks, new interpreters, get the same filters from their parent (``spawned_rank_console``).
+
+The project's own warnings reach the console once a run, as a ``warning:`` line from the process that owns the run
+dir (``warning_line``); every rank's log file keeps them.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import pickle
 import sys
 import warnings
+from typing import Any
+
+from src.core.errors import print_line
 
 # Lightning lines kept on the console: they say which checkpoint a run goes on from, or tests.
 _KEPT_INFO = ("Restoring states from the checkpoint path",)
 
 
+# a record's attribute: its words reach the console as a ``warning:`` line of their own (``warning_line``)
+SAID = "said_on_console"
+
+
 class ConsoleFilter(logging.Filter):
-    """Drops Lightning's INFO lines from a console handler."""
+    """Drops Lightning's INFO lines from a console handler, and the records a ``warning:`` line has said."""
 
     def filter(self, record: logging.LogRecord) -> bool:
+        if getattr(record, SAID, False):
+            return False
         if not record.name.startswith("lightning"):
             return True
         return record.levelno >= logging.WARNING or record.getMessage().startswith(_KEPT_INFO)
@@ -67,6 +85,17 @@ def quiet_console() -> None:
             handler.addFilter(ConsoleFilter())
 
 
+def warning_line(log: logging.Logger, message: str, say: bool = True) -> None:
+    """A warning the user should read: one ``warning: message`` line on stderr, and the record in this process's log
+    file, not on the console a second time. ``say``: whether this process speaks for the run (every rank meets the
+    same warning; a world of 2,048 ranks would print it 2,048 times). Before, each rank's console handler printed
+    the record too: under ``ddp`` a warning reached the terminal once per rank, and once more as this line."""
+    quiet_console()  # Hydra's console handler is set up by the time anything warns
+    log.warning(message, extra={SAID: True})
+    if say:
+        print_line(f"warning: {message}")
+
+
 def quiet_dependencies() -> None:
     """Drop the warnings that ask nothing of the user (see the module's docstring), and Lightning's advert."""
     rank_zero = logging.getLogger("lightning.pytorch.utilities.rank_zero")
@@ -77,6 +106,10 @@ def quiet_dependencies() -> None:
     warnings.filterwarnings("ignore", message=r"Precision \S+-mixed is not supported by the model summary")
     # torch's per-loader warning of more workers than cores: the run line says it once (src/data/in_memory.py)
     warnings.filterwarnings("ignore", message=r"This DataLoader will create \d+ worker processes in total")
+    # a fit that ends before any validation (trainer.limit_val_batches=0, trainer.max_steps within the first epoch):
+    # the best-checkpoint callback finds no val/acc yet, and asks whether the model logs it (it does, once it
+    # validates); the test's line says "no best checkpoint kept". A key missing after a validation is Lightning's error.
+    warnings.filterwarnings("ignore", message=r"`ModelCheckpoint\(monitor=.*could not find the monitored key")
     # trainer.precision=16-mixed on a CPU: the run line says it runs bf16-mixed, and why (src/callbacks/run_summary.py)
     warnings.filterwarnings("ignore", message=r"You passed `Trainer\(accelerator='cpu', precision='16-mixed'\)`")
     step = os.environ.get("SLURM_STEP_ID", "")  # srun's: a number ("4294967294", older Slurm's batch script: none)
@@ -92,17 +125,36 @@ def quiet_resume(ckpt_path: str | None, resumable_position: bool) -> None:
     if ckpt_path is None:
         return
     warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
+    # a checkpoint of another folder: src/checkpoints/resume.py's warn_moved_checkpoints says what it means here
+    warnings.filterwarnings("ignore", message=r"The dirpath has changed from .* won't be reloaded")
     if resumable_position:
         warnings.filterwarnings(
             "ignore", message=r"You're resuming from a checkpoint that ended before the epoch ended"
         )
 
 
-def spawned_rank_console() -> None:
+def warning_filters() -> list[tuple[Any, ...]]:
+    """This process's warning filters that can travel to a spawned process (pickled with its launcher)."""
+    kept = []
+    for entry in warnings.filters:
+        try:
+            pickle.dumps(entry)
+        except Exception:  # noqa: BLE001 - a category defined where a new interpreter cannot import it: stays here
+            continue
+        kept.append(entry)
+    return kept
+
+
+def spawned_rank_console(filters: list[tuple[Any, ...]] | None = None) -> None:
     """A ``ddp_spawn`` rank has no Hydra logging: the project's own lines (the run line) still reach its console,
-    Lightning's own console handler gets the same filter as the parent's, and the same warnings are dropped
-    (a spawned interpreter inherits no warning filter)."""
+    Lightning's own console handler gets the same filter as the parent's, and the parent's warning ``filters``
+    (``warning_filters``) are set again: a spawned interpreter inherits none, and a resumed run's dropped warnings
+    (``quiet_resume``) reached the console from its ranks."""
     quiet_dependencies()
+    for action, message, category, module, lineno in reversed(filters or []):  # the parent's order, first first
+        # a pattern, or None; Python's own defaults name a module as plain text (``__main__``)
+        message, module = (getattr(p, "pattern", p) or "" for p in (message, module))
+        warnings.filterwarnings(action, message, category, module, lineno)
     if not logging.getLogger().handlers:
         project = logging.getLogger("src")
         if not project.handlers:

@@ -18,6 +18,7 @@ import torch
 from torchvision.datasets import CIFAR10
 from torchvision.datasets.utils import download_url, extract_archive
 
+from src.core.console import warning_line
 from src.core.errors import ToldElsewhere, UserError
 from src.data.in_memory import InMemoryImageDataModule
 from src.launch.ranks import alive, is_launch_rank_zero
@@ -240,11 +241,12 @@ class CIFAR10DataModule(InMemoryImageDataModule):
             if name != CIFAR10.meta["filename"]:
                 read_batch(self.folder / name)
         if differing:
-            log.warning(
-                "data.root=%s is in the CIFAR-10 format but is not the canonical release (%s differ from "
-                "its checksums): loading it anyway; figures from it are not CIFAR-10 results",
-                self.root,
-                ", ".join(differing),
+            warning_line(
+                log,
+                f"data.root={self.root} is in the CIFAR-10 format but is not the canonical release "
+                f"({', '.join(differing)} differ from its checksums): loading it anyway; figures from it are not "
+                "CIFAR-10 results",
+                say=is_launch_rank_zero(),  # every rank checks the data it loads
             )
         else:
             log.info("CIFAR-10 release verified under %s", self.folder)

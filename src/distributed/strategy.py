@@ -31,6 +31,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
+from src.core.console import spawned_rank_console, warning_filters
 from src.core.errors import EXIT_FAILED, UserError, terminal_gone, terminals
 from src.launch import ranks, torchrun
 from src.launch.devices import uses_cuda
@@ -696,6 +697,7 @@ class HydraSpawnLauncher(_MultiProcessingLauncher):
 
     def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
         self._backend_flags = backend_flags()  # the ranks get them with this launcher, pickled
+        self._warning_filters = warning_filters()  # and the warnings this process drops (a resume's, too)
         # torch warns "Terminating process N via signal SIGTERM" for every rank it stops after one failed; the
         # failed rank (or, for a death, src/resilience/supervision.py) has said what happened
         logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
@@ -735,9 +737,7 @@ class HydraSpawnLauncher(_MultiProcessingLauncher):
             raise ProcessExitedException(str(err), err.error_index, err.error_pid, EXIT_FAILED) from None
 
     def _wrapping_function(self, process_idx: int, *args: Any, **kwargs: Any) -> Any:
-        from src.core.console import spawned_rank_console
-
-        spawned_rank_console()
+        spawned_rank_console(self._warning_filters)
         failure.install_sigint_handler()  # what Lightning puts back after a stage (failure.on_sigint)
         set_backend_flags(self._backend_flags)
         # torch makes a spawned rank get SIGINT when its parent dies; that KeyboardInterrupt races the watch

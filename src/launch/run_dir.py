@@ -31,7 +31,8 @@ from typing import Any, Iterator
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, read_write
 
-from src.core.errors import not_swallowed, print_line, report, unwritable_run_dir
+from src.core.console import warning_line
+from src.core.errors import not_swallowed, report, unwritable_run_dir
 from src.launch import torchrun
 from src.launch.ranks import check_sweep_started_once, drop_empty_run_log, is_launch_rank_zero, launch_name
 
@@ -323,14 +324,17 @@ def lock_run_dir(path: Path, kind: str = "run", resumable: bool = True) -> bool:
     except OSError as err:
         if err.errno not in (errno.EACCES, errno.EAGAIN):  # a filesystem without locks (Lustre without -o flock)
             os.close(fd)
-            _warn(f"cannot lock {lock_path} ({err.strerror}): a second run pointed at this dir would not be refused")
+            warning_line(
+                log, f"cannot lock {lock_path} ({err.strerror}): a second run pointed at this dir would not be refused"
+            )
             return False
         holder = _holder(fd)
         os.close(fd)
         if holder is not None and _earlier_run_of_this_slurm_job(holder):
-            _warn(
+            warning_line(
+                log,
                 f"{lock_path} is still locked by an earlier run of Slurm job {holder['slurm_job']} "
-                f"(pid {holder['pid']} on {holder['host']}), which Slurm has ended: continuing in its run dir"
+                f"(pid {holder['pid']} on {holder['host']}), which Slurm has ended: continuing in its run dir",
             )
             return False
         held_by = (
@@ -381,11 +385,6 @@ def _earlier_run_of_this_slurm_job(holder: dict[str, Any] | None) -> bool:
         and holder.get("slurm_job") == job
         and holder.get("slurm_restart") != os.environ.get("SLURM_RESTART_COUNT", "0")
     )
-
-
-def _warn(message: str) -> None:
-    log.warning(message)
-    print_line(f"warning: {message}")
 
 
 # -- a run dir taken up again, and how a run in it ended ---------------------------------------------------------

@@ -21,7 +21,7 @@ from lightning.pytorch.callbacks import Checkpoint, LearningRateMonitor, Progres
 from omegaconf import DictConfig, OmegaConf
 
 from src.checkpoints.files import AtomicCheckpointIO, read_checkpoint
-from src.core.console import quiet_console, quiet_dependencies
+from src.core.console import quiet_console, quiet_dependencies, warning_line
 from src.core.errors import UserError
 from src.distributed.strategy import HydraDDPStrategy, TaskGPU, training_recipe
 from src.launch import torchrun
@@ -153,13 +153,11 @@ def keep_users_cublas_config(before: str | None, deterministic: Any) -> None:
     if before in DETERMINISTIC_CUBLAS:
         os.environ[CUBLAS] = before
     else:
-        log.warning(
-            "%s=%s replaced by %s: trainer.deterministic=%s needs %s (torch refuses other values there)",
-            CUBLAS,
-            before,
-            os.environ.get(CUBLAS),
-            deterministic,
-            " or ".join(DETERMINISTIC_CUBLAS),
+        warning_line(
+            log,
+            f"{CUBLAS}={before} replaced by {os.environ.get(CUBLAS)}: trainer.deterministic={deterministic} needs "
+            f"{' or '.join(DETERMINISTIC_CUBLAS)} (torch refuses other values there)",
+            say=is_launch_rank_zero(),  # every rank builds its trainer
         )
 
 
