@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import re
+from pathlib import Path
 
 import lightning as L
 import pytest
@@ -228,6 +229,46 @@ def test_the_progress_bar_ends_an_epoch_that_max_steps_cuts_short_at_its_last_st
     trainer.fit(model, data)
     assert trainer.global_step == 3
     assert re.search(r"Epoch 0/29 .* 3/11 ", console.getvalue()), console.getvalue()
+
+
+def test_the_model_summary_counts_one_images_flops_and_its_image_moves_no_resume_position(tmp_path):
+    """Before, Lightning's summary had no example input: a FLOPs column of zeros and "Total FLOPs: 0". Its example
+    image goes through the datamodule's batch hook at the fit's start, where a training batch moves the place in the
+    epoch a checkpoint resumes from: the image must not."""
+    from lightning.pytorch.callbacks import ModelCheckpoint, ModelSummary
+    from torch.utils.flop_counter import FlopCounterMode
+
+    counted = []
+
+    class Summary(ModelSummary):
+        @staticmethod
+        def summarize(summary_data, total_parameters, trainable_parameters, model_size, modes, total_flops, **kw):
+            counted.append(total_flops)
+
+    def fit_to(max_steps: int, ckpt_path: Path | None = None) -> SyntheticDataModule:
+        model = ImageClassifier(arch="resnet18", stem="imagenet", width=16)
+        data = SyntheticDataModule(num_train=48, num_test=4, batch_size=4, val_size=4)  # 11 steps an epoch
+        at_step_2 = ModelCheckpoint(
+            tmp_path, "step{step}", every_n_train_steps=2, save_top_k=-1, auto_insert_metric_name=False
+        )
+        trainer = L.Trainer(
+            accelerator="cpu",
+            logger=False,
+            enable_progress_bar=False,
+            num_sanity_val_steps=0,
+            max_epochs=1,
+            max_steps=max_steps,
+            callbacks=[Summary(), at_step_2],
+        )
+        trainer.fit(model, data, ckpt_path=ckpt_path, weights_only=True)
+        return data
+
+    assert fit_to(3).state_dict()["train_position"]["consumed"] == 3
+    with FlopCounterMode(display=False) as flops:
+        build_resnet("resnet18", 10, "imagenet", 16).eval()(torch.zeros(1, 3, 32, 32))
+    assert counted == [flops.get_total_flops()] and counted[0] > 0
+    # resumed mid-epoch, the summary's image comes after the place is restored: one more step is the third batch
+    assert fit_to(3, tmp_path / "step2.ckpt").state_dict()["train_position"]["consumed"] == 3
 
 
 def test_loss_falls_on_synthetic_data():

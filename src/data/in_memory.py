@@ -173,6 +173,11 @@ class InMemoryImageDataModule(L.LightningDataModule):
         self._resume_position: dict[str, int] | None = None
         self.test_after_fit = False  # src.train sets it: the test set's shards are then checked before fitting
 
+    @property
+    def image_shape(self) -> tuple[int, ...] | None:
+        """(channels, height, width) of an image, once ``setup`` has loaded them."""
+        return tuple(self.train_set.images.shape[1:]) if self.train_set is not None else None
+
     def load(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Return train images, train labels, test images, test labels (uint8 NCHW, int64)."""
         raise NotImplementedError
@@ -270,8 +275,14 @@ class InMemoryImageDataModule(L.LightningDataModule):
 
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         # Lightning prefetches a batch ahead; this hook runs as a batch reaches the model, so the position a
-        # checkpoint records is that of training, and a resumed run continues with the right batch.
-        if self._train_batches is not None and self.trainer is not None and self.trainer.training:
+        # checkpoint records is that of training, and a resumed run continues with the right batch. The model
+        # summary's example image (one tensor, at the fit's start, src/models/classifier.py) is no batch.
+        if (
+            isinstance(batch, (tuple, list))
+            and self._train_batches is not None
+            and self.trainer is not None
+            and self.trainer.training
+        ):
             self._train_batches.mark_consumed()
         return batch
 

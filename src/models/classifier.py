@@ -145,6 +145,11 @@ class ImageClassifier(L.LightningModule):
                 # in place: the state dict keeps its keys, so checkpoints stay interchangeable
                 self.net.compile(mode=self.compile_mode)
                 self.cuda_graphs = device == "cuda" and self.compile_mode in ("reduce-overhead", "max-autotune")
+        # one image of the data's shape for Lightning's model summary, which then counts the network's FLOPs and shows
+        # each layer's input and output sizes (without it: a FLOPs column of zeros, "Total FLOPs: 0"); run once, on
+        # rank zero, in eval mode without gradients. Not for a compiled network: it would compile a graph for it.
+        shape = getattr(datamodule, "image_shape", None)
+        self.example_input_array = torch.zeros(1, *shape) if shape and self.compile_mode is None else None
         if self.compile_mode is not None:
             # Lightning tests under inference_mode but validates under no_grad within fit; the two differ in what the
             # compiled graph is guarded on, so a test after fit would compile the network once more
