@@ -105,11 +105,13 @@ def test_a_run_stopped_mid_epoch_resumes_with_ckpt_path_last_to_the_same_weights
     assert "settings other than its own" not in output(result)  # the same command: nothing changed
     assert_same_training(load(tmp_path / "checkpoints" / "last.ckpt"), uninterrupted[world])
 
-    # its last.ckpt trained on in a new run dir: the best that run tests is of its own epochs, said once for the run
+    if world != "ddp x2":  # one process: tests/test_object_store.py's resume from another prefix says it
+        return
+    # its last.ckpt trained on in a new run dir: the best that run keeps is of its own epochs, said once for the run
     # (before: Lightning's warning with its source line from every rank, and a project warning once per rank more)
     other = tmp_path.with_name(f"{tmp_path.name}-on")
     last = tmp_path / "checkpoints" / "last.ckpt"
-    on = train(*EXACT, *WORLDS[world], "trainer.max_epochs=3", f"ckpt_path={last}", f"hydra.run.dir={other}")
+    on = train(*EXACT, *WORLDS[world], "trainer.max_steps=26", f"ckpt_path={last}", f"hydra.run.dir={other}")
     assert on.returncode == 0, output(on)[-3000:]
     moved = (
         f"ckpt_path={last} was saved by a run that kept its checkpoints in {tmp_path}/checkpoints: this run keeps its "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import re
+import warnings
 from pathlib import Path
 
 import lightning as L
@@ -238,6 +239,8 @@ def test_the_model_summary_counts_one_images_flops_and_its_image_moves_no_resume
     from lightning.pytorch.callbacks import ModelCheckpoint, ModelSummary
     from torch.utils.flop_counter import FlopCounterMode
 
+    from src.core.console import quiet_resume
+
     counted = []
 
     class Summary(ModelSummary):
@@ -260,7 +263,9 @@ def test_the_model_summary_counts_one_images_flops_and_its_image_moves_no_resume
             max_steps=max_steps,
             callbacks=[Summary(), at_step_2],
         )
-        trainer.fit(model, data, ckpt_path=ckpt_path, weights_only=True)
+        with warnings.catch_warnings():
+            quiet_resume(ckpt_path and str(ckpt_path), resumable_position=True)  # the project's, as src.train's
+            trainer.fit(model, data, ckpt_path=ckpt_path, weights_only=True)
         return data
 
     assert fit_to(3).state_dict()["train_position"]["consumed"] == 3
