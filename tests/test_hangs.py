@@ -354,7 +354,7 @@ def test_a_terminal_that_hangs_up_stops_every_rank_at_one_step_with_last_ckpt_an
     step = last_step(tmp_path)
     assert (
         f"stopped: SIGHUP after step {step}: every rank stopped there and {tmp_path}/checkpoints/last.ckpt holds that "
-        f"step; resume with ckpt_path={tmp_path}/checkpoints/last.ckpt"
+        f"step; resume with hydra.run.dir={tmp_path} ckpt_path=last"
     ) in log, log[-3000:]
     assert step > 2 and "Traceback" not in log
     deadline = time.monotonic() + 30

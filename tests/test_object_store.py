@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import signal
 import time
 import uuid
@@ -131,6 +132,42 @@ def test_a_ddp_run_sigkilled_mid_epoch_resumes_from_the_store_to_the_uninterrupt
     assert resumed.returncode == 0, output(resumed)[-3000:]
     assert f"Restoring states from the checkpoint path at {url}/last.ckpt" in output(resumed)
     assert_same_training(store.load(f"{url}/last.ckpt"), store.load(f"{uninterrupted[0]}/last.ckpt"), steps=12)
+
+
+def test_ctrl_c_with_the_checkpoints_in_the_store_stops_at_one_step_and_names_the_run_dir_to_resume_in(
+    s3_store, store, tmp_path
+):
+    """Before, Ctrl-C ended such a run on `error: AttributeError: 'str' object has no attribute 'parent'`, exit 1:
+    the line took the run dir for the checkpoint's folder's parent, and an s3:// checkpoint has no local path."""
+    url = prefix(s3_store, "interrupted")
+    long = [
+        *FAST,
+        "data.num_train=2000",
+        "trainer.limit_train_batches=null",
+        "test=false",
+        "callbacks.progress_bar=null",
+    ]
+    args = [*long, "callbacks.last_checkpoint.every_n_train_steps=2", f"paths.checkpoints={url}"]
+    proc = train(*args, f"hydra.run.dir={tmp_path}", background=True, env=s3_store.env, start_new_session=True)
+    deadline = time.monotonic() + 180
+    while store.version(f"{url}/last.ckpt") is None:  # step 2's
+        assert proc.poll() is None, proc.communicate()[0][-3000:]
+        assert time.monotonic() < deadline, "no checkpoint in the store"
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C at the terminal does
+    out = proc.communicate(timeout=60)[0]
+    assert proc.returncode == 130, out[-3000:]
+    (line,) = [line for line in out.splitlines() if line.startswith("interrupted")] or [out[-3000:]]
+    said = re.fullmatch(
+        rf"interrupted \(Ctrl-C\) at step (\d+) of epoch 0; {url}/last.ckpt written; "
+        rf"resume with hydra.run.dir={tmp_path} ckpt_path=last",
+        line,
+    )
+    assert said, line
+    assert store.load(f"{url}/last.ckpt")["global_step"] == int(said.group(1)) >= 2
+    assert "Found credentials" not in out and "Found endpoint" not in out, out[:2000]  # boto's, in the log file only
+    assert "exists and is not empty" not in out, out[:2000]  # a new prefix (before: its probe's folder marker)
+    assert "Found credentials in environment variables" in (tmp_path / "train.log").read_text()
 
 
 def test_a_truncated_last_ckpt_is_passed_over_and_the_checkpoint_resumed_from_is_never_deleted(

@@ -125,7 +125,8 @@ def test_sigterm_stops_every_rank_at_one_step_with_a_checkpoint_and_exit_code_14
         last["epoch"] == 0
         and last["SyntheticDataModule"]["train_position"].items() >= {"epoch": 0, "consumed": step}.items()
     )
-    assert f"resume with ckpt_path={tmp_path}/checkpoints/last.ckpt" in stopped[0]
+    # the run dir, not a checkpoint's path (which made a new run dir: a second run, its best checkpoints apart)
+    assert stopped[0].endswith(f"resume with hydra.run.dir={tmp_path} ckpt_path=last"), stopped[0]
     assert "Traceback" not in out
     if strategy == "ddp_spawn":  # as the line says, a step further: the spawned ranks drop what the parent drops
         resumed = train(

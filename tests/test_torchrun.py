@@ -303,8 +303,8 @@ def test_a_sigterm_to_the_agent_stops_its_workers_at_one_step_and_the_line_says_
     step, named, then = stops[0]
     assert named == str(path)
     assert (
-        then
-        == f"torchrun's next attempt resumes from there; if torchrun itself was stopped, resume with ckpt_path={path}"
+        then == "torchrun's next attempt resumes from there; if torchrun itself was stopped, resume with "
+        f"hydra.run.dir={run_dir} ckpt_path=last"
     )
     last = torch.load(path, map_location="cpu", weights_only=True)
     assert last["global_step"] == int(step) >= 3

@@ -166,10 +166,7 @@ class GracefulStop(L.Callback):
                 said = f"{path} is the previous one (step {step})"
             else:
                 said = f"{path}, if there is one, is the previous one"
-            print_line(
-                f"interrupted again (Ctrl-C): quit at once; {said}; resume with hydra.run.dir={path.parent.parent} "
-                "ckpt_path=last"
-            )
+            print_line(f"interrupted again (Ctrl-C): quit at once; {said}; {self._resume()}")
         supervision.quit_at_once(128 + signal.SIGINT)
 
     def on_train_batch_end(
@@ -216,17 +213,23 @@ class GracefulStop(L.Callback):
         path = self._save(trainer)
         if self._signal_or_sigterm() == signal.SIGINT:
             raise self._terminated(
-                f"interrupted (Ctrl-C) at step {trainer.global_step} of epoch "
-                f"{trainer.current_epoch}; {path} written; resume with hydra.run.dir={path.parent.parent} "
-                "ckpt_path=last"
+                f"interrupted (Ctrl-C) at step {trainer.global_step} of epoch {trainer.current_epoch}; {path} "
+                f"written; {self._resume()}"
             )
-        then = f"resume with ckpt_path={path}"
+        then = self._resume()
         if torchrun.active():  # its agent stops its workers to restart them, and when it is stopped itself
             then = f"torchrun's next attempt resumes from there; if torchrun itself was stopped, {then}"
         raise self._terminated(
             f"{self._name()} after step {trainer.global_step}: every rank stopped there and {path} holds that step; "
             f"{then}"
         )
+
+    def _resume(self) -> str:
+        """How to go on: in the same run dir, which holds the run's logs, its record and its ranked best checkpoints
+        (a checkpoint's path alone made a new run dir, a second run's start). The run dir is the trainer's, not
+        the checkpoint's folder's parent: ``paths.checkpoints`` may be elsewhere, an ``s3://`` prefix among them
+        (before: ``AttributeError`` at a Ctrl-C there, and the run ended on that error line)."""
+        return f"resume with hydra.run.dir={self._run_dir} ckpt_path=last"
 
     def _terminated(self, line: str) -> Terminated:
         """The stop this rank raises at the agreed step, noted as such (``failure.on_sigint``: a Ctrl-C after it)."""

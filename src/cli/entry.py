@@ -20,6 +20,7 @@ import threading
 from typing import Any, Callable, NoReturn
 
 from src.checkpoints import earlier_run, object_store
+from src.core.console import quiet_console
 from src.core.errors import (
     EXIT_FAILED,
     EXIT_USER_ERROR,
@@ -122,6 +123,7 @@ def handle_errors(task: Callable[..., Any]) -> Callable[..., Any]:
         # one when its write fails (it raises the error again in the training loop, where it becomes one line); a
         # thread a limit on processes and threads stopped ends the run with its one line
         logging.raiseExceptions = False
+        quiet_console()  # Hydra's console is set up: what stays in the log file stays there from the first check on
         threading.excepthook = _thread_errors
         heartbeat.register_stack_dump(supervision.rank_label())  # kill -USR2 PID: this process's stacks to its log
         try:

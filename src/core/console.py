@@ -42,6 +42,9 @@ from src.core.errors import print_line
 
 # Lightning lines kept on the console: they say which checkpoint a run goes on from, or tests.
 _KEPT_INFO = ("Restoring states from the checkpoint path",)
+# whose INFO lines stay in the log file: Lightning's, and boto's where checkpoints go to an object store (`Found
+# credentials in environment variables`, `Found endpoint for s3 via: environment_global`, from every process)
+_QUIET_INFO = ("lightning", "botocore", "aiobotocore", "s3fs")
 
 
 # a record's attribute: its words reach the console as a ``warning:`` line of their own (``warning_line``)
@@ -49,12 +52,13 @@ SAID = "said_on_console"
 
 
 class ConsoleFilter(logging.Filter):
-    """Drops Lightning's INFO lines from a console handler, and the records a ``warning:`` line has said."""
+    """Drops Lightning's (and boto's) INFO lines from a console handler, and the records a ``warning:`` line has
+    said."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if getattr(record, SAID, False):
             return False
-        if not record.name.startswith("lightning"):
+        if not record.name.startswith(_QUIET_INFO):
             return True
         return record.levelno >= logging.WARNING or record.getMessage().startswith(_KEPT_INFO)
 
@@ -110,6 +114,10 @@ def quiet_dependencies() -> None:
     # the best-checkpoint callback finds no val/acc yet, and asks whether the model logs it (it does, once it
     # validates); the test's line says "no best checkpoint kept". A key missing after a validation is Lightning's error.
     warnings.filterwarnings("ignore", message=r"`ModelCheckpoint\(monitor=.*could not find the monitored key")
+    # a new training into an s3:// prefix: the store check's probe (src/checkpoints/object_store.py) leaves some stores
+    # (SeaweedFS) an empty folder marker there, which Lightning counts as a file; a prefix that holds a run's
+    # checkpoints is refused before (src/checkpoints/earlier_run.py)
+    warnings.filterwarnings("ignore", message=r"Checkpoint directory s3://\S+ exists and is not empty")
     # trainer.precision=16-mixed on a CPU: the run line says it runs bf16-mixed, and why (src/callbacks/run_summary.py)
     warnings.filterwarnings("ignore", message=r"You passed `Trainer\(accelerator='cpu', precision='16-mixed'\)`")
     step = os.environ.get("SLURM_STEP_ID", "")  # srun's: a number ("4294967294", older Slurm's batch script: none)
