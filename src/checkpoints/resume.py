@@ -307,10 +307,10 @@ def warn_nothing_to_train(checkpoint: dict[str, Any], path: str | Path, max_epoc
     are the run's, checked as it started (src/core/settings.py: ``max_epochs`` null or >= 1, ``max_steps`` -1 or
     >= 1); the checkpoint's progress is the file's, read as Lightning's fit loop compares it with them. True where
     it warned."""
-    done = _trained(checkpoint)
-    if done is None:
+    progress = checkpoint.get("loops", {}).get("fit_loop", {}).get("epoch_progress", {}).get("current", {})
+    epochs, step = progress.get("processed"), checkpoint.get("global_step")
+    if not isinstance(epochs, int) or not isinstance(step, int):
         return False  # not a checkpoint of Lightning's fit loop: Lightning's own load says what is wrong
-    epochs, step = done
     if 0 < max_steps <= step:
         asked, more = f"trainer.max_steps={max_steps}", f"trainer.max_steps above {step}"
     elif max_epochs is not None and max_epochs <= epochs:
@@ -323,13 +323,6 @@ def warn_nothing_to_train(checkpoint: dict[str, Any], path: str | Path, max_epoc
         "ends with trainer.max_epochs)"
     )
     return True
-
-
-def _trained(checkpoint: dict[str, Any]) -> tuple[int, int] | None:
-    """The epochs and steps a checkpoint of Lightning's fit loop has trained, as that loop reads them."""
-    progress = checkpoint.get("loops", {}).get("fit_loop", {}).get("epoch_progress", {}).get("current", {})
-    epochs, step = progress.get("processed"), checkpoint.get("global_step")
-    return (epochs, step) if isinstance(epochs, int) and isinstance(step, int) else None
 
 
 def checkpoints_folder(checkpoint: dict[str, Any]) -> str | None:

@@ -146,8 +146,9 @@ class ImageClassifier(L.LightningModule):
                 self.net.compile(mode=self.compile_mode)
                 self.cuda_graphs = device == "cuda" and self.compile_mode in ("reduce-overhead", "max-autotune")
         # one image of the data's shape for Lightning's model summary, which then counts the network's FLOPs and shows
-        # each layer's input and output sizes (without it: a FLOPs column of zeros, "Total FLOPs: 0"); run once, on
-        # rank zero, in eval mode without gradients. Not for a compiled network: it would compile a graph for it.
+        # each layer's input and output sizes (without it: a FLOPs column of zeros, "Total FLOPs: 0"); one forward of
+        # it at the fit's start, in eval mode without gradients, in each rank (rank zero prints the summary). Not for a
+        # compiled network: it would compile a graph for it.
         shape = getattr(datamodule, "image_shape", None)
         self.example_input_array = torch.zeros(1, *shape) if shape and self.compile_mode is None else None
         if self.compile_mode is not None:
