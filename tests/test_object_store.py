@@ -148,7 +148,13 @@ def test_ctrl_c_with_the_checkpoints_in_the_store_stops_at_one_step_and_names_th
         "callbacks.progress_bar=null",
     ]
     args = [*long, "callbacks.last_checkpoint.every_n_train_steps=2", f"paths.checkpoints={url}"]
-    proc = train(*args, f"hydra.run.dir={tmp_path}", background=True, env=s3_store.env, start_new_session=True)
+    # a terminal's foreground job has SIGINT at its default; a suite started in the background ignores it, and a run
+    # started from there would too (as a script's background job keeps ignoring Ctrl-C)
+    ignored = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        proc = train(*args, f"hydra.run.dir={tmp_path}", background=True, env=s3_store.env, start_new_session=True)
+    finally:
+        signal.signal(signal.SIGINT, ignored)
     deadline = time.monotonic() + 180
     while store.version(f"{url}/last.ckpt") is None:  # step 2's
         assert proc.poll() is None, proc.communicate()[0][-3000:]
