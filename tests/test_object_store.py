@@ -21,6 +21,7 @@ import torch
 from tests.conftest import FAST, output, run_module, train
 from tests.s3server import READER_KEY, READER_SECRET, SECRET, start
 from tests.test_checkpoints import EXACT, assert_same_training, small_disk  # noqa: F401 - the fixture: a tmpfs
+from tests.test_supervision import LONG
 
 # EXACT, shorter: 2 epochs of 6 steps, last.ckpt every 2 (a save to the store is the slow part here)
 SHORT = [*EXACT, "trainer.limit_train_batches=6", "trainer.max_epochs=2"]
@@ -140,14 +141,7 @@ def test_ctrl_c_with_the_checkpoints_in_the_store_stops_at_one_step_and_names_th
     """Before, Ctrl-C ended such a run on `error: AttributeError: 'str' object has no attribute 'parent'`, exit 1:
     the line took the run dir for the checkpoint's folder's parent, and an s3:// checkpoint has no local path."""
     url = prefix(s3_store, "interrupted")
-    long = [
-        *FAST,
-        "data.num_train=2000",
-        "trainer.limit_train_batches=null",
-        "test=false",
-        "callbacks.progress_bar=null",
-    ]
-    args = [*long, "callbacks.last_checkpoint.every_n_train_steps=2", f"paths.checkpoints={url}"]
+    args = [*LONG, f"paths.checkpoints={url}"]  # steps enough that the stop lands mid-run
     # a terminal's foreground job has SIGINT at its default; a suite started in the background ignores it, and a run
     # started from there would too (as a script's background job keeps ignoring Ctrl-C)
     ignored = signal.signal(signal.SIGINT, signal.default_int_handler)

@@ -31,7 +31,6 @@ class ProgressBar(RichProgressBar):
         super().__init__(**kwargs)
         self.min_interval_s, self.step_values = min_interval_s, tuple(step_values)
         self._drawn_at = 0.0
-        self._batches_done = 0  # of the epoch's training batches
         # a line another thread prints while the bar is drawn (a failure's error: line) starts on a line of its own
         # (a weak reference: the bar refers to its trainer, and a sweep's next job must not keep the last one's)
         bar = weakref.ref(self)
@@ -56,10 +55,6 @@ class ProgressBar(RichProgressBar):
                 metrics[name] = float(logged[name])
         return metrics
 
-    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._batches_done = 0
-        super().on_train_epoch_start(trainer, pl_module)
-
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # The epoch's values (train/acc_epoch, train/loss_epoch) are reduced across ranks when first read: a
         # collective. Lightning's bar reads them on rank zero alone, before its logger reads them on every rank, and
@@ -68,13 +63,12 @@ class ProgressBar(RichProgressBar):
         _ = trainer.progress_bar_metrics
         # the epoch's count as it ended: an epoch that trainer.max_steps (or a stop) ends early ended between drawings,
         # and the bar said 1/45 after 3 steps
-        self._update(self.train_progress_bar_id, self._batches_done)
+        self._update(self.train_progress_bar_id, trainer.fit_loop.epoch_loop.batch_idx + 1)
         super().on_train_epoch_end(trainer, pl_module)
 
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        self._batches_done = batch_idx + 1
         now = time.monotonic()
         if now - self._drawn_at < self.min_interval_s and batch_idx + 1 < self.total_train_batches:
             return
