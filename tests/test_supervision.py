@@ -374,6 +374,47 @@ def test_a_store_hosting_launcher_that_has_begun_to_exit_is_going_before_its_chi
     assert result.stdout.strip() == "[false, true, true, true]", result.stdout + result.stderr[-3000:]
 
 
+def test_local_ranks_leave_a_mistake_before_the_group_to_their_launcher_and_end_with_it(tmp_path):
+    """A mistake the ranks meet before their group forms (nodes that count the world differently) is the same in
+    every local rank of a node: local rank 0, the launcher, says it. Before, a rank it started said it too where it
+    came to its line first (a loaded node: two lines from one node, once in a full run). Real processes: a launcher
+    that starts two ranks, says its line once they are at theirs, stops one (as its end does) and leaves the other."""
+    rank = (
+        "import sys\n"
+        "from src.resilience import supervision\n"
+        "open(sys.argv[1], 'w').close()\n"
+        "supervision.end_run('rank 1: the nodes count the world differently', 2)\n"
+    )
+    launcher = (
+        "import os, subprocess, sys, time\n"
+        "from pathlib import Path\n"
+        "env = {**os.environ, 'CIFAR10_DDP_LAUNCHER_PID': str(os.getpid())}\n"
+        "marks = [Path(sys.argv[2], str(k)) for k in (1, 2)]\n"
+        "ranks = [subprocess.Popen([sys.executable, '-c', sys.argv[1], str(m)], env=env) for m in marks]\n"
+        "while not all(m.exists() for m in marks):\n"
+        "    time.sleep(0.05)\n"
+        "time.sleep(1.0)  # both at their line\n"
+        "print('error: rank 0: the nodes count the world differently', flush=True)\n"
+        "ranks[0].terminate()\n"
+        "print('stopped:', ranks[0].wait(), 'left:', ranks[1].pid, flush=True)\n"
+        "sys.exit(2)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", launcher, rank, str(tmp_path)],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=60,  # the ranks hold the pipe too: run returns once the one left has ended
+    )
+    out = proc.stdout
+    assert proc.returncode == 2 and re.findall("^error: .*", out, re.M) == [
+        "error: rank 0: the nodes count the world differently"
+    ], out
+    left = int(re.search(r"^stopped: 2 left: (\d+)$", out, re.M).group(1))  # the stopped one: the mistake's status
+    assert not running(left)  # it ended once its launcher had, without a word
+
+
 def test_a_rank_whose_launcher_died_before_its_watch_began_ends_at_once_naming_it(tmp_path):
     """A local rank's launcher killed in the seconds of the rank's start, before the rank's watch begins (as its
     process group forms): the watch still has the launcher to watch, and ends the rank at once with the line, where

@@ -425,8 +425,8 @@ LAUNCHER_PROCESSES = {
 
 
 def before_error_line(line: str, code: int) -> None:
-    """Under srun or mpirun, before this process prints ``error: line`` and ends with ``code``, where its process
-    group has not formed.
+    """Under srun or mpirun, or as a local rank the project's launcher started, before this process prints ``error:
+    line`` and ends with ``code``, where its process group has not formed.
 
     A mistake found then (exit status 2: the command line, the config, the allocation, the data) is the same in every
     process of a node, and each printed it: 8 lines a node, 2,048 at 256 nodes, in the one file the launcher gathers
@@ -440,19 +440,32 @@ def before_error_line(line: str, code: int) -> None:
     if torchrun.active():
         torchrun.before_error_line(line, code)
         return
+    if code != EXIT_USER_ERROR or threading.current_thread() is not threading.main_thread():
+        return
+    launcher = launcher_pid()
+    if launcher is not None:  # started by start_local_ranks: its launcher, this node's local rank 0, has the same
+        _leave_it_to(launcher, code)  # command line (before, both said a world the nodes count differently)
+        return
     found = launched_processes()
-    if code != EXIT_USER_ERROR or found is None or found[0] not in LOCAL_RANK_KEYS:
+    if found is None or found[0] not in LOCAL_RANK_KEYS:
         return
     keys = LOCAL_RANK_KEYS[found[0]]
     if found[0] == "mpirun" and mpi_initialized():
         return
     local = first_set(keys) or "0"
-    if local == "0" or threading.current_thread() is not threading.main_thread():
+    if local == "0":
         return
     first = _local_rank_zero(keys)
     if first is None and not _started_by_launcher(LAUNCHER_PROCESSES[found[0]]):
         return
-    # the launcher's stop (mpirun stops the others once local rank 0 has ended so), or Ctrl-C, ends it the same way
+    _leave_it_to(first, code)
+
+
+def _leave_it_to(first: int | None, code: int) -> None:
+    """Wait, quiet, until this node's local rank 0 (``first``; None: none found beside this one, which has ended) has
+    ended, then end with ``code``; return after ``QUIET_S`` where it goes on (it did not fail so)."""
+    # the launcher's stop (mpirun stops the others once local rank 0 has ended so; the project's launcher its local
+    # ranks as it ends), or Ctrl-C, ends it the same way
     with torchrun.ending_on_stop(lambda: torchrun.end_quietly(code)):
         deadline = time.monotonic() + torchrun.QUIET_S
         while time.monotonic() < deadline:
