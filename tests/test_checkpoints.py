@@ -289,8 +289,9 @@ def test_a_process_killed_while_writing_a_checkpoint_leaves_the_previous_one_who
     assert remove_stale_temp_files(checkpoints) == partial and not partial[0].exists()
 
 
-def test_a_refused_write_before_any_last_ckpt_says_run_again_not_resume(tmp_path):
+def test_a_refused_write_before_any_last_ckpt_says_run_again_not_resume(tmp_path, monkeypatch):
     from src.checkpoints.files import refused_write
+    from src.launch import run_dir
 
     checkpoints = tmp_path / "checkpoints"
     checkpoints.mkdir()
@@ -304,6 +305,12 @@ def test_a_refused_write_before_any_last_ckpt_says_run_again_not_resume(tmp_path
     torch.save({"global_step": 4}, checkpoints / "last.ckpt")
     assert refused_write(err, target, checkpoints).endswith(
         f"last.ckpt (step 4) is intact; make {target.parent} writable and resume with ckpt_path=last"
+    )
+    # in a run, its run dir: the same command without it makes a new dir (timestamped), where last finds nothing
+    # (as a ddp_spawn rank's parent says it: tests/test_run_dir.py)
+    monkeypatch.setattr(run_dir, "_SPAWNED", [f"resume with hydra.run.dir={tmp_path} ckpt_path=last"])
+    assert refused_write(err, target, checkpoints).endswith(
+        f"writable and resume with hydra.run.dir={tmp_path} ckpt_path=last"
     )
     # of src.eval, which trains nothing: before, the same words of last.ckpt
     assert refused_write(err, target, checkpoints, trains=False) == (
@@ -392,7 +399,8 @@ def test_a_full_disk_while_writing_last_ckpt_stops_every_rank_with_one_line_and_
     errors = error_lines(out)
     assert len(errors) == 1 and re.fullmatch(
         rf"error: rank 0: no space left on device writing {run_dir}/checkpoints/last.ckpt \(\d+ MB needed, \d+ MB "
-        r"free\): the previous last.ckpt \(step 2\) is intact; free space and resume with ckpt_path=last",
+        rf"free\): the previous last.ckpt \(step 2\) is intact; free space and resume with hydra.run.dir={run_dir} "
+        r"ckpt_path=last",
         errors[0],
     ), out[-3000:]
     assert "Traceback" not in out and "Callback" not in out
@@ -446,7 +454,7 @@ def test_a_run_dir_that_turns_read_only_or_vanishes_mid_run_stops_the_run_with_o
         assert re.fullmatch(
             rf"error: rank 0: cannot write {run_dir}/(checkpoints/last.ckpt|tensorboard/events\S+) "
             rf"\(Read-only file system\): (the previous )?last.ckpt \(step {intact}\) is intact; "
-            rf"make {run_dir}/\w+ writable and resume with ckpt_path=last",
+            rf"make {run_dir}/\w+ writable and resume with hydra.run.dir={run_dir} ckpt_path=last",
             errors[0],
         ), errors[0]
         assert not list((run_dir / "checkpoints").glob(".*tmp*"))

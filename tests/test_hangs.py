@@ -160,7 +160,7 @@ def test_a_rank_stuck_in_python_writes_its_stack_and_is_named(strategy, tmp_path
     log = Path(re.search(r"its Python stack is in (\S+);", line).group(1))
     stacks = log.read_text()
     assert f'File "{ROOT}/tests/faults.py", line {SLEEP_LINE} in on_train_batch_start' in stacks, stacks[-3000:]
-    assert "resume with ckpt_path=last" in line and last_step(tmp_path) == 4
+    assert f"resume with hydra.run.dir={tmp_path} ckpt_path=last" in line and last_step(tmp_path) == 4
     assert "Traceback" not in out
     assert not [p for p in descendants(proc.pid) if running(p)]
 
@@ -297,10 +297,13 @@ def test_ctrl_c_in_a_sweep_stops_the_job_and_says_the_same_command_resumes_it(tm
     os.killpg(proc.pid, signal.SIGINT)
     out, _ = finish(proc, [proc.pid], limit_s=60)
     assert proc.returncode == 130, out[-3000:]
-    assert re.search(rf"^interrupted \(Ctrl-C\) at step \d+ of epoch 0; {job}/checkpoints/last.ckpt written", out, re.M)
+    # the job's line ends there: before, it went on "resume with hydra.run.dir=JOB_DIR ckpt_path=last", a run of
+    # its own without the job's overrides; the sweep's line says how the sweep resumes
+    stopped = rf"^interrupted \(Ctrl-C\) at step \d+ of epoch 0; {job}/checkpoints/last.ckpt written$"
+    assert re.search(stopped, out, re.M), out[-3000:]
     assert (
-        f"the sweep stopped at job 0: run the same command again (with hydra.sweep.dir={tmp_path}) to resume it: "
-        "finished jobs are skipped and job 0 goes on from its last.ckpt"
+        f"the sweep stopped at job 0: run the same command again (with hydra.sweep.dir={tmp_path}) to resume the "
+        "sweep: finished jobs are skipped and job 0 goes on from its last.ckpt"
     ) in out
     assert not (tmp_path / "1").exists() and "Traceback" not in out
 

@@ -23,6 +23,51 @@ def timed(*overrides: str):
     return result, time.monotonic() - start
 
 
+def test_a_failure_says_to_resume_in_its_own_run_dir_and_a_sweeps_job_through_its_sweep(tmp_path, monkeypatch):
+    """How a failure's or a stop's line says to go on. Before, a failure's said ``resume with ckpt_path=last``: the
+    same command made a new, timestamped run dir, where ``last`` found nothing; a sweep's job's said to resume it as
+    a run of its own, without the job's overrides. In-process: Hydra's config as a run's, a sweep job's, a search's."""
+    from hydra import compose, initialize_config_dir
+    from hydra.types import RunMode
+    from omegaconf import read_write
+
+    from src.core.settings import hydra_config_of
+    from src.launch import run_dir
+
+    monkeypatch.setattr(run_dir, "_SPAWNED", [])
+    assert run_dir.resume_with() == "resume with ckpt_path=last"  # nothing to name: no run in this process
+    assert run_dir.resume_with(tmp_path) == f"resume with hydra.run.dir={tmp_path} ckpt_path=last"  # the trainer's
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        config = compose(config_name="train", return_hydra_config=True)
+    said = {}
+    for kind, mode, search in (
+        ("run", RunMode.RUN, None),
+        ("sweep", RunMode.MULTIRUN, None),
+        ("search", RunMode.MULTIRUN, "x"),
+    ):
+        with read_write(config.hydra):
+            config.hydra.mode = mode
+            config.hydra.runtime.output_dir = str(tmp_path / kind / "3")
+            config.hydra.sweep.dir = str(tmp_path / kind)
+            config.hydra.job.num = 3
+            config.hydra.runtime.choices["hparams_search"] = search
+        with hydra_config_of(config):
+            said[kind] = run_dir.resume_with(tmp_path / "elsewhere")  # Hydra's run dir, not a trainer's guess
+            parent = run_dir.hydra_resume()
+        run_dir.note_spawned_resume(parent)  # a ddp_spawn rank: no Hydra config, its parent's words
+        assert run_dir.resume_with(tmp_path / "elsewhere") == said[kind]
+        run_dir.note_spawned_resume(None)
+    assert said["run"] == f"resume with hydra.run.dir={tmp_path}/run/3 ckpt_path=last"
+    assert said["sweep"] == (
+        f"run the same command again (with hydra.sweep.dir={tmp_path}/sweep) to resume the sweep: finished jobs are "
+        "skipped and job 3 goes on from its last.ckpt"
+    )
+    assert said["search"].endswith(
+        f"(with hydra.sweep.dir={tmp_path}/search) to resume the sweep: the study keeps its "
+        "trials and this one goes on from its last.ckpt"
+    )
+
+
 def test_a_second_run_in_a_held_run_dir_is_refused_at_once_naming_the_dir_host_and_pid(tmp_path):
     run_dir = tmp_path / "run"
     with ThreadPoolExecutor(2) as pool:  # started together, as a script or a job array would

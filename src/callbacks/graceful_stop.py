@@ -40,7 +40,8 @@ import torch.distributed as dist
 from src.checkpoints.files import LAST
 from src.checkpoints.last import LastCheckpoint
 from src.core.errors import UserError, print_line, terminal_gone, terminals
-from src.launch import torchrun
+from src.launch import ranks, torchrun
+from src.launch.run_dir import resume_with
 from src.resilience import failure, heartbeat, supervision
 from src.resilience.failure import Terminated
 
@@ -166,7 +167,7 @@ class GracefulStop(L.Callback):
                 said = f"{path} is the previous one (step {step})"
             else:
                 said = f"{path}, if there is one, is the previous one"
-            print_line(f"interrupted again (Ctrl-C): quit at once; {said}; {self._resume()}")
+            print_line(f"interrupted again (Ctrl-C): quit at once; {said}; {resume_with(self._run_dir)}")
         supervision.quit_at_once(128 + signal.SIGINT)
 
     def on_train_batch_end(
@@ -214,22 +215,24 @@ class GracefulStop(L.Callback):
         if self._signal_or_sigterm() == signal.SIGINT:
             raise self._terminated(
                 f"interrupted (Ctrl-C) at step {trainer.global_step} of epoch {trainer.current_epoch}; {path} "
-                f"written; {self._resume()}"
+                f"written{self._then()}"
             )
-        then = self._resume()
-        if torchrun.active():  # its agent stops its workers to restart them, and when it is stopped itself
-            then = f"torchrun's next attempt resumes from there; if torchrun itself was stopped, {then}"
+        then = self._then()
+        if torchrun.active() and then:  # its agent stops its workers to restart them, and when it is stopped itself
+            then = f"; torchrun's next attempt resumes from there; if torchrun itself was stopped, {then[2:]}"
         raise self._terminated(
-            f"{self._name()} after step {trainer.global_step}: every rank stopped there and {path} holds that step; "
+            f"{self._name()} after step {trainer.global_step}: every rank stopped there and {path} holds that step"
             f"{then}"
         )
 
-    def _resume(self) -> str:
-        """How to go on: in the same run dir, which holds the run's logs, its record and its ranked best checkpoints
-        (a checkpoint's path alone made a new run dir, a second run's start). The run dir is the trainer's, not
-        the checkpoint's folder's parent: ``paths.checkpoints`` may be elsewhere, an ``s3://`` prefix among them
-        (before: ``AttributeError`` at a Ctrl-C there, and the run ended on that error line)."""
-        return f"resume with hydra.run.dir={self._run_dir} ckpt_path=last"
+    def _then(self) -> str:
+        """How to go on, after "; ": in the same run dir, which holds the run's logs, its record and its ranked best
+        checkpoints (a checkpoint's path alone made a new run dir, a second run's start). The run dir is the
+        trainer's, not the checkpoint's folder's parent: ``paths.checkpoints`` may be elsewhere, an ``s3://`` prefix
+        among them (before: ``AttributeError`` at a Ctrl-C there). In a sweep's job nothing: the sweep's own line
+        follows (src/resilience/failure.py's ``stopped_line``), where this said to resume the job as a run of its own,
+        without the job's overrides."""
+        return "" if ranks.in_sweep() else f"; {resume_with(self._run_dir)}"
 
     def _terminated(self, line: str) -> Terminated:
         """The stop this rank raises at the agreed step, noted as such (``failure.on_sigint``: a Ctrl-C after it)."""

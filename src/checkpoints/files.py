@@ -24,6 +24,7 @@ from lightning.fabric.plugins import TorchCheckpointIO
 from src.checkpoints import object_store
 from src.core import user_folders
 from src.core.errors import StorageError, UserError, closed_folder, storage_error_in
+from src.launch.run_dir import resume_with
 
 LAST = "last.ckpt"
 PREVIOUS = "last.prev.ckpt"  # the last.ckpt before the current one
@@ -114,7 +115,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
                 raise
             raise StorageError(
                 f"cannot stage {url} in {user_folders.node_folder_path()} ({refused.strerror}): the store is as it "
-                "was; free space there (or point TMPDIR elsewhere) and resume with ckpt_path=last"
+                f"was; free space there (or point TMPDIR elsewhere) and {resume_with()}"
             ) from err
 
     def _make_dir(self, directory: Path) -> None:
@@ -160,7 +161,7 @@ def refused_write(
         gone = folder
         while not gone.parent.is_dir() and gone.parent != gone:
             gone = gone.parent
-        then = "its checkpoints and logs went with it; restore it and resume with ckpt_path=last, or start again"
+        then = f"its checkpoints and logs went with it; restore it and {resume_with()}, or start again"
         return (
             f"{gone} vanished during the run (it was removed while the run was writing {target.name}): "
             f"{then if trains else 'restore it, or run again elsewhere'}"
@@ -170,7 +171,7 @@ def refused_write(
     if not trains:
         intact, again = "", "run again"  # joined below as "...: free space and run again"
     elif step is not None:
-        intact, again = f"{previous}{LAST} (step {step}) is intact; ", "resume with ckpt_path=last"
+        intact, again = f"{previous}{LAST} (step {step}) is intact; ", resume_with()
     else:  # nothing to resume from (ckpt_path=last would be refused): the run starts again
         intact, again = f"there is no intact {LAST} yet; ", "run again"
     if err.errno in (errno.ENOSPC, errno.EDQUOT):

@@ -36,6 +36,7 @@ from typing import Any, Iterator
 
 from src.core import user_folders
 from src.core.errors import StorageError, UserError, require, storage_error_in
+from src.launch.run_dir import resume_with
 
 log = logging.getLogger(__name__)
 
@@ -204,7 +205,7 @@ def put(stage: Path, url: str, previous: str | None, intact: str) -> None:
     only once the store said it holds one (none yet: nothing to resume from; no answer: the folder is as it was)."""
     fs = filesystem()
     folder, name = url.rsplit("/", 1)
-    said, again = intact, "resume with ckpt_path=last"
+    said, again = intact, None  # None: resume in this run dir (said only if it fails)
     try:
         if previous is not None:
             said = f"{folder} is as it was"  # until the store says whether it holds one
@@ -215,6 +216,7 @@ def put(stage: Path, url: str, previous: str | None, intact: str) -> None:
                 said, again = f"there is no {name} in {folder} yet", "run again"
         fs.put_file(str(stage), _key(url))
     except Exception as err:  # noqa: BLE001 - the store refused or went away: the previous checkpoint stands
+        again = again or resume_with()
         raise StorageError(f"cannot write {url} ({why(err)}): {said}; fix the store and {again}") from err
 
 

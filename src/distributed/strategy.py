@@ -35,6 +35,7 @@ from src.core.console import spawned_rank_console, warning_filters
 from src.core.errors import EXIT_FAILED, UserError, terminal_gone, terminals
 from src.launch import ranks, torchrun
 from src.launch.devices import uses_cuda
+from src.launch.run_dir import hydra_resume, note_spawned_resume
 from src.resilience import failure, heartbeat, supervision
 
 _START_METHODS = {"ddp": "popen", "ddp_spawn": "spawn"}
@@ -698,6 +699,7 @@ class HydraSpawnLauncher(_MultiProcessingLauncher):
     def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
         self._backend_flags = backend_flags()  # the ranks get them with this launcher, pickled
         self._warning_filters = warning_filters()  # and the warnings this process drops (a resume's, too)
+        self._resume = hydra_resume()  # and how a stop or a failure says to go on (src/launch/run_dir.py)
         # torch warns "Terminating process N via signal SIGTERM" for every rank it stops after one failed; the
         # failed rank (or, for a death, src/resilience/supervision.py) has said what happened
         logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
@@ -747,6 +749,7 @@ class HydraSpawnLauncher(_MultiProcessingLauncher):
         supervision.watch_launcher(rank, multiprocessing.parent_process().pid)
         supervision.KILL_NOTES.append(lambda pid: setattr(self._killed, "value", pid))
         trainer = args[0] if args else None
+        note_spawned_resume(self._resume)  # how its lines say to go on: a spawned rank has no Hydra config
         heartbeat.register_stack_dump(f"rank {rank}", getattr(trainer, "default_root_dir", None))
         try:
             result = super()._wrapping_function(process_idx, *args, **kwargs)

@@ -34,7 +34,13 @@ from omegaconf import DictConfig, OmegaConf, read_write
 from src.core.console import warning_line
 from src.core.errors import not_swallowed, report, unwritable_run_dir
 from src.launch import torchrun
-from src.launch.ranks import check_sweep_started_once, drop_empty_run_log, is_launch_rank_zero, launch_name
+from src.launch.ranks import (
+    check_sweep_started_once,
+    drop_empty_run_log,
+    in_sweep,
+    is_launch_rank_zero,
+    launch_name,
+)
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +116,47 @@ def output_dir() -> str | None:
     except Exception:  # noqa: BLE001 - a sweep's subdir names its job, which a shown config has not
         return None
     return str(where.absolute())
+
+
+_SPAWNED: list[str] = []  # a ddp_spawn rank's resume_with(), said by its parent: the rank has no Hydra config
+
+
+def note_spawned_resume(words: str | None) -> None:
+    """In a ``ddp_spawn`` rank: what :func:`resume_with` says, as its parent said it (``None``: the parent had no
+    Hydra config either)."""
+    _SPAWNED[:] = [words] if words else []
+
+
+def resume_with(run_dir: str | Path | None = None) -> str:
+    """How a stopped or failed run goes on: :func:`hydra_resume`'s words; in a ``ddp_spawn`` rank, its parent's; else
+    in ``run_dir``, where given."""
+    words = hydra_resume() or (_SPAWNED[0] if _SPAWNED else None)
+    if words is None and run_dir:
+        words = f"resume with hydra.run.dir={run_dir} ckpt_path=last"
+    return words or "resume with ckpt_path=last"
+
+
+def hydra_resume() -> str | None:
+    """How the run Hydra runs in this process goes on (``None`` where it runs none). A run: ``resume with
+    hydra.run.dir=DIR ckpt_path=last``, in its own run dir: the same command without it makes a new dir (the default
+    is timestamped, srun's is named after the job step), where ``ckpt_path=last`` finds nothing. A sweep's job: the
+    same command with the sweep's dir, which skips the finished jobs and resumes this one (src/sweeps/sweep.py's
+    ResumingSweeper)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return None
+    hydra = HydraConfig.get()
+    if in_sweep():
+        kept = (
+            "the study keeps its trials and this one goes on from its last.ckpt"
+            if hydra.runtime.choices.get("hparams_search")
+            else f"finished jobs are skipped and job {hydra.job.num} goes on from its last.ckpt"
+        )
+        sweep_dir = Path(hydra.sweep.dir).resolve()
+        return f"run the same command again (with hydra.sweep.dir={sweep_dir}) to resume the sweep: {kept}"
+    where = output_dir()
+    return f"resume with hydra.run.dir={where} ckpt_path=last" if where else None
 
 
 def hold(config: DictConfig, kind: str, shared: bool = False) -> Path:

@@ -51,6 +51,7 @@ from src.core.errors import (
     wants_traceback,
 )
 from src.launch import ranks, torchrun
+from src.launch.run_dir import resume_with
 from src.resilience import supervision, task_limit
 
 log = logging.getLogger(__name__)
@@ -236,7 +237,7 @@ def _distributed(err: BaseException | None) -> tuple[str | None, int] | None:
             then = (
                 "torchrun restarts the group from last.ckpt while --max-restarts allows"
                 if torchrun.active()
-                else "see its log, then resume with ckpt_path=last"
+                else f"see its log, then {resume_with()}"
             )
             return (
                 f"the process group broke ({_first_sentence(err)}): another rank has probably died or lost "
@@ -329,15 +330,4 @@ def stopped_line() -> str:
     """What a sweep (or a search) stopped on request (Ctrl-C, SIGTERM) says: the same command resumes it."""
     from hydra.core.hydra_config import HydraConfig
 
-    hydra_cfg = HydraConfig.get()
-    sweep_dir = Path(hydra_cfg.sweep.dir).resolve()
-    job = hydra_cfg.job.num
-    kept = (
-        "the study keeps its trials and this one goes on from its last.ckpt"
-        if hydra_cfg.runtime.choices.get("hparams_search")
-        else f"finished jobs are skipped and job {job} goes on from its last.ckpt"
-    )
-    return (
-        f"the sweep stopped at job {job}: run the same command again (with hydra.sweep.dir={sweep_dir}) to "
-        f"resume it: {kept}"
-    )
+    return f"the sweep stopped at job {HydraConfig.get().job.num}: {resume_with()}"

@@ -55,6 +55,7 @@ from typing import Any, Callable, NoReturn, Sequence
 from src.core.errors import EXIT_FAILED, EXIT_USER_ERROR, console_turn, print_line
 from src.launch import torchrun
 from src.launch.ranks import before_error_line, in_sweep, launcher_rank, proc_stat
+from src.launch.run_dir import resume_with
 from src.resilience.node_board import NodeBoard
 
 POLL_S = 0.25
@@ -748,7 +749,7 @@ class HangWatch:
         where = last_place(record)
         who = f"host {host}, pid {pid}" if pid is not None else "host and pid not reported"
         head = f"rank {rank} ({who}) made no progress for {seconds:.0f} s {where}, while {others} waited for it"
-        tail = "; every rank stopped, the previous last.ckpt is intact: resume with ckpt_path=last"
+        tail = f"; every rank stopped, the previous last.ckpt is intact: {resume_with()}"
         if silent:
             return (
                 f"{head}; it cannot run Python (stopped, e.g. by SIGSTOP or a debugger, or stuck in C code), so "
@@ -781,7 +782,7 @@ class HangWatch:
         line = (
             f"{who} stopped answering for {seconds:.0f} s{where}: it cannot run (stopped, e.g. by SIGSTOP or a "
             "debugger, or stuck in C code) or its host is gone; every rank stopped, the previous last.ckpt is "
-            "intact: resume with ckpt_path=last"
+            f"intact: {resume_with()}"
         )
         stuck = {"host": host["host"], "pid": host["pid"]} if host and not torchrun.active() else None
         self.board.post("end", {"line": line, "code": EXIT_FAILED, "stuck": stuck})
