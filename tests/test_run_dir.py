@@ -37,6 +37,8 @@ def test_a_failure_says_to_resume_in_its_own_run_dir_and_a_sweeps_job_through_it
     monkeypatch.setattr(run_dir, "_SPAWNED", [])
     assert run_dir.resume_with() == "resume with ckpt_path=last"  # nothing to name: no run in this process
     assert run_dir.resume_with(tmp_path) == f"resume with hydra.run.dir={tmp_path} ckpt_path=last"  # the trainer's
+    spaced = tmp_path / "my runs"  # Hydra takes it; a shell takes the words back whole only quoted
+    assert run_dir.resume_with(spaced) == f"resume with 'hydra.run.dir={spaced}' ckpt_path=last"
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         config = compose(config_name="train", return_hydra_config=True)
     said = {}

@@ -23,6 +23,7 @@ import json
 import logging
 import os
 import re
+import shlex
 import socket
 import time
 from pathlib import Path
@@ -132,7 +133,7 @@ def resume_with(run_dir: str | Path | None = None) -> str:
     in ``run_dir``, where given."""
     words = hydra_resume() or (_SPAWNED[0] if _SPAWNED else None)
     if words is None and run_dir:
-        words = f"resume with hydra.run.dir={run_dir} ckpt_path=last"
+        words = f"resume with {_arg('hydra.run.dir', run_dir)} ckpt_path=last"
     return words or "resume with ckpt_path=last"
 
 
@@ -154,9 +155,14 @@ def hydra_resume() -> str | None:
             else f"finished jobs are skipped and job {hydra.job.num} goes on from its last.ckpt"
         )
         sweep_dir = Path(hydra.sweep.dir).resolve()
-        return f"run the same command again (with hydra.sweep.dir={sweep_dir}) to resume the sweep: {kept}"
+        return f"run the same command again (with {_arg('hydra.sweep.dir', sweep_dir)}) to resume the sweep: {kept}"
     where = output_dir()
-    return f"resume with hydra.run.dir={where} ckpt_path=last" if where else None
+    return f"resume with {_arg('hydra.run.dir', where)} ckpt_path=last" if where else None
+
+
+def _arg(key: str, path: str | Path) -> str:
+    """``key=path`` as a shell takes it back whole: quoted where the path holds a space (Hydra takes it so)."""
+    return shlex.quote(f"{key}={path}")
 
 
 def hold(config: DictConfig, kind: str, shared: bool = False) -> Path:
