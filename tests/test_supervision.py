@@ -412,6 +412,9 @@ def test_local_ranks_leave_a_mistake_before_the_group_to_their_launcher_and_end_
         "error: rank 0: the nodes count the world differently"
     ], out
     left = int(re.search(r"^stopped: 2 left: (\d+)$", out, re.M).group(1))  # the stopped one: the mistake's status
+    deadline = time.monotonic() + 10  # its files close as it exits, a moment before it is gone
+    while running(left) and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert not running(left)  # it ended once its launcher had, without a word
 
 
