@@ -290,8 +290,13 @@ def test_a_second_ctrl_c_during_the_save_quits_at_once_and_keeps_the_previous_la
     assert "Traceback" not in out and not error_lines(out)
 
 
-def test_ctrl_c_in_a_sweep_stops_the_job_and_says_the_same_command_resumes_it(tmp_path):
-    proc = start_in_own_group("-m", *LONG, "trainer.max_epochs=1,2", f"hydra.sweep.dir={tmp_path}")
+@pytest.mark.parametrize(
+    "world", [[], ["strategy=ddp_spawn", "trainer.devices=2"]], ids=["one process", "ddp_spawn x2"]
+)
+def test_ctrl_c_in_a_sweep_stops_the_job_and_says_the_same_command_resumes_it(world, tmp_path):
+    """Under ``ddp_spawn`` the sweep's process is no rank: before, it took its ranks' stop for a failed job
+    (`error: job 0 (...): a rank of this job failed: see its log`) and went on to job 1."""
+    proc = start_in_own_group("-m", *LONG, *world, "trainer.max_epochs=1,2", f"hydra.sweep.dir={tmp_path}")
     job = tmp_path / "0"
     wait_for(lambda: last_step(job) >= 2, proc)
     os.killpg(proc.pid, signal.SIGINT)
@@ -305,6 +310,7 @@ def test_ctrl_c_in_a_sweep_stops_the_job_and_says_the_same_command_resumes_it(tm
         f"the sweep stopped at job 0: run the same command again (with hydra.sweep.dir={tmp_path}) to resume the "
         "sweep: finished jobs are skipped and job 0 goes on from its last.ckpt"
     ) in out
+    assert out.count("the sweep stopped") == 1 and not error_lines(out), out[-3000:]
     assert not (tmp_path / "1").exists() and "Traceback" not in out
 
 

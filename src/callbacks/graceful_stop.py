@@ -40,8 +40,8 @@ import torch.distributed as dist
 from src.checkpoints.files import LAST
 from src.checkpoints.last import LastCheckpoint
 from src.core.errors import UserError, print_line, terminal_gone, terminals
-from src.launch import ranks, torchrun
-from src.launch.run_dir import resume_with
+from src.launch import torchrun
+from src.launch.run_dir import job_of_a_sweep, resume_with
 from src.resilience import failure, heartbeat, supervision
 from src.resilience.failure import Terminated
 
@@ -232,7 +232,7 @@ class GracefulStop(L.Callback):
         among them (before: ``AttributeError`` at a Ctrl-C there). In a sweep's job nothing: the sweep's own line
         follows (src/resilience/failure.py's ``stopped_line``), where this said to resume the job as a run of its own,
         without the job's overrides."""
-        return "" if ranks.in_sweep() else f"; {resume_with(self._run_dir)}"
+        return "" if job_of_a_sweep() else f"; {resume_with(self._run_dir)}"
 
     def _terminated(self, line: str) -> Terminated:
         """The stop this rank raises at the agreed step, noted as such (``failure.on_sigint``: a Ctrl-C after it)."""

@@ -700,6 +700,7 @@ class HydraSpawnLauncher(_MultiProcessingLauncher):
         self._backend_flags = backend_flags()  # the ranks get them with this launcher, pickled
         self._warning_filters = warning_filters()  # and the warnings this process drops (a resume's, too)
         self._resume = hydra_resume()  # and how a stop or a failure says to go on (src/launch/run_dir.py)
+        self._in_sweep = ranks.in_sweep()
         # torch warns "Terminating process N via signal SIGTERM" for every rank it stops after one failed; the
         # failed rank (or, for a death, src/resilience/supervision.py) has said what happened
         logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
@@ -749,7 +750,7 @@ class HydraSpawnLauncher(_MultiProcessingLauncher):
         supervision.watch_launcher(rank, multiprocessing.parent_process().pid)
         supervision.KILL_NOTES.append(lambda pid: setattr(self._killed, "value", pid))
         trainer = args[0] if args else None
-        note_spawned_resume(self._resume)  # how its lines say to go on: a spawned rank has no Hydra config
+        note_spawned_resume(self._resume, self._in_sweep)  # how its lines say to go on: it has no Hydra config
         heartbeat.register_stack_dump(f"rank {rank}", getattr(trainer, "default_root_dir", None))
         try:
             result = super()._wrapping_function(process_idx, *args, **kwargs)

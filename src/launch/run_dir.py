@@ -120,12 +120,20 @@ def output_dir() -> str | None:
 
 
 _SPAWNED: list[str] = []  # a ddp_spawn rank's resume_with(), said by its parent: the rank has no Hydra config
+_SPAWNED_IN_SWEEP: list[bool] = []  # and whether that parent runs a sweep's job
 
 
-def note_spawned_resume(words: str | None) -> None:
+def note_spawned_resume(words: str | None, sweep: bool = False) -> None:
     """In a ``ddp_spawn`` rank: what :func:`resume_with` says, as its parent said it (``None``: the parent had no
-    Hydra config either)."""
+    Hydra config either), and whether the parent runs a sweep's job (:func:`job_of_a_sweep`)."""
     _SPAWNED[:] = [words] if words else []
+    _SPAWNED_IN_SWEEP[:] = [sweep]
+
+
+def job_of_a_sweep() -> bool:
+    """Whether this process runs a sweep's job: the sweep's own process, or a ``ddp_spawn`` rank it started (which
+    has no Hydra config: ``in_sweep`` says no there)."""
+    return in_sweep() or any(_SPAWNED_IN_SWEEP)
 
 
 def resume_with(run_dir: str | Path | None = None) -> str:

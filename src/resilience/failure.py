@@ -130,6 +130,13 @@ def fail(err: BaseException, log_dir: str | None = None, rank_zero: bool | None 
         sys.exit(err.exit_code)
     line, code = describe(err, log_dir)
     if ranks.in_sweep():
+        if line is None and supervision.stopped_on_request(code):
+            # a ddp_spawn job's ranks stopped on request, each at one step (their line said so): the sweep stops
+            # with them, as it does where it trains itself (above). Before, it took them for a failed job and went
+            # on to the next one: a Ctrl-C stopped only the job under way.
+            if rank_zero:
+                print_line(stopped_line())
+            sys.exit(code)
         record_job_failure(line, code)
         return None
     if wants_traceback():

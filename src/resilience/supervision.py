@@ -101,6 +101,11 @@ def how_it_ended(returncode: int) -> str:
     return f"exited with code {returncode}"
 
 
+def stopped_on_request(returncode: int) -> bool:
+    """Whether a rank that ended with ``returncode`` stopped on request (Ctrl-C, SIGTERM, a hangup), not failed."""
+    return returncode in _STOPS
+
+
 def said_why(returncode: int) -> bool:
     """Whether a rank that ended with ``returncode`` printed its own reason (or stopped on request)."""
     return returncode in _SAID_WHY
