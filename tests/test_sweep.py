@@ -75,12 +75,15 @@ def test_device_sweep_runs_each_job_with_exactly_its_processes_and_reports(strat
     assert_no_process_mentions(str(sweep_dir))
 
 
-def test_a_failing_job_is_reported_and_the_sweep_goes_on(tmp_path):
+@pytest.mark.parametrize("strategy", ["ddp", "ddp_spawn"])
+def test_a_failing_job_is_reported_and_the_sweep_goes_on(strategy, tmp_path):
+    """Under ``ddp_spawn`` the sweep's process is no rank, and the group's record of the failure goes with the ranks:
+    before, the job's record and the sweep's last line said only ``a rank of this job failed: see its log``."""
     sweep_dir = tmp_path / "sweep"
     # job 0's rank 0 raises at its first step; job 1 names a rank its world of two lacks, so it never does (a value
     # either job refuses as it starts is refused before the first: the test below)
     fault = ["+callbacks.fault._target_=tests.faults.RaiseAt", "+callbacks.fault.step=0", "+callbacks.fault.rank=0,5"]
-    result = train("-m", *SWEEP, *fault, "trainer.devices=2", "strategy=ddp", f"hydra.sweep.dir={sweep_dir}")
+    result = train("-m", *SWEEP, *fault, "trainer.devices=2", f"strategy={strategy}", f"hydra.sweep.dir={sweep_dir}")
     assert result.returncode == 1, output(result)[-4000:]
     said = "error: 1 of 2 jobs failed: job 0: rank 0: RuntimeError: injected failure at step 0 (traceback in"
     assert said in result.stderr

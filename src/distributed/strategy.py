@@ -39,6 +39,7 @@ from src.launch.run_dir import hydra_resume, note_spawned_resume
 from src.resilience import failure, heartbeat, supervision
 
 _START_METHODS = {"ddp": "popen", "ddp_spawn": "spawn"}
+SAID_BYTES = 4096  # a ddp_spawn rank's failure line, as its parent keeps it
 
 
 def build_strategy(
@@ -707,6 +708,11 @@ class HydraSpawnLauncher(_MultiProcessingLauncher):
         heartbeat.register_stack_dump("ddp_spawn's parent process")  # kill -USR2: the ranks say their own
         # a rank that kills a stuck one (src/resilience/supervision.py) notes its pid here: the run's own doing
         self._killed = multiprocessing.get_context("spawn").Value("i", 0)
+        # and the first failure line a rank says, for a sweep's record of the job: under ddp the sweep's process is
+        # rank 0 and reads it from the group's record, which goes with ddp_spawn's ranks (before: "a rank of this
+        # job failed: see its log")
+        self._said = multiprocessing.get_context("spawn").Array("c", SAID_BYTES)
+        supervision.SPAWNED_SAID.clear()
         if threading.current_thread() is not threading.main_thread():
             return self._launch(function, *args, trainer=trainer, **kwargs)
         # Ctrl-C reaches the ranks from the terminal too; they take a second one within a second for the same. A
@@ -734,6 +740,9 @@ class HydraSpawnLauncher(_MultiProcessingLauncher):
         try:
             return super().launch(function, *args, trainer=trainer, **kwargs)
         except ProcessExitedException as err:
+            said = self._said.value.decode(errors="replace")
+            if said:
+                supervision.SPAWNED_SAID[:] = [said]
             if err.error_pid != self._killed.value:
                 raise
             # the rank that killed it has said why
@@ -749,6 +758,7 @@ class HydraSpawnLauncher(_MultiProcessingLauncher):
         rank = self._strategy.node_rank * self._strategy.num_processes + process_idx
         supervision.watch_launcher(rank, multiprocessing.parent_process().pid)
         supervision.KILL_NOTES.append(lambda pid: setattr(self._killed, "value", pid))
+        supervision.SAID_NOTES.append(self._keep_said)
         trainer = args[0] if args else None
         note_spawned_resume(self._resume, self._in_sweep)  # how its lines say to go on: it has no Hydra config
         heartbeat.register_stack_dump(f"rank {rank}", getattr(trainer, "default_root_dir", None))
@@ -758,6 +768,12 @@ class HydraSpawnLauncher(_MultiProcessingLauncher):
             failure.fail(err, getattr(trainer, "default_root_dir", None), rank_zero=self._strategy.global_rank == 0)
         supervision.stop_watching_failures()
         return result
+
+    def _keep_said(self, line: str) -> None:
+        """In a rank: its failure line, for the parent, unless another rank's came first (cut at a character)."""
+        with self._said.get_lock():
+            if not self._said.value:
+                self._said.value = line.encode()[: SAID_BYTES - 1].decode(errors="ignore").encode()
 
 
 def backend_flags() -> dict[str, Any]:

@@ -325,6 +325,8 @@ def record_job_failure(line: str | None, code: int) -> None:
             line = record["line"]  # a rank of this job said it, on its own stderr
         supervision.FAILURES.publish(line, code)  # the job's ranks on other nodes stop too
     supervision.stop_processes(supervision.STARTED, grace_s=2.0)
+    line = line or next(iter(supervision.SPAWNED_SAID), None)  # a ddp_spawn rank's, its group gone with it
+    supervision.SPAWNED_SAID.clear()
     message = line or "a rank of this job failed: see its log"
     job = HydraConfig.get().job
     print_line(f"error: job {job.num} ({' '.join(HydraConfig.get().overrides.task)}): {message}")

@@ -84,6 +84,8 @@ _ending = threading.Lock()  # held by the thread that is ending this process
 OPEN_LINES: list[Callable[[], bool]] = []  # whether a progress bar may have left a line unfinished
 BARS_DRAWN: list[Callable[[], bool]] = []  # whether this process has drawn a progress bar (live, on a terminal)
 KILL_NOTES: list[Callable[[int], None]] = []  # told the pid of a stuck rank this process kills (ddp_spawn's parent)
+SAID_NOTES: list[Callable[[str], None]] = []  # told the failure line this process says (ddp_spawn's parent)
+SPAWNED_SAID: list[str] = []  # in ddp_spawn's parent: the line its ranks said as they failed (a sweep's record)
 
 # Local ranks started by this process, so a job can wait for (or stop) its own before the next one starts.
 STARTED: list[subprocess.Popen] = []
@@ -1051,6 +1053,8 @@ def end_run(
         if FAILURES is not None:
             torchrun.tell_agent(line)  # torchrun's failure report gives it
         say_error(line)
+        for note in SAID_NOTES:
+            note(line)
     kill_stuck(stuck)
     if FAILURES is not None:  # on CUDA, NCCL's flight recorder: this rank's last collectives, into the run dir
         from src.resilience import heartbeat
