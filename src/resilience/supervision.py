@@ -84,7 +84,7 @@ _ending = threading.Lock()  # held by the thread that is ending this process
 OPEN_LINES: list[Callable[[], bool]] = []  # whether a progress bar may have left a line unfinished
 BARS_DRAWN: list[Callable[[], bool]] = []  # whether this process has drawn a progress bar (live, on a terminal)
 KILL_NOTES: list[Callable[[int], None]] = []  # told the pid of a stuck rank this process kills (ddp_spawn's parent)
-SAID_NOTES: list[Callable[[str], None]] = []  # told the failure line this process says (ddp_spawn's parent)
+SAID_NOTES: list[Callable[[str], None]] = []  # told the failure line this process says (ddp_spawn: for the parent)
 SPAWNED_SAID: list[str] = []  # in ddp_spawn's parent: the line its ranks said as they failed (a sweep's record)
 
 # Local ranks started by this process, so a job can wait for (or stop) its own before the next one starts.
