@@ -302,3 +302,19 @@ class SlowEnd(L.Callback):
         self._wait(
             trainer
         )  # a stop (SIGTERM, Ctrl-C) ends fit with an exception: Lightning finalizes the loggers after
+
+
+class HoldInSetup(L.Callback):
+    """Hold global rank 0 in Lightning's ``setup`` (a dataset's preparation, a checkpoint's load) for up to
+    ``seconds``, after creating ``marker``: a run whose ranks have started, their training steps not listening yet."""
+
+    def __init__(self, marker: str, seconds: float = 120.0) -> None:
+        self.marker, self.seconds = marker, seconds
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        import time
+        from pathlib import Path
+
+        if trainer.global_rank == 0:
+            Path(self.marker).touch()
+            time.sleep(self.seconds)

@@ -290,6 +290,25 @@ def test_a_second_ctrl_c_during_the_save_quits_at_once_and_keeps_the_previous_la
     assert "Traceback" not in out and not error_lines(out)
 
 
+def test_ctrl_c_while_ddp_spawns_ranks_set_up_ends_the_run_at_once_with_its_line(tmp_path):
+    """Ctrl-C once the spawned ranks have started, before their training steps listen (their setup). Before, torch's
+    wrapper took the rank's KeyboardInterrupt for a stop of its own, the ranks exited 0 without a result, and
+    Lightning's launcher waited for one for ever: the run hung, and printed nothing."""
+    marker = tmp_path / "setting-up"
+    hold = ["+callbacks.hold._target_=tests.faults.HoldInSetup", f"+callbacks.hold.marker={marker}"]
+    proc = start_in_own_group(*LONG, "strategy=ddp_spawn", "trainer.devices=2", *hold, f"hydra.run.dir={tmp_path}/run")
+    wait_for(marker.exists, proc)
+    os.killpg(proc.pid, signal.SIGINT)
+    try:
+        out, seconds = finish(proc, [proc.pid], limit_s=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130 and seconds < 60, out[-3000:]
+    assert out.count("interrupted (Ctrl-C) outside a training step: nothing more was saved") == 1, out[-3000:]
+    assert "Traceback" not in out and not error_lines(out), out[-3000:]
+
+
 @pytest.mark.parametrize(
     "world", [[], ["strategy=ddp_spawn", "trainer.devices=2"]], ids=["one process", "ddp_spawn x2"]
 )

@@ -712,6 +712,11 @@ class HydraSpawnLauncher(_MultiProcessingLauncher):
         # rank 0 and reads it from the group's record, which goes with ddp_spawn's ranks (before: "a rank of this
         # job failed: see its log")
         self._said = multiprocessing.get_context("spawn").Array("c", SAID_BYTES)
+        # and whether a rank took Ctrl-C before its training steps listened (its setup): it ends quietly, and this
+        # process ends the run as one process would (before: the ranks exited 0 without a result, and Lightning
+        # waited for one for ever)
+        self._interrupted = multiprocessing.get_context("spawn").Value("b", 0)
+        self._passed: list[int] = []  # the signals this process passed on to its ranks
         supervision.SPAWNED_SAID.clear()
         if threading.current_thread() is not threading.main_thread():
             return self._launch(function, *args, trainer=trainer, **kwargs)
@@ -725,6 +730,7 @@ class HydraSpawnLauncher(_MultiProcessingLauncher):
         def pass_on(signum: int, frame: Any) -> None:
             if signum == signal.SIGHUP:
                 terminal_gone(ttys)
+            self._passed.append(signum)
             self.kill(signum)
 
         previous = {signum: signal.signal(signum, pass_on) for signum in signums}
@@ -740,6 +746,9 @@ class HydraSpawnLauncher(_MultiProcessingLauncher):
         try:
             return super().launch(function, *args, trainer=trainer, **kwargs)
         except ProcessExitedException as err:
+            if self._interrupted.value or (err.signal_name == "SIGINT" and signal.SIGINT in self._passed):
+                # Ctrl-C before the ranks' steps listened (their setup; or their start, where one died of it)
+                raise KeyboardInterrupt from None
             said = self._said.value.decode(errors="replace")
             if said:
                 supervision.SPAWNED_SAID[:] = [said]
@@ -764,6 +773,11 @@ class HydraSpawnLauncher(_MultiProcessingLauncher):
         heartbeat.register_stack_dump(f"rank {rank}", getattr(trainer, "default_root_dir", None))
         try:
             result = super()._wrapping_function(process_idx, *args, **kwargs)
+        except KeyboardInterrupt:  # Ctrl-C before this rank's steps listen: the parent says it (torch's wrapper
+            self._interrupted.value = 1  # took it for its own stop, and the rank exited 0 without a result)
+            signal.signal(signal.SIGINT, signal.SIG_IGN)  # the same Ctrl-C passed on by the parent, late: not again
+            supervision.stop_watching_failures(wait=False)
+            sys.exit(128 + signal.SIGINT)
         except Exception as err:  # noqa: BLE001 - any failure of a rank ends the run, told once; a stop on request too
             failure.fail(err, getattr(trainer, "default_root_dir", None), rank_zero=self._strategy.global_rank == 0)
         supervision.stop_watching_failures()
