@@ -711,11 +711,11 @@ class HydraSpawnLauncher(_MultiProcessingLauncher):
         # and the first failure line a rank says, for a sweep's record of the job: under ddp the sweep's process is
         # rank 0 and reads it from the group's record, which goes with ddp_spawn's ranks (before: "a rank of this
         # job failed: see its log")
-        self._said = multiprocessing.get_context("spawn").Array("c", SAID_BYTES)
+        self._said = multiprocessing.get_context("spawn").Array("c", SAID_BYTES, lock=False)  # no semaphore to leak
         # and whether a rank took Ctrl-C before its training steps listened (its setup): it ends quietly, and this
         # process ends the run as one process would (before: the ranks exited 0 without a result, and Lightning
         # waited for one for ever)
-        self._interrupted = multiprocessing.get_context("spawn").Value("b", 0)
+        self._interrupted = multiprocessing.get_context("spawn").Value("b", 0, lock=False)
         self._passed: list[int] = []  # the signals this process passed on to its ranks
         supervision.SPAWNED_SAID.clear()
         if threading.current_thread() is not threading.main_thread():
@@ -776,8 +776,9 @@ class HydraSpawnLauncher(_MultiProcessingLauncher):
         except KeyboardInterrupt:  # Ctrl-C before this rank's steps listen: the parent says it (torch's wrapper
             self._interrupted.value = 1  # took it for its own stop, and the rank exited 0 without a result)
             signal.signal(signal.SIGINT, signal.SIG_IGN)  # the same Ctrl-C passed on by the parent, late: not again
-            supervision.stop_watching_failures(wait=False)
-            sys.exit(128 + signal.SIGINT)
+            # the other ranks end with it (one may wait in a collective for this one), quiet, and its node's board
+            # goes with the last of them
+            supervision.end_run(None, 128 + signal.SIGINT)
         except Exception as err:  # noqa: BLE001 - any failure of a rank ends the run, told once; a stop on request too
             failure.fail(err, getattr(trainer, "default_root_dir", None), rank_zero=self._strategy.global_rank == 0)
         supervision.stop_watching_failures()
@@ -785,9 +786,8 @@ class HydraSpawnLauncher(_MultiProcessingLauncher):
 
     def _keep_said(self, line: str) -> None:
         """In a rank: its failure line, for the parent, unless another rank's came first (cut at a character)."""
-        with self._said.get_lock():
-            if not self._said.value:
-                self._said.value = line.encode()[: SAID_BYTES - 1].decode(errors="ignore").encode()
+        if not self._said.value:  # one rank says the run's line (the failure record's first); no lock needed
+            self._said.value = line.encode()[: SAID_BYTES - 1].decode(errors="ignore").encode()
 
 
 def backend_flags() -> dict[str, Any]:
