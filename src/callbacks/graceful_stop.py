@@ -212,27 +212,27 @@ class GracefulStop(L.Callback):
     def _stop(self, trainer: L.Trainer) -> None:
         """Write last.ckpt at this step on every rank and end the run with the signal's exit status."""
         path = self._save(trainer)
+        resume = self._resume()
         if self._signal_or_sigterm() == signal.SIGINT:
             raise self._terminated(
                 f"interrupted (Ctrl-C) at step {trainer.global_step} of epoch {trainer.current_epoch}; {path} "
-                f"written{self._then()}"
+                f"written{f'; {resume}' if resume else ''}"
             )
-        then = self._then()
-        if torchrun.active() and then:  # its agent stops its workers to restart them, and when it is stopped itself
-            then = f"; torchrun's next attempt resumes from there; if torchrun itself was stopped, {then[2:]}"
+        if torchrun.active() and resume:  # its agent stops its workers to restart them, and when it is stopped itself
+            resume = f"torchrun's next attempt resumes from there; if torchrun itself was stopped, {resume}"
         raise self._terminated(
             f"{self._name()} after step {trainer.global_step}: every rank stopped there and {path} holds that step"
-            f"{then}"
+            f"{f'; {resume}' if resume else ''}"
         )
 
-    def _then(self) -> str:
-        """How to go on, after "; ": in the same run dir, which holds the run's logs, its record and its ranked best
-        checkpoints (a checkpoint's path alone made a new run dir, a second run's start). The run dir is the
-        trainer's, not the checkpoint's folder's parent: ``paths.checkpoints`` may be elsewhere, an ``s3://`` prefix
-        among them (before: ``AttributeError`` at a Ctrl-C there). In a sweep's job nothing: the sweep's own line
-        follows (src/resilience/failure.py's ``stopped_line``), where this said to resume the job as a run of its own,
-        without the job's overrides."""
-        return "" if job_of_a_sweep() else f"; {resume_with(self._run_dir)}"
+    def _resume(self) -> str | None:
+        """How to go on: in the same run dir, which holds the run's logs, its record and its ranked best checkpoints
+        (a checkpoint's path alone made a new run dir, a second run's start). The run dir is the trainer's, not the
+        checkpoint's folder's parent: ``paths.checkpoints`` may be elsewhere, an ``s3://`` prefix among them (before:
+        ``AttributeError`` at a Ctrl-C there). In a sweep's job None: the sweep's own line follows
+        (src/resilience/failure.py's ``stopped_line``), where this said to resume the job as a run of its own, without
+        the job's overrides."""
+        return None if job_of_a_sweep() else resume_with(self._run_dir)
 
     def _terminated(self, line: str) -> Terminated:
         """The stop this rank raises at the agreed step, noted as such (``failure.on_sigint``: a Ctrl-C after it)."""

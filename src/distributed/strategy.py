@@ -706,16 +706,17 @@ class HydraSpawnLauncher(_MultiProcessingLauncher):
         # failed rank (or, for a death, src/resilience/supervision.py) has said what happened
         logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
         heartbeat.register_stack_dump("ddp_spawn's parent process")  # kill -USR2: the ranks say their own
+        spawn = multiprocessing.get_context("spawn")  # shared with the ranks it starts:
         # a rank that kills a stuck one (src/resilience/supervision.py) notes its pid here: the run's own doing
-        self._killed = multiprocessing.get_context("spawn").Value("i", 0)
+        self._killed = spawn.Value("i", 0)
         # and the first failure line a rank says, for a sweep's record of the job: under ddp the sweep's process is
         # rank 0 and reads it from the group's record, which goes with ddp_spawn's ranks (before: "a rank of this
         # job failed: see its log")
-        self._said = multiprocessing.get_context("spawn").Array("c", SAID_BYTES, lock=False)  # no semaphore to leak
+        self._said = spawn.Array("c", SAID_BYTES, lock=False)  # no lock: no semaphore to leak
         # and whether a rank took Ctrl-C before its training steps listened (its setup): it ends quietly, and this
         # process ends the run as one process would (before: the ranks exited 0 without a result, and Lightning
         # waited for one for ever)
-        self._interrupted = multiprocessing.get_context("spawn").Value("b", 0, lock=False)
+        self._interrupted = spawn.Value("b", 0, lock=False)
         self._passed: list[int] = []  # the signals this process passed on to its ranks
         supervision.SPAWNED_SAID.clear()
         if threading.current_thread() is not threading.main_thread():
