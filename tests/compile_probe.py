@@ -1,15 +1,27 @@
 """What torch.compile did in a real run: ``+callbacks.compile_probe._target_=tests.compile_probe.CompileProbe``.
 
 Writes ``compile_rankN.json`` into ``out`` when testing ends: dynamo's count of compiled graphs after each training
-epoch and after the test, and DDPOptimizer's line when it split a graph at DDP's gradient buckets (so that each
-bucket's all-reduce starts while the backward pass goes on).
+epoch and after the test, inductor's cache hits and misses, and DDPOptimizer's line when it split a graph at DDP's
+gradient buckets (so that each bucket's all-reduce starts while the backward pass goes on).
+
+The ranks of the run compile in turns (a lock in ``out``): each graph is compiled by the rank that comes to it first,
+and the other rank finds it in inductor's cache (the run's ``TORCHINDUCTOR_CACHE_DIR``, one folder for the
+machine's ranks, as it is by default). Side by side, both ranks compiled every graph at the same time, each missing
+the cache: tests/test_compile.py's run alone on a 2-core Intel Xeon with AMX, inductor's cache empty, took 75 CPU s
+that way and 61 CPU s in turns (59 s and 57 s of wall time). What is compiled, and how often, is the same; a rank
+that loads its graphs from the cache, as every rank of a run after the first does, is proven beside one that
+compiles them.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
+import os
+import threading
 from pathlib import Path
+from typing import Any
 
 import lightning as L
 
@@ -30,6 +42,7 @@ class CompileProbe(L.Callback):
         # 102 s and 97 s, 141 and 133 CPU s scalar). What inductor's vectorized code computes is torch's to test.
         torch._inductor.config.cpp.vec_isa_ok = False
         self.out = Path(out)
+        _compile_in_turns(self.out / "compile.lock")
         self.marks: list[dict[str, object]] = []
         self.ddp_optimizer: list[str] = []
         self._handler: logging.Handler | None = None
@@ -50,6 +63,8 @@ class CompileProbe(L.Callback):
                 "at": at,
                 "graphs": counters["stats"]["unique_graphs"],
                 "cudagraph_skips": counters["inductor"]["cudagraph_skips"],
+                "cache_hits": counters["inductor"]["fxgraph_cache_hit"],
+                "cache_misses": counters["inductor"]["fxgraph_cache_miss"],
             }
         )
 
@@ -62,3 +77,40 @@ class CompileProbe(L.Callback):
         (self.out / f"compile_rank{trainer.global_rank}.json").write_text(
             json.dumps({"marks": self.marks, "ddp_optimizer": self.ddp_optimizer}, indent=1) + "\n"
         )
+
+
+def _compile_in_turns(lock: Path) -> None:
+    """Inductor's compiles (the AOT graphs of a frame, and each backward graph when it is first run) hold ``lock``:
+    one rank of the machine compiles at a time. Nothing that waits for another rank runs inside a compile."""
+    import torch._inductor.compile_fx as compile_fx
+
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    mine = threading.RLock()
+    held = {"depth": 0, "fd": -1}
+
+    class Turn:
+        def __enter__(self) -> None:
+            mine.acquire()
+            if held["depth"] == 0:
+                held["fd"] = os.open(lock, os.O_CREAT | os.O_RDWR)
+                fcntl.flock(held["fd"], fcntl.LOCK_EX)
+            held["depth"] += 1
+
+        def __exit__(self, *exc: object) -> None:
+            held["depth"] -= 1
+            if held["depth"] == 0:
+                os.close(held["fd"])  # the lock with it
+            mine.release()
+
+    frame_compile, graph_compile = compile_fx.compile_fx, compile_fx.compile_fx_inner
+
+    def graph_in_turn(*args: Any, **kwargs: Any) -> Any:
+        with Turn():
+            return graph_compile(*args, **kwargs)
+
+    # dynamo's inductor backend looks compile_fx up as it calls it; the graphs' compiler is its argument
+    def frame_in_turn(model: Any, inputs: Any, inner_compile: Any = graph_in_turn, *args: Any, **kwargs: Any) -> Any:
+        with Turn():
+            return frame_compile(model, inputs, inner_compile, *args, **kwargs)
+
+    compile_fx.compile_fx = frame_in_turn

@@ -1,6 +1,7 @@
 """model.compile=true: the network is compiled once per process, for training and for evaluation, and never again
 (not for the last, smaller batch of validation or test, not for the test after fit), and under DDP the compiled
-backward still hands each gradient bucket to the all-reduce as soon as it is ready. Inductor runs on the CPU too."""
+backward still hands each gradient bucket to the all-reduce as soon as it is ready. Inductor runs on the CPU too, and
+the ranks of a machine share its cache: what one rank compiled, the other loads (tests/compile_probe.py)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,11 @@ COMPILED = [
     "data.num_test=20",
     "data.batch_size=8",
     "model.arch=resnet18",
+    # the narrow network of the FAST runs: the same graphs and kernels, a 16th of the parameters, and with DDP's
+    # buckets of 1 MB (not 25) three of them, as the full width has two
+    "model.width=16",
+    "model.stem=imagenet",
+    "+strategy.bucket_cap_mb=1",
     "model.compile=true",
     # the graphs and DDP's buckets do not depend on the number format; bf16 autocast, which auto picks on a CPU with
     # native bf16, adds the casts' kernels: 84.6 CPU s for this test against 66.5 in fp32, inductor's cache empty
@@ -42,3 +48,8 @@ def test_two_compiled_ddp_epochs_and_the_test_compile_one_training_and_one_evalu
         # each graph was split at DDP's buckets (the graph was compiled inside DDP's forward)
         buckets = [line for line in record["ddp_optimizer"] if line.startswith("DDPOptimizer used bucket cap")]
         assert len(buckets) == 2 and all("created 1 buckets" not in line for line in buckets), record
+    # each of a rank's graphs (the buckets' forward and backward parts) compiled once for the machine: the rank that
+    # came to it second found it in inductor's cache
+    ends = [json.loads((tmp_path / f"compile_rank{rank}.json").read_text())["marks"][-1] for rank in (0, 1)]
+    graphs = [end["cache_hits"] + end["cache_misses"] for end in ends]
+    assert graphs[0] == graphs[1] > 2 and sum(end["cache_misses"] for end in ends) == graphs[0], ends
