@@ -69,7 +69,7 @@ def run_module(
 ):
     """Run ``python -m <module> overrides...`` from the project root, as a user would (``prefix``: e.g. taskset);
     started warm where that cannot differ (tests/warm.py). ``start``, in the background: ``warm.popen``'s
-    ``start_new_session`` and ``ignore_sigint``."""
+    ``start_new_session``, ``ignore_sigint`` and ``default_sigint``."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     for key in ("RANK", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         if env is None or key not in env:

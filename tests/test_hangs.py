@@ -217,8 +217,11 @@ def test_a_slow_checkpoint_write_and_a_slow_validation_are_not_a_hang_and_usr2_d
     assert last_step(tmp_path) == 3
 
 
-def start_in_own_group(*overrides: str) -> subprocess.Popen:
-    """Start a run as a terminal's foreground job would: its own process group, SIGINT at its default."""
+def start_in_own_group(*overrides: str, cold: bool = False) -> subprocess.Popen:
+    """Start a run as a terminal's foreground job would: its own process group, SIGINT at its default; warm unless
+    ``cold`` (tests/warm.py: a warm run's ranks are its own children, as they are a cold one's)."""
+    if not cold:
+        return train(*overrides, background=True, start_new_session=True, default_sigint=True)
     env = {
         k: v
         for k, v in os.environ.items()
@@ -246,7 +249,9 @@ def wait_for(condition, proc: subprocess.Popen, seconds: float = 180) -> None:
 
 @pytest.mark.parametrize("strategy", ["ddp", "ddp_spawn"])
 def test_ctrl_c_stops_every_rank_at_one_step_with_last_ckpt_and_exit_130(strategy, tmp_path):
-    proc = start_in_own_group(*LONG, f"strategy={strategy}", "trainer.devices=2", f"hydra.run.dir={tmp_path}")
+    # ddp_spawn's cold start: its ranks spawned as new interpreters by multiprocessing, as they are in every run
+    run = [*LONG, f"strategy={strategy}", "trainer.devices=2", f"hydra.run.dir={tmp_path}"]
+    proc = start_in_own_group(*run, cold=strategy == "ddp_spawn")
     wait_for(lambda: last_step(tmp_path) >= 2 and len(rank_pids(proc.pid)) == 2, proc)
     everyone = [proc.pid, *descendants(proc.pid)]
     os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C at the terminal does

@@ -546,10 +546,12 @@ def _request(
     fds: list[int],
     path: str,
     ignore_sigint: bool = False,
+    default_sigint: bool = False,
 ) -> socket.socket:
     """Ask the parent at ``path`` to start ``cmd`` with stdio ``fds``; the connection its pid and status come on.
     ``ignore_sigint``: SIGINT ignored, as a child started with it ignored has it; so does a child of a process that
-    ignores it (an ignored signal stays ignored across exec)."""
+    ignores it (an ignored signal stays ignored across exec). ``default_sigint``: Python's own handler however this
+    process has it, as a shell starts a job in the foreground."""
     module = cmd[2] if cmd[1] == "-m" else ""
     request = {
         "argv": list(cmd[1:]),
@@ -557,7 +559,7 @@ def _request(
         "cwd": str(cwd),
         "new_session": new_session,
         "pgid": pgid,
-        "sigint_ignored": ignore_sigint or signal.getsignal(signal.SIGINT) is signal.SIG_IGN,
+        "sigint_ignored": ignore_sigint or (not default_sigint and signal.getsignal(signal.SIGINT) is signal.SIG_IGN),
         "sighup_ignored": signal.getsignal(signal.SIGHUP) is signal.SIG_IGN,
         "spares": local_ranks(cmd[3:]) if module in ("src.train", "src.eval") else 0,
     }
@@ -599,6 +601,7 @@ class WarmProcess:
         text: bool,
         start_new_session: bool,
         ignore_sigint: bool = False,
+        default_sigint: bool = False,
     ) -> None:
         self.args = list(cmd)
         self.returncode: int | None = None
@@ -613,8 +616,9 @@ class WarmProcess:
             err_fd = out_fd
         else:
             err_fd = w_err if w_err is not None else (stderr.fileno() if hasattr(stderr, "fileno") else 2)
+        fds = [0, out_fd, err_fd]
         self._conn = _request(
-            self.args, env, cwd, start_new_session, os.getpgrp(), [0, out_fd, err_fd], _socket_path(), ignore_sigint
+            self.args, env, cwd, start_new_session, os.getpgrp(), fds, _socket_path(), ignore_sigint, default_sigint
         )
         for fd in (w_out, w_err):
             if fd is not None:
@@ -725,12 +729,17 @@ def popen(
     text: bool = True,
     start_new_session: bool = False,
     ignore_sigint: bool = False,
+    default_sigint: bool = False,
 ) -> Any:
     """``subprocess.Popen(cmd, ...)``, warm where that cannot differ (see the module's docstring). ``ignore_sigint``:
-    the process starts with SIGINT ignored, as a shell starts a job in the background."""
+    the process starts with SIGINT ignored, as a shell starts a job in the background; ``default_sigint``: with
+    SIGINT at its default where this process ignores it, as a shell starts one in the foreground (a terminal's Ctrl-C
+    reaches it)."""
     if warm_possible(cmd, env):
-        return WarmProcess(cmd, env, cwd, stdout, stderr, text, start_new_session, ignore_sigint)
-    ignore = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if ignore_sigint else None
+        return WarmProcess(cmd, env, cwd, stdout, stderr, text, start_new_session, ignore_sigint, default_sigint)
+    ignore = None
+    if ignore_sigint or default_sigint:
+        ignore = lambda: signal.signal(signal.SIGINT, signal.SIG_IGN if ignore_sigint else signal.SIG_DFL)  # noqa: E731
     return subprocess.Popen(
         list(cmd),
         cwd=cwd,
