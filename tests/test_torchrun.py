@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests import warm
 from tests.conftest import FAST, ROOT, descendants, free_port, late_python, output, process_environ, running
 from tests.test_security import assert_loopback_only
 from tests.test_serving import listeners_of
@@ -25,22 +26,18 @@ RUNS = ROOT / "outputs" / "runs"
 
 
 def torchrun(*args: str, background: bool = False, timeout: float = 300, env: dict[str, str] | None = None):
-    """``torchrun ARGS`` from the project root, as a user types it (``python -m torch.distributed.run`` is torchrun)."""
+    """``torchrun ARGS`` from the project root, as a user types it (``python -m torch.distributed.run`` is torchrun).
+    Started warm where that cannot differ (tests/warm.py): the agent, and its first workers, which it starts as its
+    own children in sessions of their own, as torchrun does; ``CIFAR10_DDP_COLD=1`` in ``env``: cold."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
     for key in ("RANK", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         full_env.pop(key, None)
     cmd = [sys.executable, "-m", "torch.distributed.run", *args]
     if background:
-        return subprocess.Popen(
-            cmd,
-            cwd=ROOT,
-            env=full_env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,
+        return warm.popen(
+            cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
         )
-    return subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
+    return warm.run(cmd, cwd=ROOT, env=full_env, timeout=timeout)
 
 
 def torchrun_dirs() -> set[Path]:
@@ -197,7 +194,8 @@ def test_two_workers_train_one_world_with_the_launchers_counts_and_a_restart_res
         "src.train",
         *args,
         background=True,
-        env={"TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(mine)},
+        # torchrun's cold start: its agent and workers new interpreters, as every other torchrun under srun is
+        env={"TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(mine), "CIFAR10_DDP_COLD": "1"},
     )
     listeners: set = set()  # (address, port, pid) the agent and its workers listened on, until the worker is killed
 

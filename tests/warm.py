@@ -69,6 +69,11 @@ IMPORT_TIME = (
 # (a CUDA count, inductor's config) and read them when they run, not when they load
 KEEP = ("PYTHONUNBUFFERED", "PYTORCH_NVML_BASED_CUDA_CHECK", "TORCHINDUCTOR_CACHE_DIR")
 SPARES_MAX = 8  # spare children of one warm run, at most (each a fork: pages shared)
+TORCHRUN = "torch.distributed.run"  # torchrun's module: an agent that starts python -u -m src.X workers
+# what torchrun's agent sets for its workers, read only when they run (the elastic error file, the run's id and
+# restart count, NCCL's error handling): a worker whose import-time variables differ from its agent's only in these
+# starts warm
+AGENT_SET = ("TORCHELASTIC_", "TORCH_NCCL_")
 
 
 def _import_time_env(env: dict[str, str]) -> dict[str, str]:
@@ -164,6 +169,13 @@ def become(request: dict[str, Any]) -> None:
     os.environ.clear()
     os.environ.update(request["env"])
     _fork_spares(request["spares"])
+    if request["spares"] and request["argv"][:2] == ["-m", TORCHRUN]:
+        # torchrun's agent starts each worker with subprocess.Popen, a session of its own
+        from torch.distributed.elastic.multiprocessing.subprocess_handler import subprocess_handler
+
+        global _AGENT
+        _AGENT = True
+        subprocess_handler.Popen = _SparePopen  # type: ignore[misc]
     _record(request["argv"])
     if request["argv"][0] == "-m":
         sys.argv = request["argv"][1:]
@@ -215,6 +227,7 @@ def recorded_environ(pid: int) -> str | None:
 # ---------------------------------------------------------------------------------------------- local ranks' starts
 
 _SPARES: list[tuple[int, socket.socket]] = []  # (pid, this run's end of its socket)
+_AGENT = False  # this warm process is a torchrun agent: its spares become its workers
 _SPARE_ENV: dict[str, str] = {}  # the import-time variables the spares were forked with
 _COLD_SPAWNV_PASSFDS = multiprocessing.util.spawnv_passfds
 # a spawn child is passed a descriptor for each tensor its arguments share (torch's file_descriptor strategy); Linux
@@ -261,11 +274,14 @@ def _serve_as_spare(conn: socket.socket) -> None:
             fds += more
     except KeyboardInterrupt:  # a Ctrl-C to the run's process group: a spare that was never used is not there
         os._exit(0)
-    conn.close()
     data = b"".join(parts).rstrip(b"\0")
     if not data:
         os._exit(0)
     request = json.loads(data)
+    if request.get("new_session"):  # a session of its own before its starter goes on, as Popen's child has it
+        os.setsid()
+        conn.sendall(b"k")
+    conn.close()
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
@@ -285,7 +301,7 @@ def _serve_as_spare(conn: socket.socket) -> None:
             sys.argv = ["-c", SPAWN_FLAG]  # as python -c CODE --multiprocessing-fork has it
             exec(compile(request["spawn"][-2], "<string>", "exec"), {"__name__": "__main__"})  # noqa: S102
         else:
-            _record(["-m", *request["argv"]])
+            _record(request.get("command") or ["-m", *request["argv"]])
             sys.argv = list(request["argv"])
             runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
     except SystemExit as stop:
@@ -308,6 +324,10 @@ def _hand_to_spare(request: dict[str, Any], fds: Sequence[int] = ()) -> int | No
                 socket.send_fds(conn, [json.dumps(request).encode()], list(fds[:FDS_PER_MESSAGE]))
                 for at in range(FDS_PER_MESSAGE, len(fds), FDS_PER_MESSAGE):  # a NUL byte carries each further batch
                     socket.send_fds(conn, [b"\0"], list(fds[at : at + FDS_PER_MESSAGE]))
+                if request.get("new_session"):  # its session made, so that a signal to its group finds it
+                    conn.shutdown(socket.SHUT_WR)
+                    if conn.recv(1) != b"k":
+                        continue
             return pid
         except OSError:
             continue
@@ -361,28 +381,40 @@ def _exit(code: Any) -> None:
 _EXECUTE_CHILD = list(inspect.signature(subprocess.Popen._execute_child).parameters)[1:]
 
 
+def _workers_env(env: dict[str, str]) -> dict[str, str]:
+    return {k: v for k, v in _import_time_env(env).items() if not k.startswith(AGENT_SET)}
+
+
 class _SparePopen(subprocess.Popen):
     """``subprocess.Popen`` that hands ``python -m src.X ...`` with inherited stdio to a spare child, if one is
-    left; anything else starts as Popen starts it."""
+    left; in a torchrun agent, its workers' ``python -u -m src.X ...`` in a session of their own too (the spare runs
+    unbuffered, as every warm process does). Anything else starts as Popen starts it."""
 
     def _execute_child(self, *args: Any) -> None:  # noqa: D401 - Popen's own hook
         a = dict(zip(_EXECUTE_CHILD, args))
-        command = list(a["args"]) if not isinstance(a["args"], (str, bytes)) else None
+        command = [str(w) for w in a["args"]] if not isinstance(a["args"], (str, bytes)) else []
         pipes = [a[k] for k in ("p2cread", "p2cwrite", "c2pread", "c2pwrite", "errread", "errwrite")]
         env = dict(a["env"] if a["env"] is not None else os.environ)
+        worker = _AGENT and command[1:2] == ["-u"]  # torchrun's worker: python -u -m src.X
+        words = [command[0], *command[2:]] if worker else command
+        if _AGENT:  # as the agent was when its spares were forked, but for what the agent sets for its workers
+            same_env = _workers_env(env) == {k: v for k, v in _SPARE_ENV.items() if not k.startswith(AGENT_SET)}
+        else:
+            same_env = _import_time_env(env) == _import_time_env(dict(os.environ))
         usable = (
             _SPARES
-            and command
-            and command[:2] == [sys.executable, "-m"]
-            and command[2].startswith("src.")
+            and words[:2] == [sys.executable, "-m"]
+            and len(words) > 2
+            and words[2].startswith("src.")
             and all(p == -1 for p in pipes)
-            and not a["start_new_session"]
+            and (not a["start_new_session"] or _AGENT)
             and a["preexec_fn"] is None
-            and _import_time_env(env) == _import_time_env(dict(os.environ))
+            and same_env
         )
         if not usable:
             return super()._execute_child(*args)
-        pid = _hand_to_spare({"argv": command[2:], "env": env, "cwd": str(a["cwd"] or os.getcwd())})
+        request = {"argv": words[2:], "env": env, "cwd": str(a["cwd"] or os.getcwd()), "command": command[1:]}
+        pid = _hand_to_spare({**request, "new_session": bool(a["start_new_session"])})
         if pid is None:
             return super()._execute_child(*args)
         self.pid = pid
@@ -522,7 +554,7 @@ def warm_possible(cmd: Sequence[str], env: dict[str, str]) -> bool:
     as the parent's."""
     if os.environ.get("CIFAR10_DDP_COLD") == "1" or env.get("CIFAR10_DDP_COLD") == "1":
         return False
-    if not startable(cmd):
+    if not startable(cmd) and not torchrun_agent(cmd):
         return False
     base = _parent.get("env") or {**_SESSION_ENV, "PYTHONUNBUFFERED": "1"}
     return _import_time_env(env) == _import_time_env(base)
@@ -561,12 +593,39 @@ def _request(
         "pgid": pgid,
         "sigint_ignored": ignore_sigint or (not default_sigint and signal.getsignal(signal.SIGINT) is signal.SIG_IGN),
         "sighup_ignored": signal.getsignal(signal.SIGHUP) is signal.SIG_IGN,
-        "spares": local_ranks(cmd[3:]) if module in ("src.train", "src.eval") else 0,
+        "spares": local_ranks(cmd[3:])
+        if module in ("src.train", "src.eval")
+        else (torchrun_workers(cmd[3:]) if module == TORCHRUN else 0),
     }
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     conn.connect(path)
     socket.send_fds(conn, [json.dumps(request).encode()], fds)
     return conn
+
+
+def torchrun_agent(cmd: Sequence[str]) -> bool:
+    """``sys.executable -m torch.distributed.run ... -m src.X ...``: a torchrun agent whose workers are the
+    project's modules (a test's torchrun; a script's, as make bench starts it, stays cold)."""
+    return len(cmd) > 2 and cmd[0] == sys.executable and cmd[1:3] == ["-m", TORCHRUN] and torchrun_workers(cmd[3:]) > 0
+
+
+def torchrun_workers(args: Sequence[str]) -> int:
+    """A torchrun agent's spare children: its workers on this node (``--nproc-per-node``, a number), where they are
+    ``python -u -m src.X`` (torchrun's ``-m``, not ``--no-python``); 0 otherwise."""
+    count, module = 1, False
+    for at, word in enumerate(args):
+        if not word.startswith("-"):
+            break  # the script or module: what follows is its own
+        key, _, value = word.partition("=")
+        if key in ("--nproc-per-node", "--nproc_per_node"):
+            value = value or (args[at + 1] if at + 1 < len(args) else "")
+            count = int(value) if value.isdigit() else 0
+        if key in ("--no-python", "--no_python"):
+            return 0
+        if key in ("-m", "--module"):
+            module = at + 1 < len(args) and args[at + 1].startswith("src.")
+            break
+    return min(SPARES_MAX, count) if module else 0
 
 
 def local_ranks(overrides: Sequence[str]) -> int:
