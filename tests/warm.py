@@ -8,8 +8,10 @@ spare children the run forks before it runs anything, so they are the run's chil
 (``strategy=ddp``) or multiprocessing's spawn (``strategy=ddp_spawn``: the spare takes the descriptors spawn passes
 and runs spawn's own code) would make them. ``popen()`` falls back to a cold ``subprocess.Popen`` where a warm start
 could differ: another executable, a variable read when torch or Python load (``OMP_*``, ``TORCH*``, ``LD_*``, ...),
-or ``CIFAR10_DDP_COLD=1``. Tests whose subject is the start itself (the launchers, ``/proc``'s command lines) start
-cold. Nothing in ``src/`` knows about this.
+or ``CIFAR10_DDP_COLD=1``. Tests whose subject is the start itself (a launcher's own start, ``/proc``'s command
+lines) start cold. A torchrun agent (``python -m torch.distributed.run ... -m src.X``) starts warm with a spare for
+each worker of its node, so that its first workers are its own children as torchrun starts them (a session each).
+Nothing in ``src/`` knows about this.
 
 ``python -m tests.warm SOCKET`` is the parent; ``popen()`` starts it on first use and it ends with the session.
 """
@@ -612,20 +614,20 @@ def torchrun_agent(cmd: Sequence[str]) -> bool:
 def torchrun_workers(args: Sequence[str]) -> int:
     """A torchrun agent's spare children: its workers on this node (``--nproc-per-node``, a number), where they are
     ``python -u -m src.X`` (torchrun's ``-m``, not ``--no-python``); 0 otherwise."""
-    count, module = 1, False
-    for at, word in enumerate(args):
-        if not word.startswith("-"):
-            break  # the script or module: what follows is its own
-        key, _, value = word.partition("=")
+    count, at = 1, 0
+    while at < len(args) and args[at].startswith("-"):
+        key, equals, value = args[at].partition("=")
         if key in ("--nproc-per-node", "--nproc_per_node"):
-            value = value or (args[at + 1] if at + 1 < len(args) else "")
+            if not equals:  # --nproc-per-node N
+                at += 1
+                value = args[at] if at < len(args) else ""
             count = int(value) if value.isdigit() else 0
         if key in ("--no-python", "--no_python"):
             return 0
         if key in ("-m", "--module"):
-            module = at + 1 < len(args) and args[at + 1].startswith("src.")
-            break
-    return min(SPARES_MAX, count) if module else 0
+            return min(SPARES_MAX, count) if at + 1 < len(args) and args[at + 1].startswith("src.") else 0
+        at += 1
+    return 0  # a script, or an option whose value stands apart: cold
 
 
 def local_ranks(overrides: Sequence[str]) -> int:
