@@ -15,13 +15,14 @@ compiles them.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import logging
 import os
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import lightning as L
 
@@ -85,32 +86,33 @@ def _compile_in_turns(lock: Path) -> None:
     import torch._inductor.compile_fx as compile_fx
 
     lock.parent.mkdir(parents=True, exist_ok=True)
-    mine = threading.RLock()
-    held = {"depth": 0, "fd": -1}
+    fd = os.open(lock, os.O_CREAT | os.O_RDWR)  # for this process's life
+    mine = threading.RLock()  # a frame's compile holds the turn while its graphs compile
+    depth = 0
 
-    class Turn:
-        def __enter__(self) -> None:
-            mine.acquire()
-            if held["depth"] == 0:
-                held["fd"] = os.open(lock, os.O_CREAT | os.O_RDWR)
-                fcntl.flock(held["fd"], fcntl.LOCK_EX)
-            held["depth"] += 1
-
-        def __exit__(self, *exc: object) -> None:
-            held["depth"] -= 1
-            if held["depth"] == 0:
-                os.close(held["fd"])  # the lock with it
-            mine.release()
+    @contextlib.contextmanager
+    def turn() -> Iterator[None]:
+        nonlocal depth
+        with mine:
+            if depth == 0:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            depth += 1
+            try:
+                yield
+            finally:
+                depth -= 1
+                if depth == 0:
+                    fcntl.flock(fd, fcntl.LOCK_UN)
 
     frame_compile, graph_compile = compile_fx.compile_fx, compile_fx.compile_fx_inner
 
     def graph_in_turn(*args: Any, **kwargs: Any) -> Any:
-        with Turn():
+        with turn():
             return graph_compile(*args, **kwargs)
 
     # dynamo's inductor backend looks compile_fx up as it calls it; the graphs' compiler is its argument
     def frame_in_turn(model: Any, inputs: Any, inner_compile: Any = graph_in_turn, *args: Any, **kwargs: Any) -> Any:
-        with Turn():
+        with turn():
             return frame_compile(model, inputs, inner_compile, *args, **kwargs)
 
     compile_fx.compile_fx = frame_in_turn

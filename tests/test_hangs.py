@@ -220,23 +220,8 @@ def test_a_slow_checkpoint_write_and_a_slow_validation_are_not_a_hang_and_usr2_d
 def start_in_own_group(*overrides: str, cold: bool = False) -> subprocess.Popen:
     """Start a run as a terminal's foreground job would: its own process group, SIGINT at its default; warm unless
     ``cold`` (tests/warm.py: a warm run's ranks are its own children, as they are a cold one's)."""
-    if not cold:
-        return train(*overrides, background=True, start_new_session=True, default_sigint=True)
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in ("RANK", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-    }
-    return subprocess.Popen(
-        [sys.executable, "-m", "src.train", *overrides],
-        cwd=ROOT,
-        env={**env, "PYTHONUNBUFFERED": "1"},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
-    )
+    env = {"CIFAR10_DDP_COLD": "1"} if cold else None
+    return train(*overrides, background=True, start_new_session=True, default_sigint=True, env=env)
 
 
 def wait_for(condition, proc: subprocess.Popen, seconds: float = 180) -> None:

@@ -400,7 +400,7 @@ class _SparePopen(subprocess.Popen):
         worker = _AGENT and command[1:2] == ["-u"]  # torchrun's worker: python -u -m src.X
         words = [command[0], *command[2:]] if worker else command
         if _AGENT:  # as the agent was when its spares were forked, but for what the agent sets for its workers
-            same_env = _workers_env(env) == {k: v for k, v in _SPARE_ENV.items() if not k.startswith(AGENT_SET)}
+            same_env = _workers_env(env) == _workers_env(_SPARE_ENV)
         else:
             same_env = _import_time_env(env) == _import_time_env(dict(os.environ))
         usable = (
