@@ -91,3 +91,14 @@ def test_a_variable_set_in_process_by_one_test_is_gone_for_the_next_2_of_2():
     """Left there, it would make every later run of the worker start cold (it is read when torch loads)."""
     assert "TORCH_CIFAR10_DDP_LEAK_CHECK" not in os.environ
     assert warm.warm_possible([sys.executable, "-m", "src.train"], {**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def test_a_torchrun_agent_has_a_spare_for_each_worker_of_each_attempt_it_may_start():
+    train = ["-m", "src.train", *FAST]
+    assert warm.torchrun_workers(["--standalone", "--nproc-per-node=2", *train]) == 2
+    assert warm.torchrun_workers(["--nproc-per-node", "2", "--max-restarts=1", *train]) == 4  # a restart's too
+    assert warm.torchrun_workers(["--nproc-per-node=2", "--max-restarts", "0", *train]) == 2
+    assert warm.torchrun_workers(["--nnodes=1:2", "--nproc-per-node=1", *train]) == 2  # a node that joins restarts
+    assert warm.torchrun_workers(["--nnodes=2", "--nproc-per-node=8", "--max-restarts=3", *train]) == warm.SPARES_MAX
+    assert warm.torchrun_workers(["--nproc-per-node=2", "--no-python", "python", *train]) == 0  # another program
+    assert warm.torchrun_workers(["--rdzv-endpoint", "host:29500", *train]) == 0  # a value apart: cold, unread

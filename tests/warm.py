@@ -10,7 +10,8 @@ and runs spawn's own code) would make them. ``popen()`` falls back to a cold ``s
 could differ: another executable, a variable read when torch or Python load (``OMP_*``, ``TORCH*``, ``LD_*``, ...),
 or ``CIFAR10_DDP_COLD=1``. Tests whose subject is the start itself (a launcher's own start, ``/proc``'s command
 lines) start cold. A torchrun agent (``python -m torch.distributed.run ... -m src.X``) starts warm with a spare for
-each worker of its node, so that its first workers are its own children as torchrun starts them (a session each).
+each worker of its node (twice that where it may restart them), so that its workers are its own children as torchrun
+starts them (a session each).
 Nothing in ``src/`` knows about this.
 
 ``python -m tests.warm SOCKET`` is the parent; ``popen()`` starts it on first use and it ends with the session.
@@ -68,8 +69,14 @@ IMPORT_TIME = (
     "PYTHON",
 )
 # the parent runs unbuffered, as every test's run does; torch and Lightning set the others in the tests' own process
-# (a CUDA count, inductor's config) and read them when they run, not when they load
-KEEP = ("PYTHONUNBUFFERED", "PYTORCH_NVML_BASED_CUDA_CHECK", "TORCHINDUCTOR_CACHE_DIR")
+# (a CUDA count, inductor's config) or read them when they run, not when they load (torchrun's rendezvous, when it
+# starts: whether its store is shared with the workers)
+KEEP = (
+    "PYTHONUNBUFFERED",
+    "PYTORCH_NVML_BASED_CUDA_CHECK",
+    "TORCHINDUCTOR_CACHE_DIR",
+    "TORCH_DISABLE_SHARE_RDZV_TCP_STORE",
+)
 SPARES_MAX = 8  # spare children of one warm run, at most (each a fork: pages shared)
 TORCHRUN = "torch.distributed.run"  # torchrun's module: an agent that starts python -u -m src.X workers
 # what torchrun's agent sets for its workers, read only when they run (the elastic error file, the run's id and
@@ -612,20 +619,27 @@ def torchrun_agent(cmd: Sequence[str]) -> bool:
 
 
 def torchrun_workers(args: Sequence[str]) -> int:
-    """A torchrun agent's spare children: its workers on this node (``--nproc-per-node``, a number), where they are
-    ``python -u -m src.X`` (torchrun's ``-m``, not ``--no-python``); 0 otherwise."""
-    count, at = 1, 0
+    """A torchrun agent's spare children: its workers on this node (``--nproc-per-node``, a number), twice that where
+    it may start them again (``--max-restarts`` above 0, or ``--nnodes=MIN:MAX``: a node that joins or leaves makes
+    torchrun restart the workers), where they are ``python -u -m src.X`` (torchrun's ``-m``, not ``--no-python``); 0
+    otherwise."""
+    count, generations, at = 1, 1, 0
     while at < len(args) and args[at].startswith("-"):
         key, equals, value = args[at].partition("=")
-        if key in ("--nproc-per-node", "--nproc_per_node"):
+        if key in ("--nproc-per-node", "--nproc_per_node", "--max-restarts", "--max_restarts", "--nnodes"):
             if not equals:  # --nproc-per-node N
                 at += 1
                 value = args[at] if at < len(args) else ""
-            count = int(value) if value.isdigit() else 0
+            if key == "--nnodes":
+                generations = 2 if ":" in value else generations
+            elif key.startswith("--max"):
+                generations = 2 if value.isdigit() and int(value) > 0 else generations
+            else:
+                count = int(value) if value.isdigit() else 0
         if key in ("--no-python", "--no_python"):
             return 0
         if key in ("-m", "--module"):
-            return min(SPARES_MAX, count) if at + 1 < len(args) and args[at + 1].startswith("src.") else 0
+            return min(SPARES_MAX, count * generations) if at + 1 < len(args) and args[at + 1].startswith("src.") else 0
         at += 1
     return 0  # a script, or an option whose value stands apart: cold
 
