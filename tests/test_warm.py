@@ -9,6 +9,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from tests import warm
 from tests.conftest import FAST, ROOT, cmdline, descendants, process_environ, running, train
 
@@ -102,3 +104,12 @@ def test_a_torchrun_agent_has_a_spare_for_each_worker_of_each_attempt_it_may_sta
     assert warm.torchrun_workers(["--nnodes=2", "--nproc-per-node=8", "--max-restarts=3", *train]) == warm.SPARES_MAX
     assert warm.torchrun_workers(["--nproc-per-node=2", "--no-python", "python", *train]) == 0  # another program
     assert warm.torchrun_workers(["--rdzv-endpoint", "host:29500", *train]) == 0  # a value apart: cold, unread
+
+
+def test_a_run_past_its_limit_fails_then_even_where_a_process_it_left_holds_its_pipes(tmp_path):
+    """run() at its timeout kills the process and waits for it, not for its output's end, which a process it left
+    behind may never bring (a data loader's worker stuck in its fork held a run's pipes, and the test hung)."""
+    start = time.monotonic()
+    with pytest.raises(subprocess.TimeoutExpired):
+        warm.run(["bash", "-c", "sleep 20 & sleep 60"], env=dict(os.environ), cwd=tmp_path, timeout=1)
+    assert time.monotonic() - start < 10

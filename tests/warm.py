@@ -831,13 +831,18 @@ def run(
     cmd: Sequence[str], *, env: dict[str, str], cwd: str | os.PathLike, timeout: float | None = None
 ) -> subprocess.CompletedProcess:
     """``subprocess.run(cmd, capture_output=True, text=True, timeout=...)``, warm where possible. At the timeout
-    the process is killed and TimeoutExpired raised, as subprocess.run does."""
+    the process is killed and TimeoutExpired raised, as subprocess.run does: after waiting for the process only,
+    not for its pipes, which a process it left behind may hold open (a data loader's worker that never got past its
+    fork: the test then hung with it instead of failing at its limit)."""
     proc = popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         proc.kill()
-        proc.communicate()
+        proc.wait()
+        for stream in (proc.stdout, proc.stderr):
+            if stream is not None:
+                stream.close()
         raise
     return subprocess.CompletedProcess(list(cmd), proc.returncode, out, err)
 
