@@ -834,16 +834,13 @@ def run(
     the process is killed and TimeoutExpired raised, as subprocess.run does: after waiting for the process only,
     not for its pipes, which a process it left behind may hold open (a data loader's worker that never got past its
     fork: the test then hung with it instead of failing at its limit)."""
-    proc = popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-        for stream in (proc.stdout, proc.stderr):
-            if stream is not None:
-                stream.close()
-        raise
+    # leaving the block closes the pipes and waits for the process, as Popen's own exit does
+    with popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
     return subprocess.CompletedProcess(list(cmd), proc.returncode, out, err)
 
 
