@@ -216,6 +216,10 @@ def test_the_dataloader_pipelines_first_epoch_after_an_epochs_end_resume_draws_i
     whole, resumed = ((tmp_path / f"{name}.txt").read_text().splitlines() for name in ("whole", "resumed"))
     assert len(whole) == 8 and whole[4:] != [f"1 {line[2:]}" for line in whole[:4]]  # epoch 1 has an order of its own
     assert resumed == whole
+    # the workers beside the process group started by forkserver where this Python's fork can hang (auto)
+    from src.data.in_memory import fork_can_hang
+
+    assert (", started by forkserver (auto: " if fork_can_hang() else ", started by fork |") in output(result)
 
 
 @pytest.mark.parametrize("minutes, last_saves, previous", [("1e-9", 11, 11), ("1e9", 2, 4)])

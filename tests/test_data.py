@@ -352,10 +352,62 @@ def test_the_run_lines_word_on_loader_workers_says_an_unused_count_and_more_work
         "data.pipeline=dataloader uses them)"
     )
     assert SyntheticDataModule(num_workers=2, pipeline="dataloader").describe_workers() == (
-        "2 loader workers a process (data.num_workers; 2 core(s) for this rank)"
+        "2 loader workers a process (data.num_workers; 2 core(s) for this rank), started by fork"
+    )
+    assert SyntheticDataModule(num_workers=0, pipeline="dataloader").describe_workers() == (
+        "0 loader workers a process (data.num_workers; 2 core(s) for this rank)"  # none to start
     )
     assert (
         SyntheticDataModule(num_workers=4, pipeline="dataloader")
         .describe_workers()
-        .endswith("(data.num_workers; 2 core(s) for this rank): more workers than cores, which they take from training")
+        .endswith(
+            "(data.num_workers; 2 core(s) for this rank): more workers than cores, which they take from training, "
+            "started by fork"
+        )
     )
+
+
+@pytest.mark.parametrize(
+    "version, name, hangs",
+    [
+        ((3, 10, 12), "cpython", True),  # Ubuntu 22.04's
+        ((3, 10, 15), "cpython", False),
+        ((3, 11, 2), "cpython", True),  # Debian 12's
+        ((3, 11, 9), "cpython", True),
+        ((3, 11, 10), "cpython", False),
+        ((3, 12, 0), "cpython", False),
+        ((3, 13, 1), "cpython", False),
+        ((3, 10, 12), "pypy", False),
+    ],
+)
+def test_a_fork_that_can_hang_is_known_by_the_python_release(version, name, hangs):
+    """cpython#112275: before 3.10.15 and 3.11.10, a forked child waits for good on the interpreter's thread-state lock
+    where another thread held it at the fork; 3.12 mended it first."""
+    from src.data.in_memory import fork_can_hang
+
+    assert fork_can_hang(version, name) is hangs
+
+
+def test_workers_start_by_forkserver_where_this_pythons_fork_can_hang_beside_a_process_group(monkeypatch):
+    """auto: fork for one process (no process group's threads); forkserver beside a process group where the Python's
+    fork can hang, said on the run line with the release that mends it; a start method named is taken as named."""
+    from src.data import in_memory
+
+    monkeypatch.setattr(SyntheticDataModule, "rank_cores", lambda self: 2)
+    monkeypatch.setattr(in_memory, "FORK_SAFE_FROM", {sys.version_info[:2]: (3, 99, 0)})
+    data = SyntheticDataModule(num_workers=2, pipeline="dataloader")
+    for world, hangs, method in ((1, True, "fork"), (2, False, "fork"), (2, True, "forkserver")):
+        data.trainer = type("Trainer", (), {"world_size": world, "num_devices": world})()
+        monkeypatch.setattr(in_memory, "fork_can_hang", lambda hangs=hangs: hangs)
+        assert data.worker_start()[0] == method
+    version = ".".join(map(str, sys.version_info[:3]))
+    why = f"auto: Python {version}'s fork can hang a worker beside the process group's threads, mended in 3.99.0"
+    assert data.worker_start() == ("forkserver", why)
+    assert data.describe_workers() == (
+        f"2 loader workers a process (data.num_workers; 2 core(s) for this rank), started by forkserver ({why})"
+    )
+    assert SyntheticDataModule(pipeline="dataloader", multiprocessing_context="spawn").worker_start() == ("spawn", None)
+    with pytest.raises(
+        UserError, match="^data.multiprocessing_context=threads is not known: choose one of auto, fork, "
+    ):
+        SyntheticDataModule(multiprocessing_context="threads")

@@ -683,6 +683,49 @@ def test_a_run_dir_write_that_fills_the_disk_names_no_none_and_says_free_space()
     )
 
 
+def small_shm(size: str) -> list[str]:
+    """A command prefix: the command sees a /dev/shm of ``size`` of its own (a mount namespace, as a container's
+    64 MB one); the test skips where this process may not make one (not root)."""
+    if subprocess.run(["unshare", "-m", "true"], capture_output=True).returncode != 0:
+        pytest.skip("unshare -m is refused here (needs root): no /dev/shm of a test's own size")
+    return ["unshare", "-m", "sh", "-c", f'mount -t tmpfs -o size={size} tmpfs /dev/shm && exec "$@"', "sh"]
+
+
+def test_a_full_dev_shm_is_one_line_whether_the_workers_dataset_or_their_queues_meet_it(tmp_path):
+    """A container's small /dev/shm: forkserver's workers get the dataset through it (6 MB here, in 1 MB), one line
+    and no word after it (before: Lightning's "Please call `iter(combined_loader)` first", raised as it tore down,
+    and multiprocessing's warning of leaked semaphores); the semaphores of a loader's queues live there too, and
+    their error names no file (before: "no space left on device writing the run dir")."""
+    result = run_module(
+        "src.train",
+        *FAST,
+        "data.num_train=2000",
+        "data.pipeline=dataloader",
+        "data.num_workers=1",
+        "data.multiprocessing_context=forkserver",
+        f"hydra.run.dir={tmp_path}",
+        prefix=small_shm("1m"),
+    )
+    assert result.returncode == EXIT_FAILED, output(result)[-3000:]
+    (line,) = result.stderr.strip().splitlines() or [output(result)[-3000:]]
+    assert re.fullmatch(
+        r"error: the data loader's workers ran out of shared memory: /dev/shm \(\d\.\d MB free of 1\.0 MB\) holds "
+        r"the batches they hand over, and the dataset where they start by forkserver or spawn "
+        r"\(data\.multiprocessing_context\); give it more \(docker run --shm-size=8g, a Kubernetes emptyDir of "
+        r"medium Memory\), use fewer data\.num_workers, or data\.pipeline=device \(no workers\)",
+        line,
+    ), output(result)[-3000:]
+    locks = (
+        "import multiprocessing, src.core.errors as e\n"
+        "held = []\n"
+        "try:\n"
+        "    while True: held.append(multiprocessing.get_context('fork').Lock())\n"
+        "except OSError as err: print(len(held) > 0, e.shared_memory_full_in(err) is err)"
+    )
+    full = subprocess.run([*small_shm("8k"), sys.executable, "-c", locks], capture_output=True, text=True, cwd=ROOT)
+    assert full.stdout.split() == ["True", "True"], full.stdout + full.stderr
+
+
 @pytest.mark.parametrize(
     "in_the_way, first, line",
     [

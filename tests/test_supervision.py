@@ -73,8 +73,14 @@ def finish(proc: subprocess.Popen, pids: list[int], limit_s: float) -> tuple[str
 
 @pytest.mark.parametrize("strategy", ["ddp", "ddp_spawn"])
 def test_a_rank_killed_mid_training_stops_every_process_with_one_line_naming_it(strategy, tmp_path):
-    proc = start_and_wait_for_step(tmp_path, 2, *LONG, f"strategy={strategy}", "trainer.devices=2", ranks=2)
+    """ddp: with loader workers a forkserver started, each rank's server and its workers go too (before, the killed
+    rank's lived on: the server waited for a pipe its own workers held open, and they watched only the server)."""
+    workers = ["data.pipeline=dataloader", "data.num_workers=1", "data.multiprocessing_context=forkserver"]
+    overrides = [*LONG, f"strategy={strategy}", "trainer.devices=2", *(workers if strategy == "ddp" else [])]
+    proc = start_and_wait_for_step(tmp_path, 2, *overrides, ranks=2)
     everyone = [proc.pid, *descendants(proc.pid)]
+    if strategy == "ddp":  # each rank: its forkserver, and the server's worker for each loader begun
+        assert sum("forkserver" in cmdline(p) for p in everyone) >= 4, [cmdline(p)[:200] for p in everyone]
     victim = rank_pids(proc.pid)[1]  # ddp: the started rank 1; ddp_spawn: one of the two spawned ranks
     os.kill(victim, signal.SIGKILL)
     out, seconds = finish(proc, everyone, limit_s=60)

@@ -229,6 +229,7 @@ FREE = {
     "data.download",
     "data.download_url",
     "data.num_workers",
+    "data.multiprocessing_context",
     "data.pin_memory",
     "data.max_batch_size",
     "data.num_test",

@@ -252,6 +252,28 @@ def out_of_memory_in(err: BaseException | None) -> BaseException | None:
     return None
 
 
+# torch's words where shared memory (/dev/shm) ran out: sharing a tensor with a loader's worker, or a worker's batch
+_SHARED_MEMORY_WORDS = ("unable to allocate shared memory", "out of shared memory", "insufficient shared memory")
+
+
+def shared_memory_full_in(err: BaseException | None) -> BaseException | None:
+    """The error behind ``err`` that says ``/dev/shm`` is full, if any: what a loader's workers share goes there, and
+    the semaphores of their queues (an OSError that names no file: not a full disk)."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        if isinstance(err, RuntimeError) and any(words in str(err) for words in _SHARED_MEMORY_WORDS):
+            return err
+        if (
+            isinstance(err, OSError)
+            and err.errno == errno.ENOSPC
+            and _raised_in(err, os.path.join("multiprocessing", "synchronize.py"))
+        ):
+            return err
+        seen.add(id(err))
+        err = err.__cause__ or err.__context__
+    return None
+
+
 def _is_interpolation_error(err: BaseException) -> bool:
     errors = sys.modules.get("omegaconf.errors")
     return errors is not None and isinstance(err, errors.InterpolationResolutionError)

@@ -2,24 +2,32 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import lightning as L
 import torch
 from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
-from torchvision.transforms import v2
 
 from src.core.errors import UserError, check_number, whole
 from src.data.device_batches import DeviceBatches
+from src.data.workers import (
+    CIFAR10_MEAN,
+    CIFAR10_STD,
+    FORK_SAFE_FROM,
+    ImageTensors,
+    eval_transform,
+    fork_can_hang,
+    leave_forkserver,
+    train_transform,
+    worker_context,
+)
 from src.launch import ranks
 
 PIPELINES = ("auto", "device", "dataloader")
-
-# Per-channel statistics of the CIFAR-10 training set (R, G, B), used for both datasets here.
-CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
-CIFAR10_STD = (0.2470, 0.2435, 0.2616)
+WORKER_STARTS = ("auto", "fork", "forkserver", "spawn")
 
 
 class EpochOfTrainer(DistributedSampler):
@@ -53,30 +61,6 @@ class FirstEpochOrder(L.Callback):
             for dl in loaders
         ):
             iter(loop._data_fetcher)  # draws again, the epoch read now
-
-
-class ImageTensors(Dataset):
-    """uint8 images (N, 3, H, W) and int64 labels, transformed one item at a time."""
-
-    def __init__(self, images: torch.Tensor, labels: torch.Tensor, transform: v2.Transform) -> None:
-        self.images, self.labels, self.transform = images, labels, transform
-
-    def __len__(self) -> int:
-        return len(self.labels)
-
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.transform(self.images[index]), self.labels[index]
-
-
-def train_transform(image_size: int, augment: bool) -> v2.Transform:
-    """Random crop with 4-pixel zero padding and horizontal flip, then normalisation."""
-    steps = [v2.RandomCrop(image_size, padding=4), v2.RandomHorizontalFlip()] if augment else []
-    return v2.Compose([*steps, *eval_transform().transforms])
-
-
-def eval_transform() -> v2.Compose:
-    """uint8 -> float in [0, 1] -> normalised with CIFAR-10's channel statistics."""
-    return v2.Compose([v2.ToDtype(torch.float32, scale=True), v2.Normalize(CIFAR10_MEAN, CIFAR10_STD)])
 
 
 def shard_problems(
@@ -135,6 +119,7 @@ class InMemoryImageDataModule(L.LightningDataModule):
         num_classes: int = 10,
         pipeline: str = "auto",
         max_batch_size: int = 1024,
+        multiprocessing_context: str = "auto",
     ) -> None:
         super().__init__()
         if batch_size != "auto":
@@ -153,6 +138,11 @@ class InMemoryImageDataModule(L.LightningDataModule):
             raise UserError(f"data.pin_memory={pin_memory} must be true, false or auto")
         if pipeline not in PIPELINES:
             raise UserError(f"data.pipeline={pipeline} is not known: choose one of {', '.join(PIPELINES)}")
+        if multiprocessing_context not in WORKER_STARTS:
+            raise UserError(
+                f"data.multiprocessing_context={multiprocessing_context} is not known: choose one of "
+                f"{', '.join(WORKER_STARTS)}"
+            )
         fraction = isinstance(val_size, float) and 0 < val_size < 1
         count = isinstance(val_size, int) and not isinstance(val_size, bool) and val_size >= 1
         if not (fraction or count):
@@ -162,7 +152,7 @@ class InMemoryImageDataModule(L.LightningDataModule):
             )
         # auto becomes a number once the trainer has its device (src/models/batch_size.py, from the model's setup)
         self.batch_size, self.num_workers, self.val_size = batch_size, num_workers, val_size
-        self.max_batch_size = max_batch_size
+        self.max_batch_size, self.multiprocessing_context = max_batch_size, multiprocessing_context
         self.augment, self.seed, self.pin_memory, self.num_classes = augment, seed, pin_memory, num_classes
         # auto: the images of an in-memory dataset fit on any device, so they go there
         self.pipeline = "device" if pipeline == "auto" else pipeline
@@ -344,7 +334,25 @@ class InMemoryImageDataModule(L.LightningDataModule):
             num_workers=workers,
             persistent_workers=workers > 0,
             pin_memory=self._pin(),
+            multiprocessing_context=worker_context(self.worker_start()[0]) if workers > 0 else None,
+            worker_init_fn=leave_forkserver if workers > 0 and self.worker_start()[0] == "forkserver" else None,
         )
+
+    def worker_start(self) -> tuple[str, str | None]:
+        """How the loader's workers start, and why where ``auto`` chose: ``fork`` (a copy of this process, at once),
+        or ``forkserver`` where this Python's fork can hang beside the process group's threads (:func:`fork_can_hang`;
+        one process started per rank imports the data code once, and forks each worker from itself, without
+        threads). ``forkserver`` and ``spawn`` hand each worker the dataset's tensors through shared memory."""
+        if self.multiprocessing_context != "auto":
+            return self.multiprocessing_context, None
+        world = self.trainer.world_size if self.trainer is not None else 1
+        if world > 1 and fork_can_hang():
+            version = ".".join(map(str, sys.version_info[:3]))
+            fixed = ".".join(map(str, FORK_SAFE_FROM[sys.version_info[:2]]))
+            return "forkserver", (
+                f"auto: Python {version}'s fork can hang a worker beside the process group's threads, mended in {fixed}"
+            )
+        return "fork", None
 
     def _on_gpu(self) -> bool:
         trainer = self.trainer
@@ -376,10 +384,15 @@ class InMemoryImageDataModule(L.LightningDataModule):
         workers, cores = self._workers(), self.rank_cores()
         if self.num_workers != "auto":  # more than the cores: said here once, not in torch's warning per loader
             crowded = ": more workers than cores, which they take from training" if workers > cores else ""
-            return f"{workers} loader workers a process (data.num_workers; {cores} core(s) for this rank){crowded}"
-        if not self._on_gpu():
+            line = f"{workers} loader workers a process (data.num_workers; {cores} core(s) for this rank){crowded}"
+        elif not self._on_gpu():
             return f"0 loader workers (auto: on the CPU this rank's {cores} core(s) train)"
-        return f"{workers} loader workers a process (auto: this rank's {cores} core(s), less one, at most 8)"
+        else:
+            line = f"{workers} loader workers a process (auto: this rank's {cores} core(s), less one, at most 8)"
+        if workers == 0:
+            return line
+        method, why = self.worker_start()
+        return f"{line}, started by {method}" + (f" ({why})" if why else "")
 
     def _pin(self) -> bool:
         return self._on_gpu() if self.pin_memory == "auto" else bool(self.pin_memory)

@@ -369,7 +369,14 @@ RECIPE_KEYS = (
     "callbacks.last_checkpoint",
     "callbacks.model_checkpoint",
 )
-PER_NODE_KEYS = ("data.root", "data.download", "data.num_workers", "data.pin_memory", "data.download_url")
+PER_NODE_KEYS = (
+    "data.root",
+    "data.download",
+    "data.num_workers",
+    "data.multiprocessing_context",
+    "data.pin_memory",
+    "data.download_url",
+)
 ABSENT_MEANS = {"strategy.find_unused_parameters": False}  # strategy=auto has no such key: DDP's own default
 
 

@@ -30,6 +30,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import signal
 import sys
 import threading
@@ -46,6 +47,7 @@ from src.core.errors import (
     one_line,
     out_of_memory_in,
     print_line,
+    shared_memory_full_in,
     storage_error_in,
     user_error_in,
     wants_traceback,
@@ -185,6 +187,9 @@ def describe(err: BaseException, log_dir: str | None = None) -> tuple[str | None
     reported = supervision.reported_failure()
     if reported is not None:  # another rank failed first; this one's error is most likely its echo
         return reported
+    if shared_memory_full_in(err) is not None:  # before a full disk's line: its semaphores' error names no file
+        _log_traceback(err, log_dir, console=False)
+        return _named(shared_memory_line(), True), EXIT_FAILED
     storage = storage_error_in(err)
     if storage is not None:
         return _named(_storage_line(storage), True), EXIT_FAILED
@@ -202,6 +207,27 @@ def describe(err: BaseException, log_dir: str | None = None) -> tuple[str | None
     where = f" (traceback in {logged})" if logged else ""
     first = str(err).strip().splitlines()[0] if str(err).strip() else ""
     return _named(f"{type(err).__name__}: {first}{where}", True), EXIT_FAILED
+
+
+def shared_memory_line(shm: str = "/dev/shm") -> str:
+    """What to do where the loader's workers found shared memory full: a container's 64 MB ``/dev/shm`` is the usual
+    cause, and the dataset itself goes there where workers start by forkserver or spawn."""
+    try:
+        usage = shutil.disk_usage(shm)
+        size = f" ({_megabytes(usage.free)} free of {_megabytes(usage.total)})"
+    except OSError:
+        size = ""
+    return (
+        f"the data loader's workers ran out of shared memory: {shm}{size} holds the batches they hand over, and the "
+        "dataset where they start by forkserver or spawn (data.multiprocessing_context); give it more (docker run "
+        "--shm-size=8g, a Kubernetes emptyDir of medium Memory), use fewer data.num_workers, or data.pipeline=device "
+        "(no workers)"
+    )
+
+
+def _megabytes(size: int) -> str:
+    mb = size / 2**20
+    return f"{mb:,.0f} MB" if mb >= 10 or mb == 0 else f"{mb:.1f} MB"
 
 
 def _distributed(err: BaseException | None) -> tuple[str | None, int] | None:
