@@ -73,8 +73,9 @@ def finish(proc: subprocess.Popen, pids: list[int], limit_s: float) -> tuple[str
 
 @pytest.mark.parametrize("strategy", ["ddp", "ddp_spawn"])
 def test_a_rank_killed_mid_training_stops_every_process_with_one_line_naming_it(strategy, tmp_path):
-    """ddp: with loader workers a forkserver started, each rank's server and its workers go too (before, the killed
-    rank's lived on: the server waited for a pipe its own workers held open, and they watched only the server)."""
+    """ddp: with loader workers a forkserver started, each rank's server and its workers go too, at once, without a
+    word (before, the killed rank's lived on: the server waited for a pipe its own workers held open, and they watched
+    only the server; a worker whose rank died fetching a batch printed its sharing thread's traceback)."""
     workers = ["data.pipeline=dataloader", "data.num_workers=1", "data.multiprocessing_context=forkserver"]
     overrides = [*LONG, f"strategy={strategy}", "trainer.devices=2", *(workers if strategy == "ddp" else [])]
     proc = start_and_wait_for_step(tmp_path, 2, *overrides, ranks=2)

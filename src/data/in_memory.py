@@ -20,7 +20,7 @@ from src.data.workers import (
     ImageTensors,
     eval_transform,
     fork_can_hang,
-    leave_forkserver,
+    start_worker,
     train_transform,
     worker_context,
 )
@@ -335,7 +335,7 @@ class InMemoryImageDataModule(L.LightningDataModule):
             persistent_workers=workers > 0,
             pin_memory=self._pin(),
             multiprocessing_context=worker_context(self.worker_start()[0]) if workers > 0 else None,
-            worker_init_fn=leave_forkserver if workers > 0 and self.worker_start()[0] == "forkserver" else None,
+            worker_init_fn=start_worker if workers > 0 else None,
         )
 
     def worker_start(self) -> tuple[str, str | None]:

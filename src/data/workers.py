@@ -5,9 +5,13 @@ each worker from itself.
 
 from __future__ import annotations
 
+import ctypes
 import multiprocessing
 import os
+import signal
 import sys
+import threading
+import traceback
 from typing import Any
 
 import torch
@@ -59,11 +63,16 @@ def eval_transform() -> v2.Compose:
     return v2.Compose([v2.ToDtype(torch.float32, scale=True), v2.Normalize(CIFAR10_MEAN, CIFAR10_STD)])
 
 
-def leave_forkserver(worker_id: int) -> None:
-    """A forkserver's worker lets go of the pipe whose end tells the server its rank is gone (multiprocessing hands
-    every process it forks that pipe, for processes of its own). Held, a rank killed outright left its server and
-    workers running for good: the server waits for that end, and torch's workers watch only their parent, the
-    server. Let go, the server ends with its rank, and its workers on noticing (torch checks every 5 s)."""
+def start_worker(worker_id: int) -> None:
+    """What each loader worker does first (torch's ``worker_init_fn``): it ends with its rank, at once, and quietly.
+
+    The kernel ends it with its parent: the rank, or the rank's forkserver. A forkserver's worker also lets go of the
+    pipe whose end tells the server its rank is gone (multiprocessing hands every process the server forks that
+    pipe, for processes of its own): held, a rank killed outright left its server and workers running for good, as
+    the server waited for that end and torch's workers watch only their parent (every 5 s, the fallback). A worker
+    hands each batch's shared memory to its rank through a thread of multiprocessing's; a rank killed while it
+    fetched one made that thread print a traceback after the run's one error line.
+    """
     from multiprocessing import forkserver
 
     server = getattr(forkserver, "_forkserver", None)
@@ -71,6 +80,17 @@ def leave_forkserver(worker_id: int) -> None:
     if fd is not None:
         os.close(fd)
         server._forkserver_alive_fd = None
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # 1: PR_SET_PDEATHSIG
+    threading.excepthook = _quiet_hang_ups
+
+
+def _quiet_hang_ups(args: threading.ExceptHookArgs) -> None:
+    """Nothing for a rank gone while it fetched a batch from this worker (which the kernel is about to end)."""
+    frames = traceback.extract_tb(args.exc_traceback) if args.exc_traceback is not None else []
+    sharer = any(frame.filename.endswith(os.path.join("multiprocessing", "resource_sharer.py")) for frame in frames)
+    if not (sharer and issubclass(args.exc_type, (ConnectionError, EOFError))):
+        threading.__excepthook__(args)
 
 
 def worker_context(method: str) -> Any:
