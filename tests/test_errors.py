@@ -726,6 +726,24 @@ def test_a_full_dev_shm_is_one_line_whether_the_workers_dataset_or_their_queues_
     assert full.stdout.split() == ["True", "True"], full.stdout + full.stderr
 
 
+def test_a_data_loader_worker_gone_as_its_rank_fetched_a_batch_is_its_own_line_not_the_run_dirs(tmp_path):
+    """A worker killed (the OOM killer) while its rank fetched a batch from it: torch raises "DataLoader worker ...
+    exited unexpectedly" from the rank's connect to the worker's socket, gone, an ENOENT that names no file (before:
+    "cannot write the run dir (No such file or directory): ... make . writable")."""
+    from multiprocessing.connection import Client
+
+    from src.resilience import failure
+
+    with pytest.raises(RuntimeError) as raised:
+        try:
+            Client(str(tmp_path / "gone"), family="AF_UNIX")  # what torch's rebuild of a batch's storage meets
+        except FileNotFoundError as gone:
+            raise RuntimeError("DataLoader worker (pid(s) 4242) exited unexpectedly") from gone
+    line, code = failure.describe(raised.value, str(tmp_path))
+    assert code == EXIT_FAILED
+    assert re.fullmatch(r"DataLoader worker \(pid\(s\) 4242\) exited unexpectedly \(traceback in \S+\)", line), line
+
+
 @pytest.mark.parametrize(
     "in_the_way, first, line",
     [

@@ -234,8 +234,11 @@ def wait_for(condition, proc: subprocess.Popen, seconds: float = 180) -> None:
 
 @pytest.mark.parametrize("strategy", ["ddp", "ddp_spawn"])
 def test_ctrl_c_stops_every_rank_at_one_step_with_last_ckpt_and_exit_130(strategy, tmp_path):
+    """ddp: with the DataLoader pipeline's workers, which the terminal's Ctrl-C reaches too (before: they ended at
+    once, and the ranks' next batch failed the run, misread as "cannot write the run dir")."""
     # ddp_spawn's cold start: its ranks spawned as new interpreters by multiprocessing, as they are in every run
-    run = [*LONG, f"strategy={strategy}", "trainer.devices=2", f"hydra.run.dir={tmp_path}"]
+    workers = ["data.pipeline=dataloader", "data.num_workers=1"] if strategy == "ddp" else []
+    run = [*LONG, f"strategy={strategy}", "trainer.devices=2", *workers, f"hydra.run.dir={tmp_path}"]
     proc = start_in_own_group(*run, cold=strategy == "ddp_spawn")
     wait_for(lambda: last_step(tmp_path) >= 2 and len(rank_pids(proc.pid)) == 2, proc)
     everyone = [proc.pid, *descendants(proc.pid)]

@@ -274,6 +274,18 @@ def shared_memory_full_in(err: BaseException | None) -> BaseException | None:
     return None
 
 
+def loader_worker_gone_in(err: BaseException | None) -> BaseException | None:
+    """torch's error for a data loader's worker that ended, if it is behind ``err``: its own line says so (the
+    OSError under it, a socket of the worker's gone, names no file of the run's)."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        if isinstance(err, RuntimeError) and str(err).startswith("DataLoader worker (pid"):
+            return err
+        seen.add(id(err))
+        err = err.__cause__ or err.__context__
+    return None
+
+
 def _is_interpolation_error(err: BaseException) -> bool:
     errors = sys.modules.get("omegaconf.errors")
     return errors is not None and isinstance(err, errors.InterpolationResolutionError)

@@ -64,7 +64,12 @@ def eval_transform() -> v2.Compose:
 
 
 def start_worker(worker_id: int) -> None:
-    """What each loader worker does first (torch's ``worker_init_fn``): it ends with its rank, at once, and quietly.
+    """What each loader worker does first (torch's ``worker_init_fn``): it leaves Ctrl-C to its rank, and ends with
+    it, at once and quietly.
+
+    A terminal's Ctrl-C reaches every process of its group, the workers too: torch's ended at once, and the ranks'
+    stop at one step (src/callbacks/graceful_stop.py) met a loader without workers, a failed run instead of a stop.
+    The rank stops its workers as it ends.
 
     The kernel ends it with its parent: the rank, or the rank's forkserver. A forkserver's worker also lets go of the
     pipe whose end tells the server its rank is gone (multiprocessing hands every process the server forks that
@@ -80,6 +85,7 @@ def start_worker(worker_id: int) -> None:
     if fd is not None:
         os.close(fd)
         server._forkserver_alive_fd = None
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # 1: PR_SET_PDEATHSIG
     threading.excepthook = _quiet_hang_ups

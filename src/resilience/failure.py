@@ -44,6 +44,7 @@ from src.core.errors import (
     FAILURE_FILE,
     ToldElsewhere,
     UserError,
+    loader_worker_gone_in,
     one_line,
     out_of_memory_in,
     print_line,
@@ -190,6 +191,11 @@ def describe(err: BaseException, log_dir: str | None = None) -> tuple[str | None
     if shared_memory_full_in(err) is not None:  # before a full disk's line: its semaphores' error names no file
         _log_traceback(err, log_dir, console=False)
         return _named(shared_memory_line(), True), EXIT_FAILED
+    worker = loader_worker_gone_in(err)
+    if worker is not None:  # not a full disk's line either: the worker's socket, gone, is no file of the run's
+        logged = _log_traceback(err, log_dir)
+        where = f" (traceback in {logged})" if logged else ""
+        return _named(f"{str(worker).splitlines()[0]}{where}", True), EXIT_FAILED
     storage = storage_error_in(err)
     if storage is not None:
         return _named(_storage_line(storage), True), EXIT_FAILED
