@@ -28,8 +28,9 @@ from pathlib import Path
 
 import pytest
 
-# on the reference CPU: 5 min 33 s to 5 min 57 s measured from fresh clones (three workers; four: no faster), and a
-# quarter for the spread between runs
+# on the reference CPU: 5 min 33 s to 5 min 57 s measured from fresh clones (three workers; four: no faster there,
+# faster on an Intel Xeon with AMX, and make test's default since: docs/development.md), and a quarter for the spread
+# between runs
 BUDGET_S = 7.5 * 60
 DURATIONS = Path(__file__).with_name("durations.json")
 FAST_S = 1.0

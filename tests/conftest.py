@@ -384,11 +384,15 @@ def _stop_the_s3_server(session: pytest.Session) -> None:
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
-    """``-n auto`` (make test): a worker per core this process may use and one more, at most 8 (each has its warm
-    parent, tests/warm.py, about 1 GB). The one more computes while another worker's test waits (a Slurm job to be
-    scheduled, a timeout a hang test must cross); each process computes on one thread (above), so an extra process
-    adds no spin-waits. On 2 cores: 7 min 12 s against 7 min 57 s and 8 min 14 s for two workers."""
-    return max(1, min(len(os.sched_getaffinity(0)) + 1, 8))
+    """``-n auto`` (make test): a worker per core this process may use and two more, at most 8 (each has its warm
+    parent, tests/warm.py, about 1 GB). The ones more compute while another worker's test waits (a Slurm job to be
+    scheduled, a timeout a hang test must cross, a rendezvous); each process computes on one thread (above), so an
+    extra process adds no spin-waits. On 2 cores (an AMD EPYC): 7 min 12 s for three workers against 7 min 57 s and
+    8 min 14 s for two; on an Intel Xeon with AMX, at the reference CPU's pace, 5 min 44 s and 5 min 54 s for four
+    against 6 min 5 s for three (docs/development.md). ``make test-fast`` (``-m fast``), whose tests wait for nothing,
+    takes one more only: a worker more is one more import of torch and collection."""
+    extra = 1 if config.getoption("markexpr", "") == "fast" else 2
+    return max(1, min(len(os.sched_getaffinity(0)) + extra, 8))
 
 
 @pytest.hookimpl(optionalhook=True)
