@@ -404,6 +404,47 @@ def test_nodes_that_count_the_world_differently_each_stop_at_once_naming_both_co
     assert time.monotonic() - start < 150  # not the 300 s of strategy.timeout_s
 
 
+def test_a_rank_of_a_node_that_counts_more_that_comes_after_rank_0_had_its_count_still_says_its_line():
+    """Node 0 counts 2 x 1 ranks, node 1 2 x 2: node 1's first rank to come (here its second, rank 3) meets rank 0's
+    count, and rank 2 comes a second later. Before, rank 0 had gone with the world's keys by then, and rank 2 waited
+    for them until the rank it started gave up (30 s; the test above, in one run of three in the suite); now it reads
+    them and says its own line. One real TCPStore, a thread a rank."""
+    import threading
+    from datetime import timedelta
+
+    from src.core.errors import UserError
+    from src.distributed.strategy import agree_on_world
+
+    wait = timedelta(seconds=20)
+    store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=wait)
+    said: dict[int, str | None] = {}
+
+    def rank(number: int, node: int, devices: int, late_s: float) -> None:
+        time.sleep(late_s)
+        client = store if number == 0 else torch.distributed.TCPStore("127.0.0.1", store.port, timeout=wait)
+        try:
+            agree_on_world(client, number, node, 2, devices, wait)
+            said[number] = None
+        except UserError as err:
+            said[number] = str(err)
+        except Exception as err:  # noqa: BLE001 - the test names what else it met
+            said[number] = f"{type(err).__name__}: {err}"
+
+    start = time.monotonic()
+    ranks = [threading.Thread(target=rank, args=args) for args in ((0, 0, 1, 0.0), (3, 1, 2, 0.0), (2, 1, 2, 1.0))]
+    for thread in ranks:
+        thread.start()
+    for thread in ranks:
+        thread.join(timeout=60)
+    line = (
+        f"NODE_RANK=1 ({HOST}) counts trainer.num_nodes x trainer.devices as 2 x 2 = 4 processes, node 0 ({HOST}) as "
+        "2 x 1 = 2: start every node with the same trainer.num_nodes and trainer.devices (a count, not auto, where the "
+        "nodes' GPUs differ)"
+    )
+    assert said == {0: f"rank 0: {line}", 3: f"rank 3: {line}", 2: f"rank 2: {line}"}, said
+    assert time.monotonic() - start < 10  # rank 0 stays LATE_S (2 s) once a rank differs, not the store's 20 s
+
+
 def test_the_real_cifar10_sample_trains(sample_root, tmp_path):
     result = train(
         *FAST_RUN, "data=cifar10", f"data.root={sample_root}", "data.download=false", f"hydra.run.dir={tmp_path}"

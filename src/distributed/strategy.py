@@ -421,8 +421,9 @@ def agree_on_world(
     rate to a global batch of its own, their shards drawn from splits of their own. Here rank 0 puts its count and
     its ``recipe`` (``training_recipe``) in the store, with its host; every other rank reads them once, leaves its line
     where its own differ, and counts itself; rank 0 waits for them all (a poll of the store every 50 ms), as torch's
-    store waited for its workers before, and once a rank has differed ``LATE_S`` at most for the rest (a node that
-    counts fewer started fewer), so that each rank still to come reads the keys and says its own line. Under
+    store waited for its workers before, and once a rank has differed ``LATE_S`` for the rest (a node that counts
+    fewer started fewer, one that counts more started more), so that each rank still to come reads the keys and says
+    its own line. Under
     torchrun the same, under the attempt's prefix: torchrun's agents agree on the counts, not on the command lines.
     Per rank: one read (about 2 KB) and one add, once per run, beside the rendezvous's own, and an append by each node's
     first rank to one key, which tells rank 0 which nodes never came where the wait times out (``RanksMissing``)."""
@@ -454,6 +455,12 @@ def agree_on_world(
                 raise RanksMissing(_missing(store, num_nodes, num_nodes * devices - 1))
             time.sleep(0.05)
         if store.check([DIFFERS_KEY]):
+            # The ranks this one counts have come, but a node that counts more started more: those still to come read
+            # the keys within LATE_S and say their own lines (before, a node's first rank that came after this one had
+            # gone waited for the keys until the rank it started gave up, 30 s later)
+            late = late if late is not None else time.monotonic() + LATE_S
+            while time.monotonic() < late:
+                time.sleep(0.05)
             raise UserError(f"rank 0: {store.get(DIFFERS_KEY).decode()}")
     finally:  # a store that outlives this run (a sweep's next job, on the same port) starts clean
         for key in (WORLD_KEY, ARRIVED_KEY, DIFFERS_KEY, NODES_KEY):
