@@ -97,9 +97,16 @@ STORAGE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.E
 def storage_error_in(err: BaseException | None) -> OSError | None:
     """The OSError behind ``err`` (torch.save buries it under its zip writer's RuntimeError) that a filesystem
     raised, if any."""
+    found = in_chain(err, lambda e: isinstance(e, OSError) and e.errno in STORAGE_ERRNOS)
+    return found if isinstance(found, OSError) else None
+
+
+def in_chain(err: BaseException | None, matches: Callable[[BaseException], bool]) -> BaseException | None:
+    """The first exception ``matches`` accepts in ``err``'s chain, ``err`` first, then what it was raised from or
+    while handling (``__cause__``, else ``__context__``); None if none."""
     seen = set()
     while err is not None and id(err) not in seen:
-        if isinstance(err, OSError) and err.errno in STORAGE_ERRNOS:
+        if matches(err):
             return err
         seen.add(id(err))
         err = err.__cause__ or err.__context__
@@ -241,15 +248,15 @@ def out_of_memory_in(err: BaseException | None) -> BaseException | None:
     """The device out-of-memory error behind ``err``, if any: torch's OutOfMemoryError, or cuBLAS / cuDNN failing to
     allocate."""
     torch = sys.modules.get("torch")  # not loaded: nothing ran out of device memory
-    seen = set()
-    while torch is not None and err is not None and id(err) not in seen:
-        if isinstance(err, torch.OutOfMemoryError) or (
-            isinstance(err, RuntimeError) and any(words in str(err) for words in _OUT_OF_MEMORY_WORDS)
-        ):
-            return err
-        seen.add(id(err))
-        err = err.__cause__ or err.__context__
-    return None
+    if torch is None:
+        return None
+    return in_chain(
+        err,
+        lambda e: (
+            isinstance(e, torch.OutOfMemoryError)
+            or (isinstance(e, RuntimeError) and any(words in str(e) for words in _OUT_OF_MEMORY_WORDS))
+        ),
+    )
 
 
 # torch's words where shared memory (/dev/shm) ran out: sharing a tensor with a loader's worker, or a worker's batch
@@ -259,31 +266,23 @@ _SHARED_MEMORY_WORDS = ("unable to allocate shared memory", "out of shared memor
 def shared_memory_full_in(err: BaseException | None) -> BaseException | None:
     """The error behind ``err`` that says ``/dev/shm`` is full, if any: what a loader's workers share goes there, and
     the semaphores of their queues (an OSError that names no file: not a full disk)."""
-    seen = set()
-    while err is not None and id(err) not in seen:
-        if isinstance(err, RuntimeError) and any(words in str(err) for words in _SHARED_MEMORY_WORDS):
-            return err
-        if (
-            isinstance(err, OSError)
-            and err.errno == errno.ENOSPC
-            and _raised_in(err, os.path.join("multiprocessing", "synchronize.py"))
-        ):
-            return err
-        seen.add(id(err))
-        err = err.__cause__ or err.__context__
-    return None
+    return in_chain(
+        err,
+        lambda e: (
+            (isinstance(e, RuntimeError) and any(words in str(e) for words in _SHARED_MEMORY_WORDS))
+            or (
+                isinstance(e, OSError)
+                and e.errno == errno.ENOSPC
+                and _raised_in(e, os.path.join("multiprocessing", "synchronize.py"))
+            )
+        ),
+    )
 
 
 def loader_worker_gone_in(err: BaseException | None) -> BaseException | None:
     """torch's error for a data loader's worker that ended, if it is behind ``err``: its own line says so (the
     OSError under it, a socket of the worker's gone, names no file of the run's)."""
-    seen = set()
-    while err is not None and id(err) not in seen:
-        if isinstance(err, RuntimeError) and str(err).startswith("DataLoader worker (pid"):
-            return err
-        seen.add(id(err))
-        err = err.__cause__ or err.__context__
-    return None
+    return in_chain(err, lambda e: isinstance(e, RuntimeError) and str(e).startswith("DataLoader worker (pid"))
 
 
 def _is_interpolation_error(err: BaseException) -> bool:

@@ -16,20 +16,20 @@ import resource
 from pathlib import Path
 from typing import Iterator
 
+from src.core.errors import in_chain
+
 _WORDS = ("can't start new thread", "Resource temporarily unavailable")
 
 
 def task_limit_in(err: BaseException | None) -> BaseException | None:
     """The error behind ``err`` that a refused new thread or process raised, if any."""
-    seen = set()
-    while err is not None and id(err) not in seen:
-        if isinstance(err, OSError) and err.errno == errno.EAGAIN:
-            return err
-        if isinstance(err, RuntimeError) and any(words in str(err) for words in _WORDS):
-            return err
-        seen.add(id(err))
-        err = err.__cause__ or err.__context__
-    return None
+    return in_chain(
+        err,
+        lambda e: (
+            (isinstance(e, OSError) and e.errno == errno.EAGAIN)
+            or (isinstance(e, RuntimeError) and any(words in str(e) for words in _WORDS))
+        ),
+    )
 
 
 def _near(used: int, limit: int) -> bool:
