@@ -458,9 +458,7 @@ def agree_on_world(
             # The ranks this one counts have come, but a node that counts more started more: those still to come read
             # the keys within LATE_S and say their own lines (before, a node's first rank that came after this one had
             # gone waited for the keys until the rank it started gave up, 30 s later)
-            late = late if late is not None else time.monotonic() + LATE_S
-            while time.monotonic() < late:
-                time.sleep(0.05)
+            time.sleep(max(0.0, late - time.monotonic()) if late is not None else LATE_S)
             raise UserError(f"rank 0: {store.get(DIFFERS_KEY).decode()}")
     finally:  # a store that outlives this run (a sweep's next job, on the same port) starts clean
         for key in (WORLD_KEY, ARRIVED_KEY, DIFFERS_KEY, NODES_KEY):
