@@ -433,7 +433,10 @@ def pytest_runtestloop(session: pytest.Session) -> None:
 
 def pytest_sessionstart(session: pytest.Session) -> None:
     session.config._budget_start = time.monotonic()  # type: ignore[attr-defined]
-    _no_mpi_in_this_process()
+    # xdist's own process (make test) runs no test: it starts the workers at once, without Lightning's 2 to 3 s of
+    # imports before them, when the other cores had nothing to do
+    if not session.config.pluginmanager.has_plugin("dsession"):
+        _no_mpi_in_this_process()
 
 
 def _remove_multiprocessing_folder() -> None:

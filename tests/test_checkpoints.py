@@ -183,8 +183,15 @@ def test_a_stop_at_an_epochs_last_batch_keeps_its_validation_and_resumes_to_the_
 
 
 def test_the_dataloader_pipelines_first_epoch_after_an_epochs_end_resume_draws_its_own_order(tmp_path):
-    """data.pipeline=dataloader with workers, ddp x 2: the resumed run's first epoch draws the batches the
-    uninterrupted run drew in that epoch, not epoch 0's again (Lightning #21938); rank 0's batches, by their labels."""
+    """data.pipeline=dataloader with workers, ddp x 2: each epoch draws the order torch's own
+    ``DistributedSampler(seed, epoch)`` gives rank 0, the two epochs of an uninterrupted run, and the first epoch of
+    a run resumed from an epoch's end (not epoch 0's again: Lightning #21938); rank 0's batches, by their labels."""
+    from hydra.utils import instantiate
+    from torch.utils.data import DistributedSampler
+
+    from src.data.in_memory import fork_can_hang
+    from tests.test_config import make_cfg
+
     args = [
         *FAST,
         "strategy=ddp",
@@ -195,30 +202,31 @@ def test_the_dataloader_pipelines_first_epoch_after_an_epochs_end_resume_draws_i
         "test=false",
         "callbacks.progress_bar=null",
         "+callbacks.batches._target_=tests.faults.RecordBatches",
+        f"+callbacks.batches.path={tmp_path}/batches.txt",
+        f"hydra.run.dir={tmp_path}/run",
     ]
     # the resume also smooths its labels otherwise: it says so in one line, and the order of batches is the same
-    resume = ["ckpt_path=last", "model.label_smoothing=0.2"]
-    for name, epochs, resuming in (("whole", 2, []), ("resumed", 1, []), ("resumed", 2, resume)):
-        result = train(
-            *args,
-            f"trainer.max_epochs={epochs}",
-            f"+callbacks.batches.path={tmp_path}/{name}.txt",
-            f"hydra.run.dir={tmp_path}/{name}",
-            *resuming,
-        )
+    for epochs, resuming in ((2, []), (3, ["ckpt_path=last", "model.label_smoothing=0.2"])):
+        result = train(*args, f"trainer.max_epochs={epochs}", *resuming)
         assert result.returncode == 0, output(result)[-3000:]
     warnings = [line for line in result.stderr.splitlines() if line.startswith("warning: resuming the run in")]
     assert warnings == [
-        f"warning: resuming the run in {tmp_path}/resumed with settings other than its own: model.label_smoothing=0.2 "
+        f"warning: resuming the run in {tmp_path}/run with settings other than its own: model.label_smoothing=0.2 "
         f"(it trained with 0.1); it goes on with these (to continue it as it was, pass the values "
-        f"{tmp_path}/resumed/config.yaml holds)"
+        f"{tmp_path}/run/config.yaml holds)"
     ], output(result)[-3000:]
-    whole, resumed = ((tmp_path / f"{name}.txt").read_text().splitlines() for name in ("whole", "resumed"))
-    assert len(whole) == 8 and whole[4:] != [f"1 {line[2:]}" for line in whole[:4]]  # epoch 1 has an order of its own
-    assert resumed == whole
+    # what torch's sampler gives rank 0 of 2 in each epoch: the first 4 batches of 4 of the run's training images
+    data = instantiate(make_cfg(tmp_path, *args[:-2]).data)
+    data.setup("fit")
+    sampler = DistributedSampler(data.train_set, num_replicas=2, rank=0, shuffle=True, seed=data.seed)
+    expected = []
+    for epoch in range(3):
+        sampler.set_epoch(epoch)
+        labels = data.train_set.labels[list(sampler)[:16]].tolist()
+        expected += [f"{epoch} {labels[at : at + 4]}" for at in range(0, 16, 4)]
+    assert expected[8:] != [f"2 {line[2:]}" for line in expected[:4]]  # epoch 2 has an order of its own
+    assert (tmp_path / "batches.txt").read_text().splitlines() == expected
     # the workers beside the process group started by forkserver where this Python's fork can hang (auto)
-    from src.data.in_memory import fork_can_hang
-
     assert (", started by forkserver (auto: " if fork_can_hang() else ", started by fork |") in output(result)
 
 
