@@ -85,6 +85,57 @@ def test_a_warm_ddp_spawn_runs_spawned_ranks_are_its_spares_given_every_descript
     assert sorted(json.loads((tmp_path / "throughput.json").read_text())["pids"]) == sorted(ranks)  # they trained
 
 
+def test_each_rank_of_a_warm_ddp_run_starts_its_loaders_forkserver_from_a_spare(tmp_path):
+    """The DataLoader's forkserver (src/data/workers.py) is a spare of its rank, as a new interpreter would be its
+    child: no second import of torch and torchvision a rank (3.4 CPU s each at the reference CPU's pace); its
+    workers fork from it and train."""
+    proc = train(
+        *FAST,
+        "strategy=ddp",
+        "trainer.devices=2",
+        "data.pipeline=dataloader",
+        "data.num_workers=1",
+        "data.multiprocessing_context=forkserver",
+        "test=false",
+        f"hydra.run.dir={tmp_path}",
+        background=True,
+    )
+    assert isinstance(proc, warm.WarmProcess)
+    servers: dict[int, int] = {}  # pid: its parent
+    while proc.poll() is None and len(servers) < 2:
+        for pid in descendants(proc.pid):
+            if "from multiprocessing.forkserver import main;" in cmdline(pid) and pid not in servers:
+                with open(f"/proc/{pid}/stat") as stat:
+                    servers[pid] = int(stat.read().rsplit(")", 1)[1].split()[1])
+        time.sleep(0.05)
+    assert len(servers) == 2, proc.communicate()[0][-3000:]
+    for pid in servers:
+        with open(f"/proc/{pid}/cmdline") as raw:
+            assert " -m tests.warm " in raw.read().replace("\0", " ")  # a fork of its rank: no new interpreter
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out[-3000:]
+    ranks = json.loads((tmp_path / "throughput.json").read_text())["pids"]
+    assert sorted(servers.values()) == sorted(ranks)  # each rank's own child
+    assert "1 loader workers a process (data.num_workers; " in out and ", started by forkserver" in out, out[-3000:]
+    deadline = time.monotonic() + 10  # each server ends as it sees its rank gone (its pipe's end), as a cold one does
+    while any(running(p) for p in servers) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(running(p) for p in servers)
+
+
+def test_a_rank_has_a_spare_for_its_forkserver_where_its_loaders_workers_may_start_by_one():
+    from src.data.workers import fork_can_hang
+
+    loader = ["data.pipeline=dataloader", "data.num_workers=2"]
+    assert warm.forkservers([*loader, "data.multiprocessing_context=forkserver"]) == 1
+    assert warm.forkservers([*loader, "data.multiprocessing_context=fork"]) == 0
+    assert warm.forkservers(loader) == int(fork_can_hang())  # auto: forkserver where this Python's fork can hang
+    assert warm.forkservers(["data.num_workers=2", "data.multiprocessing_context=forkserver"]) == 0  # device batches
+    assert warm.forkservers(["data.pipeline=dataloader", "data.multiprocessing_context=forkserver"]) == 0  # no workers
+    assert warm.forkservers([*loader, "data.multiprocessing_context=forkserver", "strategy=ddp_spawn"]) == 0
+    assert warm.local_ranks(["strategy=ddp", "trainer.devices=2"]) == 1  # its rank's; the forkserver's apart
+
+
 def test_a_variable_set_in_process_by_one_test_1_of_2():
     os.environ["TORCH_CIFAR10_DDP_LEAK_CHECK"] = "1"  # as src.resilience.heartbeat sets TORCH_NCCL_* in-process
 

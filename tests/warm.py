@@ -6,7 +6,8 @@ module as ``python -m`` would (``runpy``, ``__main__`` and ``sys.argv`` alike). 
 signals, exit status and process group; only its start is skipped. Each run's local ranks start the same way, from
 spare children the run forks before it runs anything, so they are the run's children as ``subprocess.Popen``
 (``strategy=ddp``) or multiprocessing's spawn (``strategy=ddp_spawn``: the spare takes the descriptors spawn passes
-and runs spawn's own code) would make them. ``popen()`` falls back to a cold ``subprocess.Popen`` where a warm start
+and runs spawn's own code) would make them; so does each rank's DataLoader forkserver (src/data/workers.py), from a
+spare of that rank. ``popen()`` falls back to a cold ``subprocess.Popen`` where a warm start
 could differ: another executable, a variable read when torch or Python load (``OMP_*``, ``TORCH*``, ``LD_*``, ...),
 or ``CIFAR10_DDP_COLD=1``. Tests whose subject is the start itself (a launcher's own start, ``/proc``'s command
 lines) start cold. A torchrun agent (``python -m torch.distributed.run ... -m src.X``) starts warm with a spare for
@@ -243,6 +244,7 @@ _COLD_SPAWNV_PASSFDS = multiprocessing.util.spawnv_passfds
 # takes at most 253 in one message (SCM_MAX_FD)
 FDS_PER_MESSAGE = 250
 SPAWN_FLAG = "--multiprocessing-fork"  # the last word of a multiprocessing spawn child's command line
+FORKSERVER = "from multiprocessing.forkserver import main;"  # how a forkserver's code (-c CODE) begins
 
 
 def _fork_spares(count: int) -> None:
@@ -307,9 +309,14 @@ def _serve_as_spare(conn: socket.socket) -> None:
                 os.dup2(fd, number)  # inheritable, as fork_exec leaves the descriptors it passes
                 os.close(fd)
             _record(request["spawn"][1:])
-            sys.argv = ["-c", SPAWN_FLAG]  # as python -c CODE --multiprocessing-fork has it
-            exec(compile(request["spawn"][-2], "<string>", "exec"), {"__name__": "__main__"})  # noqa: S102
+            words = request["spawn"]
+            spawned = words[-1] == SPAWN_FLAG  # else a forkserver: python FLAGS -c CODE
+            _interpreter_flags(words[1:-3] if spawned else words[1:-2])
+            sys.argv = ["-c", SPAWN_FLAG] if spawned else ["-c"]  # as python -c CODE [--multiprocessing-fork] has it
+            code = words[-2] if spawned else words[-1]
+            exec(compile(code, "<string>", "exec"), {"__name__": "__main__"})  # noqa: S102
         else:
+            _fork_spares(request.get("spares", 0))  # its own forkserver's, before it runs anything
             _record(request.get("command") or ["-m", *request["argv"]])
             sys.argv = list(request["argv"])
             runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
@@ -345,19 +352,22 @@ def _hand_to_spare(request: dict[str, Any], fds: Sequence[int] = ()) -> int | No
 
 def _spawn_with_spares(path: str, args: Sequence[str], passfds: Sequence[int]) -> int:
     """``multiprocessing.util.spawnv_passfds`` in a warm run: a spawn child (``python -c 'from multiprocessing.spawn
-    import spawn_main; spawn_main(...)' --multiprocessing-fork``) becomes a spare, which takes the descriptors it is
-    passed at their numbers and runs that code, as the new interpreter would with torch already imported; it is this
-    run's child, as fork_exec makes it. Anything else (the resource tracker), or an environment whose import-time
-    variables differ from the spare's, starts as multiprocessing starts it."""
+    import spawn_main; spawn_main(...)' --multiprocessing-fork``) or a forkserver (``python -c 'from
+    multiprocessing.forkserver import main; main(...)'``: the DataLoader's, src/data/workers.py) becomes a spare,
+    which takes the descriptors it is passed at their numbers and runs that code, as the new interpreter would with
+    torch already imported; it is this run's child, as fork_exec makes it. Anything else (the resource tracker), or
+    an environment whose import-time variables differ from the spare's, starts as multiprocessing starts it."""
     words = [os.fsdecode(arg) for arg in args]  # multiprocessing passes the executable as bytes
+    flags = multiprocessing.util._args_from_interpreter_flags()  # this process's, which the spare takes on
+    spawned = words[-3] == "-c" and words[-2].startswith("from multiprocessing.spawn import spawn_main;")
     usable = (
         _SPARES
         and os.fsdecode(path) == sys.executable
         and words[0] == sys.executable
-        and words[1:-3] == multiprocessing.util._args_from_interpreter_flags()  # this interpreter's, as the spare's
-        and words[-3] == "-c"
-        and words[-2].startswith("from multiprocessing.spawn import spawn_main;")
-        and words[-1] == SPAWN_FLAG
+        and (
+            (spawned and words[-1] == SPAWN_FLAG and words[1:-3] == flags)
+            or (words[-2] == "-c" and words[-1].startswith(FORKSERVER) and words[1:-2] == flags)
+        )
         and _import_time_env(dict(os.environ)) == _SPARE_ENV
     )
     if not usable:
@@ -365,6 +375,19 @@ def _spawn_with_spares(path: str, args: Sequence[str], passfds: Sequence[int]) -
     fds = sorted(set(map(int, passfds)))
     pid = _hand_to_spare({"spawn": words, "env": dict(os.environ), "cwd": os.getcwd(), "fds": fds}, fds)
     return pid if pid is not None else _COLD_SPAWNV_PASSFDS(path, args, passfds)
+
+
+def _interpreter_flags(flags: Sequence[str]) -> None:
+    """What multiprocessing's command line asks of the new interpreter (``-B``, ``-W ACTION``: the flags this run has,
+    its warnings options added as it ran), taken on by a spare that runs that command's code."""
+    import warnings
+
+    for flag in flags:
+        if flag == "-B":
+            sys.dont_write_bytecode = True
+        elif flag.startswith("-W") and flag[2:] not in sys.warnoptions:
+            sys.warnoptions.append(flag[2:])
+            warnings._processoptions([flag[2:]])  # type: ignore[attr-defined]
 
 
 def _exit(code: Any) -> None:
@@ -423,6 +446,7 @@ class _SparePopen(subprocess.Popen):
         if not usable:
             return super()._execute_child(*args)
         request = {"argv": words[2:], "env": env, "cwd": str(a["cwd"] or os.getcwd()), "command": command[1:]}
+        request["spares"] = forkservers(words[3:])
         pid = _hand_to_spare({**request, "new_session": bool(a["start_new_session"])})
         if pid is None:
             return super()._execute_child(*args)
@@ -602,7 +626,7 @@ def _request(
         "pgid": pgid,
         "sigint_ignored": ignore_sigint or (not default_sigint and signal.getsignal(signal.SIGINT) is signal.SIG_IGN),
         "sighup_ignored": signal.getsignal(signal.SIGHUP) is signal.SIG_IGN,
-        "spares": local_ranks(cmd[3:])
+        "spares": local_ranks(cmd[3:]) + forkservers(cmd[3:])
         if module in ("src.train", "src.eval")
         else (torchrun_workers(cmd[3:]) if module == TORCHRUN else 0),
     }
@@ -642,6 +666,26 @@ def torchrun_workers(args: Sequence[str]) -> int:
             return min(SPARES_MAX, count * generations) if at + 1 < len(args) and args[at + 1].startswith("src.") else 0
         at += 1
     return 0  # a script, or an option whose value stands apart: cold
+
+
+def forkservers(overrides: Sequence[str]) -> int:
+    """A spare for the forkserver a rank starts for its DataLoader workers (src/data/workers.py): 1 where the command
+    line asks for workers of the DataLoader pipeline (``data.num_workers`` above 0, ``data.pipeline=dataloader``)
+    started by ``forkserver``, or by ``auto`` where this Python's fork can hang (whether the world is larger than one
+    is not read: an unused spare ends with its run); 0 under ``ddp_spawn``, whose ranks are spawned, and in a
+    sweep."""
+    values = dict(item.partition("=")[::2] for item in overrides)
+    workers = values.get("data.num_workers", "0")
+    if not workers.isdigit() or int(workers) == 0 or values.get("data.pipeline") != "dataloader":
+        return 0
+    if "ddp_spawn" in values.get("strategy", "") or "-m" in overrides or "--multirun" in overrides:
+        return 0
+    method = values.get("data.multiprocessing_context", "auto")
+    if method == "auto":
+        from src.data.workers import fork_can_hang
+
+        return int(fork_can_hang())
+    return int(method == "forkserver")
 
 
 def local_ranks(overrides: Sequence[str]) -> int:
