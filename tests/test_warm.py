@@ -87,7 +87,7 @@ def test_a_warm_ddp_spawn_runs_spawned_ranks_are_its_spares_given_every_descript
 
 def test_each_rank_of_a_warm_ddp_run_starts_its_loaders_forkserver_from_a_spare(tmp_path):
     """The DataLoader's forkserver (src/data/workers.py) is a spare of its rank, as a new interpreter would be its
-    child: no second import of torch and torchvision a rank (3.4 CPU s each at the reference CPU's pace); its
+    child: no second import of torch and torchvision a rank (about 2.3 CPU s saved at the reference CPU's pace); its
     workers fork from it and train."""
     proc = train(
         *FAST,
