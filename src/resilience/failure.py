@@ -193,9 +193,7 @@ def describe(err: BaseException, log_dir: str | None = None) -> tuple[str | None
         return _named(shared_memory_line(), True), EXIT_FAILED
     worker = loader_worker_gone_in(err)
     if worker is not None:  # not a full disk's line either: the worker's socket, gone, is no file of the run's
-        logged = _log_traceback(err, log_dir)
-        where = f" (traceback in {logged})" if logged else ""
-        return _named(f"{str(worker).splitlines()[0]}{where}", True), EXIT_FAILED
+        return _named(_with_traceback(str(worker).splitlines()[0], err, log_dir), True), EXIT_FAILED
     storage = storage_error_in(err)
     if storage is not None:
         return _named(_storage_line(storage), True), EXIT_FAILED
@@ -209,10 +207,8 @@ def describe(err: BaseException, log_dir: str | None = None) -> tuple[str | None
     if limit_line is not None:  # a limit on processes and threads reached: which, and what to change
         _log_traceback(err, log_dir, console=False)
         return _named(limit_line, True), EXIT_FAILED
-    logged = _log_traceback(err, log_dir)
-    where = f" (traceback in {logged})" if logged else ""
     first = str(err).strip().splitlines()[0] if str(err).strip() else ""
-    return _named(f"{type(err).__name__}: {first}{where}", True), EXIT_FAILED
+    return _named(_with_traceback(f"{type(err).__name__}: {first}", err, log_dir), True), EXIT_FAILED
 
 
 def shared_memory_line(shm: str = "/dev/shm") -> str:
@@ -302,6 +298,12 @@ def _storage_line(err: OSError) -> str:
     checkpoints = Path(run_dir, "checkpoints") if run_dir else None
     trains = hydra is None or hydra.job.name == "train"  # src.eval: no checkpoint to name
     return refused_write(err, None, checkpoints, trains=trains)
+
+
+def _with_traceback(line: str, err: BaseException, log_dir: str | None) -> str:
+    """``line``, saying where ``err``'s traceback went (``_log_traceback``)."""
+    logged = _log_traceback(err, log_dir)
+    return f"{line} (traceback in {logged})" if logged else line
 
 
 def _log_traceback(err: BaseException, log_dir: str | None, console: bool = True) -> str | None:
