@@ -220,16 +220,22 @@ def process_environ(pid: int) -> dict[str, str] | None:
     return dict(item.split("=", 1) for item in raw.split("\0") if "=" in item)
 
 
+def parent_pid(pid: int) -> int | None:
+    """``pid``'s parent, read from /proc; None where it is gone."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def descendants(pid: int) -> list[int]:
     """Every process below ``pid`` (children, grandchildren, ...), read from /proc."""
     children: dict[int, list[int]] = {}
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry.name))
+            ppid = parent_pid(int(entry.name))
+            if ppid is not None:
+                children.setdefault(ppid, []).append(int(entry.name))
     found, todo = [], [pid]
     while todo:
         for child in children.get(todo.pop(), []):

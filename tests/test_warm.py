@@ -12,7 +12,7 @@ import time
 import pytest
 
 from tests import warm
-from tests.conftest import FAST, ROOT, cmdline, descendants, process_environ, running, train
+from tests.conftest import FAST, ROOT, cmdline, descendants, parent_pid, process_environ, running, train
 
 BAD = ["data=nope", *FAST[1:]]  # Hydra's own error for an unknown group option, after every import
 
@@ -40,8 +40,7 @@ def test_a_warm_run_is_a_process_of_its_own_in_the_tests_process_group_and_its_r
         time.sleep(0.05)
     assert ranks, proc.communicate()[0][-3000:]
     assert cmdline(proc.pid).startswith(f"{sys.executable} -m src.train ")
-    with open(f"/proc/{ranks[0]}/stat") as stat:
-        assert int(stat.read().rsplit(")", 1)[1].split()[1]) == proc.pid  # the rank's parent is the run itself
+    assert parent_pid(ranks[0]) == proc.pid  # the rank's parent is the run itself
     # what the run gave its rank, as /proc/PID/environ shows a cold rank's (/proc shows the warm parent's here)
     given, parent = process_environ(ranks[0]), process_environ(proc.pid)
     assert given is not None and parent is not None and given["LOCAL_RANK"] == "1" and "LOCAL_RANK" not in parent
@@ -77,8 +76,7 @@ def test_a_warm_ddp_spawn_runs_spawned_ranks_are_its_spares_given_every_descript
         assert cmdline(rank).startswith(f"{sys.executable} ") and cmdline(rank).endswith(" --multiprocessing-fork ")
         with open(f"/proc/{rank}/cmdline") as raw:
             assert " -m tests.warm " in raw.read().replace("\0", " ")  # a fork of the run: no new interpreter
-        with open(f"/proc/{rank}/stat") as stat:
-            assert int(stat.read().rsplit(")", 1)[1].split()[1]) == proc.pid  # the run's child, as spawn makes it
+        assert parent_pid(rank) == proc.pid  # the run's child, as spawn makes it
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0, out[-3000:]
     assert "world size 2 | strategy ddp_spawn" in out and not any(running(p) for p in ranks)
@@ -104,9 +102,9 @@ def test_each_rank_of_a_warm_ddp_run_starts_its_loaders_forkserver_from_a_spare(
     servers: dict[int, int] = {}  # pid: its parent
     while proc.poll() is None and len(servers) < 2:
         for pid in descendants(proc.pid):
-            if "from multiprocessing.forkserver import main;" in cmdline(pid) and pid not in servers:
-                with open(f"/proc/{pid}/stat") as stat:
-                    servers[pid] = int(stat.read().rsplit(")", 1)[1].split()[1])
+            parent = parent_pid(pid)
+            if "from multiprocessing.forkserver import main;" in cmdline(pid) and parent is not None:
+                servers[pid] = parent
         time.sleep(0.05)
     assert len(servers) == 2, proc.communicate()[0][-3000:]
     for pid in servers:
