@@ -244,7 +244,8 @@ _COLD_SPAWNV_PASSFDS = multiprocessing.util.spawnv_passfds
 # takes at most 253 in one message (SCM_MAX_FD)
 FDS_PER_MESSAGE = 250
 SPAWN_FLAG = "--multiprocessing-fork"  # the last word of a multiprocessing spawn child's command line
-FORKSERVER = "from multiprocessing.forkserver import main;"  # how a forkserver's code (-c CODE) begins
+SPAWN_MAIN = "from multiprocessing.spawn import spawn_main;"  # how a spawn child's code (-c CODE) begins
+FORKSERVER = "from multiprocessing.forkserver import main;"  # how a forkserver's code begins
 
 
 def _fork_spares(count: int) -> None:
@@ -309,11 +310,11 @@ def _serve_as_spare(conn: socket.socket) -> None:
                 os.dup2(fd, number)  # inheritable, as fork_exec leaves the descriptors it passes
                 os.close(fd)
             _record(request["spawn"][1:])
-            words = request["spawn"]
-            spawned = words[-1] == SPAWN_FLAG  # else a forkserver: python FLAGS -c CODE
-            _interpreter_flags(words[1:-3] if spawned else words[1:-2])
-            sys.argv = ["-c", SPAWN_FLAG] if spawned else ["-c"]  # as python -c CODE [--multiprocessing-fork] has it
-            code = words[-2] if spawned else words[-1]
+            command = _multiprocessing_command(request["spawn"])
+            assert command is not None  # _spawn_with_spares hands over only such commands
+            flags, code, rest = command
+            _interpreter_flags(flags)
+            sys.argv = ["-c", *rest]  # as python -c CODE [--multiprocessing-fork] has it
             exec(compile(code, "<string>", "exec"), {"__name__": "__main__"})  # noqa: S102
         else:
             _fork_spares(request.get("spares", 0))  # its own forkserver's, before it runs anything
@@ -358,16 +359,13 @@ def _spawn_with_spares(path: str, args: Sequence[str], passfds: Sequence[int]) -
     torch already imported; it is this run's child, as fork_exec makes it. Anything else (the resource tracker), or
     an environment whose import-time variables differ from the spare's, starts as multiprocessing starts it."""
     words = [os.fsdecode(arg) for arg in args]  # multiprocessing passes the executable as bytes
-    flags = multiprocessing.util._args_from_interpreter_flags()  # this process's, which the spare takes on
-    spawned = words[-3] == "-c" and words[-2].startswith("from multiprocessing.spawn import spawn_main;")
+    command = _multiprocessing_command(words)
     usable = (
         _SPARES
         and os.fsdecode(path) == sys.executable
         and words[0] == sys.executable
-        and (
-            (spawned and words[-1] == SPAWN_FLAG and words[1:-3] == flags)
-            or (words[-2] == "-c" and words[-1].startswith(FORKSERVER) and words[1:-2] == flags)
-        )
+        and command is not None
+        and command[0] == multiprocessing.util._args_from_interpreter_flags()  # this process's: the spare takes them on
         and _import_time_env(dict(os.environ)) == _SPARE_ENV
     )
     if not usable:
@@ -375,6 +373,17 @@ def _spawn_with_spares(path: str, args: Sequence[str], passfds: Sequence[int]) -
     fds = sorted(set(map(int, passfds)))
     pid = _hand_to_spare({"spawn": words, "env": dict(os.environ), "cwd": os.getcwd(), "fds": fds}, fds)
     return pid if pid is not None else _COLD_SPAWNV_PASSFDS(path, args, passfds)
+
+
+def _multiprocessing_command(words: Sequence[str]) -> tuple[list[str], str, list[str]] | None:
+    """The interpreter flags, the code and the arguments after it of a command multiprocessing starts that a spare can
+    run: a spawn child (``python FLAGS -c CODE --multiprocessing-fork``) or a forkserver (``python FLAGS -c CODE``);
+    None for anything else (the resource tracker)."""
+    if len(words) >= 4 and words[-3] == "-c" and words[-2].startswith(SPAWN_MAIN) and words[-1] == SPAWN_FLAG:
+        return list(words[1:-3]), words[-2], [SPAWN_FLAG]
+    if len(words) >= 3 and words[-2] == "-c" and words[-1].startswith(FORKSERVER):
+        return list(words[1:-2]), words[-1], []
+    return None
 
 
 def _interpreter_flags(flags: Sequence[str]) -> None:
